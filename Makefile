@@ -1,0 +1,37 @@
+# Two commands from a fresh clone: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# Installed only when the venv has no importable torch, so a machine never pulls a
+# second multi-GB build. Override for CUDA, e.g. TORCH_SPEC="torch==2.13.0 --index-url ...".
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip -q --disable-pip-version-check
+
+.PHONY: demo test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_SPEC)
+	touch $@
+
+$(VENV)/.runtime: pyproject.toml $(VENV)/.torch
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.torch
+	$(PIP) install -e ".[dev]"
+	touch $@ $(VENV)/.runtime
+
+demo: $(VENV)/.runtime
+	$(BIN)/pdserve demo
+
+test: $(VENV)/.dev
+	$(BIN)/python -m pytest -q
+
+bench: $(VENV)/.dev
+	$(BIN)/python benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

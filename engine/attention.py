@@ -1,0 +1,97 @@
+"""Attention over the paged KV cache for mixed batches.
+
+A batch is flat: [T] tokens. The first `num_decode_tokens` tokens each belong to a
+request computing exactly one token (decodes, and one-token prefill tails); they are
+attended in length-sorted groups against their gathered blocks. The rest are prefill
+chunks: causal inside the chunk, attending to everything already computed before it.
+
+`AttentionBackend` is the interface; `TorchAttention` runs on CPU and CUDA. Faster
+CUDA backends (flash / paged kernels) plug in behind the same metadata.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodeGroup:
+    start: int  # first token of the group in the flat batch
+    block_table: torch.Tensor  # [B, max_blocks] long
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass
+class PrefillSegment:
+    start: int  # first token of the chunk in the flat batch
+    num_tokens: int  # query length
+    context_len: int  # tokens computed before the chunk + the chunk
+    block_ids: torch.Tensor  # [num_blocks] long
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: flat KV slot each token writes
+    num_decode_tokens: int = 0
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+class AttentionBackend:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchAttention(AttentionBackend):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q, k, v, kv_cache, meta):
+        # q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]
+        assert q.shape[0] == k.shape[0] == meta.slot_mapping.shape[0]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for group in meta.decode_groups:
+            b = group.block_table.shape[0]
+            out[group.start:group.start + b] = self._decode(
+                q[group.start:group.start + b], k_cache, v_cache, group)
+        for seg in meta.prefills:
+            end = seg.start + seg.num_tokens
+            out[seg.start:end] = self._prefill(q[seg.start:end], k[seg.start:end],
+                                               v[seg.start:end], k_cache, v_cache, seg)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def _decode(self, q, k_cache, v_cache, group: DecodeGroup):
+        # q: [B, H, D] -> [B, H, 1, D]; keys gathered to [B, Hkv, L, D]
+        b = q.shape[0]
+        keys = k_cache[group.block_table].view(b, -1, self.num_kv_heads, self.head_dim)
+        values = v_cache[group.block_table].view(b, -1, self.num_kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=group.mask, scale=self.scale, enable_gqa=True)
+        return out.squeeze(2)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, seg: PrefillSegment):
+        # q: [S, H, D]; the chunk's own k, v: [S, Hkv, D]
+        if seg.context_len == seg.num_tokens:
+            mask, causal = None, True  # nothing before the chunk: plain causal
+        else:
+            k = k_cache[seg.block_ids].view(-1, self.num_kv_heads, self.head_dim)[:seg.context_len]
+            v = v_cache[seg.block_ids].view(-1, self.num_kv_heads, self.head_dim)[:seg.context_len]
+            offset = seg.context_len - seg.num_tokens
+            rows = torch.arange(seg.num_tokens, device=q.device).unsqueeze(1)
+            cols = torch.arange(seg.context_len, device=q.device).unsqueeze(0)
+            mask, causal = cols <= rows + offset, False  # causal, aligned bottom-right
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
+            scale=self.scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,153 @@
+"""Paged KV block accounting: reference counts, prefix caching, LRU reuse.
+
+Pure Python: it hands out block ids and never touches tensors. A full block is
+identified by a chained hash (parent hash + the block's token ids). Freed blocks that
+carry a hash stay findable until the LRU free queue hands them out again.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from engine.request import Request
+
+
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Blocks with ref_cnt == 0 in LRU order: handed out from the front.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        # A request's block ids live on `request.block_ids`, in token order.
+        self._num_hashed: dict[str, int] = {}  # request id -> leading blocks registered
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Leading full blocks of `request` already in the cache (at least one token
+        is always left to compute, so the step still yields logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._extend_hashes(request, max_blocks)
+        hits: list[int] = []
+        for i in range(max_blocks):
+            block_id = self._cached.get(request.block_hashes[i])
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            start = i * self.block_size
+            if block.token_ids != tuple(request.token_ids(start, start + self.block_size)):
+                break  # a hash collision: never serve another prompt's KV
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     new_computed_blocks: list[int] = ()) -> bool:
+        return self._num_new_blocks(request, num_new_tokens, new_computed_blocks) <= (
+            len(self._free) - sum(1 for b in new_computed_blocks if b in self._free))
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[int] = ()) -> bool:
+        """Blocks for `num_new_tokens` more tokens after the computed ones; False (and
+        nothing changed) when the pool lacks room."""
+        if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
+            return False
+        owned = request.block_ids
+        num_new = self._num_new_blocks(request, num_new_tokens, new_computed_blocks)
+        for block_id in new_computed_blocks:
+            self._touch(block_id)
+        owned.extend(new_computed_blocks)
+        if new_computed_blocks:
+            self._num_hashed[request.request_id] = len(owned)
+        owned.extend(self._pop_free() for _ in range(num_new))
+        return True
+
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Make the request's full, computed blocks findable by later requests."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        owned = request.block_ids
+        num_full = min(num_computed_tokens // self.block_size, len(owned))
+        start = self._num_hashed.get(rid, 0)
+        if num_full <= start:
+            return
+        self._extend_hashes(request, num_full)
+        for i in range(start, num_full):
+            block_hash = request.block_hashes[i]
+            if block_hash in self._cached:
+                continue  # an identical block computed concurrently already serves hits
+            block = self.blocks[owned[i]]
+            block.block_hash = block_hash
+            first = i * self.block_size
+            block.token_ids = tuple(request.token_ids(first, first + self.block_size))
+            self._cached[block_hash] = block.block_id
+        self._num_hashed[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        # Tail blocks go first in the LRU queue: a prefix is more likely shared.
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block_id] = None
+        request.block_ids = []
+        self._num_hashed.pop(request.request_id, None)
+
+    def _num_new_blocks(self, request: Request, num_new_tokens: int,
+                        new_computed_blocks) -> int:
+        have = len(request.block_ids) + len(new_computed_blocks)
+        total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        return max(0, self.blocks_needed(total + num_new_tokens) - have)
+
+    def _touch(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_cnt == 0:
+            del self._free[block_id]
+        block.ref_cnt += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+        block.ref_cnt = 1
+        return block_id
+
+    def _extend_hashes(self, request: Request, num_blocks: int) -> None:
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if i else b"", request.token_ids(i * bs, (i + 1) * bs)))

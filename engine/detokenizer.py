@@ -1,0 +1,39 @@
+"""Incremental detokenization and stop-string matching for one request."""
+from __future__ import annotations
+
+from engine.tokenizer import Tokenizer
+
+# Tokens of prompt context decoded with the first output tokens, so that spacing and
+# multi-byte characters at the boundary come out as a full decode would give them.
+_CONTEXT_TOKENS = 5
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.token_ids = list(prompt_token_ids)
+        self.prefix_offset = max(len(prompt_token_ids) - _CONTEXT_TOKENS, 0)
+        self.read_offset = len(prompt_token_ids)
+        self.stop = stop
+        self.text = ""
+
+    def append(self, new_token_ids: list[int]) -> tuple[str, str | None]:
+        """Adds tokens; returns (new text, the stop string matched or None). On a stop
+        match the text is trimmed before the stop string and nothing after it shows."""
+        self.token_ids.extend(new_token_ids)
+        decode = self.tokenizer.decode
+        prefix = decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = decode(self.token_ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return "", None  # an incomplete UTF-8 sequence: wait for more tokens
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        before = len(self.text)
+        self.text += delta
+        for stop in self.stop:
+            # Only the new text and the stop-length tail before it can hold a new match.
+            at = self.text.find(stop, max(before - len(stop) + 1, 0))
+            if at != -1:
+                self.text = self.text[:at]
+                return self.text[before:], stop
+        return delta, None

@@ -1,0 +1,204 @@
+"""The colocated engine loop: add_request / step / abort.
+
+    out = scheduler.schedule()           # pure: who computes how many tokens
+    result = runner.execute(out)          # device: forward + sample
+    finished = scheduler.update(out, result)
+
+Aborts may arrive from any thread; they are applied at the next step boundary.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import Detokenizer
+from engine.errors import InvalidRequestError
+from engine.kv_cache import allocate_kv_cache, default_budget_bytes, num_blocks_for_budget
+from engine.model_config import ModelConfig
+from engine.model_runner import DTYPES, ModelRunner
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.model_path import resolve_model_path
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detokenizer: Detokenizer
+    metrics: RequestMetrics
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        config = replace(config, model=str(resolve_model_path(config.model)))
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.tokenizer = Tokenizer(config.model)
+        self.max_model_len = _max_model_len(config, self.model_config)
+        self.eos_token_ids = self.model_config.eos_token_ids or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        device, dtype = torch.device(config.device), DTYPES[config.resolved_dtype]
+        cache = config.cache
+        num_blocks = cache.num_kv_blocks or num_blocks_for_budget(
+            self.model_config, cache.block_size, dtype,
+            cache.kv_cache_memory_bytes or default_budget_bytes(device, config.gpu_memory_utilization))
+        kv_caches = allocate_kv_cache(self.model_config, num_blocks, cache.block_size, device, dtype)
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len,
+                                  kv_caches, cache.block_size)
+        self._tracked: dict[str, _Tracked] = {}
+        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+
+    @classmethod
+    def from_kwargs(cls, model: str, **engine_args) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(model, **engine_args))
+
+    # ---- requests -----------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> Request:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", "must be a SamplingParams")
+        if request_id in self._tracked:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        token_ids = self._prompt_token_ids(prompt)
+        self._check_length(len(token_ids), params.max_tokens)
+        arrival = time.time() if arrival_time is None else arrival_time
+        request = Request(request_id, token_ids, params, arrival,
+                          eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
+        self.scheduler.add_request(request)
+        self._tracked[request_id] = _Tracked(
+            request, Detokenizer(self.tokenizer, token_ids, params.stop), RequestMetrics(arrival))
+        return request
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Thread-safe; blocks are freed at the next step boundary."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self._aborts.put(rid)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or not self._aborts.empty()
+
+    @property
+    def stats(self):
+        return self.scheduler.stats
+
+    # ---- the loop -------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._apply_aborts()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return outputs
+        now = time.time()
+        for request in out.requests:
+            metrics = self._tracked[request.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        result = self.runner.execute(out)
+        self.scheduler.update(out, result)
+        now = time.time()
+        for rid in result.sampled_token_ids:
+            outputs.append(self._emit(self._tracked[rid], now))
+        return outputs
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Next-token logits [vocab] (float32) after `token_ids`, through the paged path.
+        Call between steps; uses free blocks and gives them back."""
+        self._prompt_token_ids(token_ids)
+        request = Request("__score__", list(token_ids), SamplingParams(max_tokens=1), 0.0)
+        if not self.block_manager.allocate_slots(request, len(token_ids)):
+            raise RuntimeError("not enough free KV blocks to score this sequence")
+        try:
+            return self.runner.forward_logits([(request, len(token_ids))], [request])[0]
+        finally:
+            self.block_manager.free(request)
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _emit(self, tracked: _Tracked, now: float) -> RequestOutput:
+        request, metrics = tracked.request, tracked.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        new_ids = request.output_token_ids[-1:]
+        new_text, stop = tracked.detokenizer.append(new_ids)
+        if stop is not None and not request.is_finished:
+            self.scheduler.finish_requests([request.request_id], FinishReason.STOP)
+        if stop is not None:
+            request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+        return self._output(tracked, new_ids, new_text, now)
+
+    def _output(self, tracked: _Tracked, new_ids: list[int], new_text: str,
+                now: float) -> RequestOutput:
+        request, metrics = tracked.request, tracked.metrics
+        if request.is_finished:
+            metrics.finished_time = now
+            self._tracked.pop(request.request_id, None)
+            self.runner.sampler.forget(request.request_id)
+        return RequestOutput(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids), text=tracked.detokenizer.text,
+            new_token_ids=new_ids, new_text=new_text, finished=request.is_finished,
+            metrics=metrics,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            stop_reason=request.stop_reason, logprobs=list(request.output_logprobs),
+            num_cached_tokens=request.num_cached_tokens)
+
+    def _apply_aborts(self) -> list[RequestOutput]:
+        ids = []
+        while not self._aborts.empty():
+            ids.append(self._aborts.get())
+        now = time.time()
+        return [self._output(self._tracked[r.request_id], [], "", now)
+                for r in self.scheduler.finish_requests(ids, FinishReason.ABORT)]
+
+    def _prompt_token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise InvalidRequestError("prompt", "must be a non-empty string or list of token ids")
+        vocab = self.model_config.vocab_size
+        for t in prompt:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequestError(
+                    "prompt", f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        return list(prompt)
+
+    def _check_length(self, num_prompt: int, max_tokens: int) -> None:
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{num_prompt} prompt tokens leave no room in the model's "
+                f"context of {self.max_model_len} tokens")
+        if num_prompt + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) "
+                f"exceeds the model's context of {self.max_model_len} tokens")
+        need = self.block_manager.blocks_needed(num_prompt + max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt plus max_tokens needs {need} KV blocks; the cache "
+                f"holds {self.block_manager.num_blocks}")
+
+
+def _max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    if config.max_model_len is None:
+        return model.max_position_embeddings
+    if config.max_model_len > model.max_position_embeddings:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings {model.max_position_embeddings}")
+    return config.max_model_len

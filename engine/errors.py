@@ -1,0 +1,10 @@
+"""Typed errors the engine raises for a caller to translate (400 / INVALID_ARGUMENT)."""
+
+
+class InvalidRequestError(ValueError):
+    """A request or sampling field is out of range. `field` names the culprit."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message

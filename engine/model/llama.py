@@ -1,0 +1,105 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat token batch.
+
+Weights follow HF names after two fusions done at load time: q/k/v into `qkv_proj`,
+gate/up into `gate_up_proj` (one matmul each instead of three and two).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.model.rope import RotaryEmbedding
+from engine.model_config import ModelConfig
+
+LayerHook = Callable[[int], None]  # called with the layer index once its KV is written
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size,
+                                  bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(self, x, positions, rope: RotaryEmbedding, backend: AttentionBackend,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        c = self.config
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(t, c.num_heads, c.head_dim)
+        k = k.view(t, c.num_kv_heads, c.head_dim)
+        v = v.view(t, c.num_kv_heads, c.head_dim)
+        q, k = rope(positions, q, k)
+        return self.o_proj(backend.forward(q, k, v, kv_cache, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
+                                   bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, rope, backend, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                backend: AttentionBackend, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, on_layer_done: LayerHook | None = None) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden states [T, hidden]
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, rope, backend, kv_caches[i], meta)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> float32 logits [N, vocab]
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,51 @@
+"""Rotary position embeddings, computed exactly as HF transformers does (float32)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.model_config import ModelConfig, RopeScaling
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling.rope_type == "llama3":
+        inv_freq = _llama3(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for every position up to max_len, looked up per token."""
+
+    def __init__(self, config: ModelConfig, max_len: int, device, dtype: torch.dtype):
+        inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        positions = torch.arange(max_len, dtype=torch.float)
+        freqs = torch.outer(positions, inv_freq)  # [max_len, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,116 @@
+"""Runs one scheduled step on the device: flat inputs, model forward, sampling."""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment, TorchAttention
+from engine.config import EngineConfig
+from engine.model.llama import LayerHook
+from engine.model.loader import load_model
+from engine.model.rope import RotaryEmbedding
+from engine.model_config import ModelConfig
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Decodes are attended in groups of similar context length, so padding stays small.
+DECODE_GROUP_SIZE = 32
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 kv_caches: list[torch.Tensor], block_size: int):
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.resolved_dtype]
+        self.model = load_model(config.model, model_config, self.device, self.dtype)
+        self.rope = RotaryEmbedding(model_config, max_model_len, self.device, self.dtype)
+        self.backend = TorchAttention(model_config.num_heads, model_config.num_kv_heads,
+                                      model_config.head_dim)
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sampler = Sampler(config.seed)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, on_layer_done: LayerHook | None = None
+                ) -> ModelRunnerOutput:
+        batch, samplers = self._order(out)
+        logits = self.forward_logits(batch, samplers, on_layer_done)
+        result = ModelRunnerOutput()
+        if not samplers:
+            return result
+        ids = [r.request_id for r in samplers]
+        tokens, logprobs = self.sampler.sample(logits, ids, [r.sampling_params for r in samplers])
+        result.sampled_token_ids = dict(zip(ids, tokens))
+        result.logprobs = {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None}
+        return result
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: list[tuple[Request, int]], samplers: list[Request],
+                       on_layer_done: LayerHook | None = None) -> torch.Tensor:
+        """Computes `batch` (decodes first); logits [len(samplers), vocab] float32."""
+        input_ids, positions, meta, logits_indices = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.rope, self.backend, self.kv_caches,
+                            meta, on_layer_done)
+        return self.model.compute_logits(hidden[logits_indices])
+
+    def _order(self, out: SchedulerOutput):
+        decodes, prefills = [], []
+        for request, n in zip(out.requests, out.num_scheduled):
+            (decodes if n == 1 else prefills).append((request, n))
+        decodes.sort(key=lambda item: item[0].num_computed_tokens)
+        batch = decodes + prefills
+        samplers = [r for r, n in batch if r.num_computed_tokens + n == r.num_tokens]
+        return batch, samplers
+
+    def _prepare(self, batch: list[tuple[Request, int]]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        num_decodes = 0
+        for request, n in batch:
+            if n != 1:
+                break
+            pos = request.num_computed_tokens
+            input_ids.append(request.token_at(pos))
+            positions.append(pos)
+            slots.append(request.block_ids[pos // bs] * bs + pos % bs)
+            if pos + 1 == request.num_tokens:
+                logits_indices.append(num_decodes)
+            num_decodes += 1
+        prefills = []
+        for request, n in batch[num_decodes:]:
+            start = request.num_computed_tokens
+            blocks = request.block_ids
+            prefills.append(PrefillSegment(len(input_ids), n, start + n,
+                                           torch.tensor(blocks, device=self.device)))
+            input_ids.extend(request.token_ids(start, start + n))
+            span = range(start, start + n)
+            positions.extend(span)
+            slots.extend(blocks[p // bs] * bs + p % bs for p in span)
+            if start + n == request.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots), num_decode_tokens=num_decodes,
+            decode_groups=self._decode_groups(batch[:num_decodes]), prefills=prefills)
+        return (self._tensor(input_ids), self._tensor(positions), meta,
+                self._tensor(logits_indices))
+
+    def _decode_groups(self, decodes: list[tuple[Request, int]]) -> list[DecodeGroup]:
+        bs = self.block_size
+        groups = []
+        for start in range(0, len(decodes), DECODE_GROUP_SIZE):
+            members = [r for r, _ in decodes[start:start + DECODE_GROUP_SIZE]]
+            context = [r.num_computed_tokens + 1 for r in members]
+            width = -(-max(context) // bs)
+            table = [r.block_ids[:width] + [0] * (width - len(r.block_ids[:width]))
+                     for r in members]
+            lens = self._tensor(context)
+            mask = torch.arange(width * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1)
+            groups.append(DecodeGroup(start, self._tensor(table), mask[:, None, None, :]))
+        return groups
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

@@ -1,0 +1,106 @@
+"""One request's state inside the engine.
+
+There is no prefill or decode phase: `num_computed_tokens` catches up with
+`num_tokens`. Prefill chunks, prefix-cache hits, KV imported from a prefill worker and
+recompute after preemption all just move that counter.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # Owned by the block manager: KV block ids in token order, and the chained
+    # hashes of this request's full blocks (prefix caching).
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def append_output(self, token_id: int, logprob: float | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+    def check_stop(self) -> FinishReason | None:
+        """Stop conditions that need no text: eos, stop tokens, max_tokens, context."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            self.stop_reason = last
+            return FinishReason.STOP
+        if last in params.stop_token_ids:
+            self.stop_reason = last
+            return FinishReason.STOP
+        if self.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

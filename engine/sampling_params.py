@@ -1,0 +1,60 @@
+"""Per-request sampling settings (vLLM's names and defaults)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off (-1 accepted as off too, as in vLLM)
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False  # return the logprob of each chosen token
+    priority: int = 0  # lower runs first under the "priority" policy
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+                 f"must be an integer >= 1, got {self.max_tokens!r}")
+        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+                 f"must be >= 0, got {self.temperature!r}")
+        _require(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+                 f"must be >= 1, or 0 / -1 for off, got {self.top_k!r}")
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
+                 f"must be in (0, 1], got {self.top_p!r}")
+        _require(self.seed is None or _is_int(self.seed), "seed",
+                 f"must be an integer, got {self.seed!r}")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop",
+                 "must be non-empty strings")
+        _require(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids",
+                 "must be integers")
+        _require(_is_int(self.priority), "priority", "must be an integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(field, message)

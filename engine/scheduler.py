@@ -1,0 +1,189 @@
+"""The pure scheduler: `schedule() -> SchedulerOutput`, then `update(output, sampled)`.
+
+Lifecycle: add_request -> waiting -> (admitted, blocks allocated) running -> finished.
+Under KV pressure a running request is preempted (blocks freed, recomputed later) and
+goes back to the front of the waiting queue. No torch, no I/O, no clocks.
+"""
+from __future__ import annotations
+
+import itertools
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.request import FinishReason, Request, RequestStatus
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._order: dict[str, int] = {}  # request id -> arrival sequence number
+        self._seq = itertools.count()
+
+    # ---- queue management -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = next(self._seq)
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids, reason: FinishReason) -> list[Request]:
+        """Finish (abort, or stop on text) requests between steps; frees their blocks."""
+        done = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                self._finish(request, reason)
+                done.append(request)
+        return done
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ---------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        if self.config.policy == "priority":
+            self.running.sort(key=self._rank)
+        if self.config.prioritize_prefill:
+            prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+            budget = self._schedule_running(prefills, budget, out)
+            budget = self._admit_waiting(budget, out)
+            decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+            self._schedule_running(decodes, budget, out)
+        else:
+            budget = self._schedule_running(list(self.running), budget, out)
+            self._admit_waiting(budget, out)
+        out.total_num_scheduled_tokens = sum(out.num_scheduled)
+        return out
+
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance progress counters, append sampled tokens, finish what stopped."""
+        finished = []
+        sampled = result.sampled_token_ids
+        bs = self.block_manager.block_size
+        for request, n in zip(out.requests, out.num_scheduled):
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            before = request.num_computed_tokens
+            request.num_computed_tokens = computed = before + n
+            if computed // bs != before // bs:
+                self.block_manager.cache_full_blocks(request, computed)
+            if computed != request.num_tokens:
+                continue  # a partial prefill chunk samples nothing
+            rid = request.request_id
+            request.append_output(sampled[rid], result.logprobs.get(rid))
+            self.stats.generation_tokens += 1
+            reason = request.check_stop()
+            if reason is not None:
+                self._finish(request, reason)
+                finished.append(request)
+        return finished
+
+    # ---- internals ----------------------------------------------------------
+
+    def _schedule_running(self, requests: list[Request], budget: int,
+                          out: SchedulerOutput) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        bm = self.block_manager
+        bs = bm.block_size
+        for request in requests:
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = request.num_tokens - request.num_computed_tokens
+            if threshold and n > threshold:
+                n = threshold
+            if n > budget:
+                n = budget
+            # Fast path: the request's last block has room (the common decode case).
+            fits = request.num_computed_tokens + n <= len(request.block_ids) * bs
+            while not fits and not bm.allocate_slots(request, n):
+                victim = max(self.running, key=self._rank)
+                budget += self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.requests.append(request)
+                out.num_scheduled.append(n)
+                budget -= n
+        return budget
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        if out.preempted_request_ids:
+            return budget  # no room for newcomers in a step that had to preempt
+        cfg = self.config
+        bm = self.block_manager
+        while self.waiting and budget > 0:
+            if cfg.max_num_seqs and len(self.running) >= cfg.max_num_seqs:
+                break
+            request = (min(self.waiting, key=self._rank) if cfg.policy == "priority"
+                       else self.waiting[0])
+            hits = bm.get_computed_blocks(request)
+            num_hit_tokens = len(hits) * bm.block_size
+            n = request.num_tokens - num_hit_tokens
+            if cfg.long_prefill_token_threshold:
+                n = min(n, cfg.long_prefill_token_threshold)
+            n = min(n, budget)
+            if not bm.allocate_slots(request, n, hits):
+                break
+            self.waiting.remove(request)
+            first_admission = request.num_preemptions == 0
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if first_admission:
+                request.num_cached_tokens = num_hit_tokens
+                self.stats.prompt_tokens += request.num_prompt_tokens
+                self.stats.prefix_cache_queries += request.num_prompt_tokens
+                self.stats.prefix_cache_hits += num_hit_tokens
+            out.requests.append(request)
+            out.num_scheduled.append(n)
+            budget -= n
+        return budget
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> int:
+        """Recompute-style preemption; returns the budget it gave back this step."""
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.insert(0, request)
+        out.preempted_request_ids.append(request.request_id)
+        for i, scheduled in enumerate(out.requests):
+            if scheduled is request:
+                out.requests.pop(i)
+                return out.num_scheduled.pop(i)
+        return 0
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is not RequestStatus.FINISHED:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.requests.pop(request.request_id, None)
+        self._order.pop(request.request_id, None)
+
+    def _rank(self, request: Request) -> tuple[int, int]:
+        """Sort key: lower runs first, the maximum is the preemption victim."""
+        priority = request.priority if self.config.policy == "priority" else 0
+        return priority, self._order[request.request_id]

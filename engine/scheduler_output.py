@@ -1,0 +1,38 @@
+"""What the scheduler decides for one step, and what the model runner hands back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+
+@dataclass
+class SchedulerOutput:
+    # Batch order. requests[i] computes num_scheduled[i] tokens starting at its
+    # num_computed_tokens, into the KV slots of its block_ids.
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled: list[int] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class ModelRunnerOutput:
+    # request id -> token sampled this step; only requests whose chunk reached the
+    # end of their known tokens sample (a partial prefill chunk samples nothing).
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # request id -> logprob of that token; only requests that asked for logprobs.
+    logprobs: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0  # prompt tokens admitted, prefix-cache hits included
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens served from the cache
+    num_preemptions: int = 0

@@ -1,0 +1,44 @@
+"""A local HF tokenizer directory: tokenizer.json (+ tokenizer_config.json)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        path = Path(model_dir)
+        self._tk = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        cfg_path = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self.chat_template: str | None = cfg.get("chat_template")
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.eos_token_id = self._tk.token_to_id(self.eos_token) if self.eos_token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tk.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tk.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def _token_text(token) -> str | None:
+    if isinstance(token, dict):  # older configs store AddedToken dicts
+        return token.get("content")
+    return token

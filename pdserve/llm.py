@@ -1,0 +1,60 @@
+"""Offline batch inference: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import itertools
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", **engine_args):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs in prompt order. A prompt is a
+        string or a list of token ids. Invalid input raises before anything runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = (sampling_params if isinstance(sampling_params, list)
+                  else [sampling_params or SamplingParams()] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError("sampling_params must be one, or one per prompt")
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            self.engine.abort(added)
+            while self.engine.has_unfinished():
+                self.engine.step()
+            raise
+        done: dict[str, RequestOutput] = {}
+        progress = _progress(len(ids)) if use_tqdm else None
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if progress:
+                        progress.update(1)
+        if progress:
+            progress.close()
+        return [done[rid] for rid in ids]
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+    return tqdm(total=total, desc="generate", unit="req")

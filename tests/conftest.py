@@ -1,0 +1,39 @@
+"""Shared fixtures: small HF-format models built locally (no downloads)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.tiny_model import TinySpec, make_tiny_model, train_tokenizer
+
+# Two architectures the oracle tests cover: Llama with GQA, and Qwen2-style with
+# q/k/v bias, tied embeddings and a single KV head (MQA).
+LLAMA_GQA = TinySpec(arch="llama", hidden_size=128, intermediate_size=256, num_layers=3,
+                     num_heads=8, num_kv_heads=2, max_position_embeddings=1024,
+                     init_std=0.08, seed=1)
+QWEN2_TIED = TinySpec(arch="qwen2", hidden_size=128, intermediate_size=320, num_layers=2,
+                      num_heads=4, num_kv_heads=1, max_position_embeddings=1024,
+                      tie_word_embeddings=True, rope_theta=1e6, init_std=0.08, seed=2)
+ARCHS = {"llama_gqa": LLAMA_GQA, "qwen2_tied": QWEN2_TIED}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return train_tokenizer(2048)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("models")
+    return {name: make_tiny_model(root / name, spec, tokenizer=tokenizer)
+            for name, spec in ARCHS.items()}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs):
+    return model_dirs["llama_gqa"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _torch_threads():
+    torch.set_num_threads(2)

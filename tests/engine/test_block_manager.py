@@ -1,0 +1,63 @@
+from engine.block_manager import BlockManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+def req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(), 0.0)
+
+
+def admit(bm: BlockManager, r: Request) -> list[int]:
+    hits = bm.get_computed_blocks(r)
+    assert bm.allocate_slots(r, r.num_tokens - len(hits) * bm.block_size, hits)
+    r.num_computed_tokens = r.num_tokens
+    bm.cache_full_blocks(r, r.num_tokens)
+    return hits
+
+
+def test_shared_prefix_is_reference_counted():
+    bm = BlockManager(16, 4)
+    a, b = req("a", list(range(10))), req("b", list(range(8)) + [99, 98, 97])
+    admit(bm, a)
+    hits = admit(bm, b)
+    assert hits == a.block_ids[:2]
+    assert bm.blocks[hits[0]].ref_cnt == 2
+    bm.free(a)
+    assert bm.blocks[hits[0]].ref_cnt == 1
+    assert bm.num_free_blocks == 16 - 3  # b's two shared + one own block
+    bm.free(b)
+    assert bm.num_free_blocks == 16
+
+
+def test_freed_cached_blocks_serve_hits_until_reused_lru():
+    bm = BlockManager(4, 4)
+    a = req("a", list(range(9)))
+    admit(bm, a)
+    bm.free(a)
+    again = req("again", list(range(9)))
+    assert bm.get_computed_blocks(again) == [0, 1]
+    # Free queue is now [3, 2, 1, 0]: the never-used block, then `a`'s blocks tail
+    # first. Three blocks of unrelated tokens evict 3, 2 and 1; the chain keeps block 0.
+    admit(bm, req("other", [500 + i for i in range(12)]))
+    assert bm.get_computed_blocks(req("again2", list(range(9)))) == [0]
+
+
+def test_hit_requires_equal_tokens_not_just_equal_hash():
+    bm = BlockManager(8, 4)
+    a = req("a", [1, 2, 3, 4, 5])
+    admit(bm, a)
+    bm.blocks[a.block_ids[0]].token_ids = (9, 9, 9, 9)  # as if another prompt collided
+    assert bm.get_computed_blocks(req("b", [1, 2, 3, 4, 5])) == []
+
+
+def test_at_least_one_token_is_left_to_compute():
+    bm = BlockManager(8, 4)
+    admit(bm, req("a", list(range(8))))
+    assert len(bm.get_computed_blocks(req("b", list(range(8))))) == 1
+
+
+def test_allocation_fails_cleanly_when_full():
+    bm = BlockManager(2, 4, enable_prefix_caching=False)
+    r = req("a", list(range(12)))
+    assert not bm.allocate_slots(r, 12)
+    assert r.block_ids == [] and bm.num_free_blocks == 2

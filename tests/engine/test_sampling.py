@@ -1,0 +1,79 @@
+import pytest
+
+from pdserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), kv_cache_memory_bytes=32 << 20)
+
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(40, 80))]
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    first = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    second = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    other = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(
+        max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=99))]
+    assert first == second
+    assert first != other
+
+
+def test_top_k_1_equals_greedy(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    top1 = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.8, top_k=1,
+                                                 ignore_eos=True))
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in top1]
+
+
+def test_stop_string_is_trimmed(llm):
+    full = llm.generate(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0,
+                                                   ignore_eos=True))[0]
+    stop = full.text[6:9]
+    assert len(stop) == 3 and stop not in full.text[:6]
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0, stop=[stop],
+                                                  ignore_eos=True))[0]
+    assert out.text == full.text[:full.text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < 24
+
+
+def test_stop_token_and_max_tokens(llm):
+    full = llm.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0,
+                                                   ignore_eos=True))[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 12
+    stop_id = full.token_ids[5]
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0,
+                                                  stop_token_ids=[stop_id]))[0]
+    first = full.token_ids.index(stop_id)
+    assert out.token_ids == full.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_eos_stops_unless_ignored(llm):
+    full = llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0,
+                                                   ignore_eos=True))[0]
+    eos = full.token_ids[3]
+    engine = llm.engine
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = (eos,)  # pretend this token is the model's eos
+    try:
+        out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0))[0]
+        ignored = llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0,
+                                                          ignore_eos=True))[0]
+    finally:
+        engine.eos_token_ids = saved
+    assert out.token_ids == full.token_ids[:full.token_ids.index(eos) + 1]
+    assert ignored.token_ids == full.token_ids
+
+
+def test_logprobs_of_chosen_tokens(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0, logprobs=True,
+                                                  ignore_eos=True))[0]
+    assert len(out.logprobs) == 6
+    logits = llm.engine.score(PROMPTS[0])
+    expected = logits.log_softmax(-1)[out.token_ids[0]].item()
+    assert out.logprobs[0] == pytest.approx(expected, abs=1e-5)
+    assert all(lp <= 0 for lp in out.logprobs)

@@ -1,0 +1,152 @@
+"""The pure scheduler against worked cases. No torch, no model: a step's "model" just
+samples token 7 for every request that reached the end of its known tokens."""
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_output import ModelRunnerOutput
+
+
+def make(num_blocks=10_000, block_size=16, prefix=True, **cfg) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size, prefix))
+
+
+def request(rid: str, prompt_len: int, max_tokens: int = 16, priority: int = 0,
+            first_token: int = 100) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, priority=priority)
+    return Request(rid, list(range(first_token, first_token + prompt_len)), params, 0.0)
+
+
+def step(s: Scheduler):
+    out = s.schedule()
+    result = ModelRunnerOutput({r.request_id: 7 for r, n in zip(out.requests, out.num_scheduled)
+                                if r.num_computed_tokens + n == r.num_tokens})
+    return out, s.update(out, result)
+
+
+def scheduled(out) -> dict[str, int]:
+    return {r.request_id: n for r, n in zip(out.requests, out.num_scheduled)}
+
+
+def test_budget_shared_by_decodes_and_a_prefill_chunk():
+    s = make(max_num_batched_tokens=1024, max_num_seqs=0)
+    for i in range(96):
+        s.add_request(request(f"d{i}", 4, max_tokens=100))
+    step(s)  # 96 short prefills -> all decoding now
+    s.add_request(request("long", 1800))
+    out, _ = step(s)
+    assert scheduled(out)["long"] == 928 and out.total_num_scheduled_tokens == 1024
+    out, _ = step(s)
+    assert scheduled(out)["long"] == 872
+    assert sum(n for rid, n in scheduled(out).items() if rid != "long") == 96
+
+
+def test_long_prompt_runs_in_threshold_sized_chunks():
+    s = make(long_prefill_token_threshold=512)
+    s.add_request(request("r", 4000, max_tokens=1))
+    chunks = []
+    while s.has_unfinished():
+        out, _ = step(s)
+        chunks.append(scheduled(out)["r"])
+    assert chunks == [512] * 7 + [416]
+
+
+def test_prefix_hit_costs_only_the_uncached_tokens():
+    s = make(block_size=8)
+    s.add_request(request("warm", 600, max_tokens=1))
+    step(s)
+    s.add_request(request("hit", 1000, max_tokens=1))
+    before = s.stats.prompt_tokens
+    out, _ = step(s)
+    assert scheduled(out)["hit"] == 400
+    assert out.total_num_scheduled_tokens == 400
+    assert s.stats.prompt_tokens - before == 1000
+    assert s.stats.prefix_cache_hits == 600
+
+
+def test_continuous_batching_admits_into_freed_slots():
+    s = make(max_num_seqs=3)
+    for rid, n in zip("ABCDE", (20, 40, 15, 30, 10)):
+        s.add_request(request(rid, 8, max_tokens=n))
+    steps, finished_at = 0, {}
+    while s.has_unfinished():
+        out, finished = step(s)
+        steps += 1
+        assert len(out.requests) <= 3
+        for r in finished:
+            finished_at[r.request_id] = steps
+    assert steps == 45
+    assert finished_at == {"C": 15, "A": 20, "E": 30, "B": 40, "D": 45}
+    # Static batching of the same requests waits for each batch's longest member.
+    assert max(20, 40, 15) + max(30, 10) == 70 > steps
+
+
+def test_kv_pressure_preempts_the_lower_priority_request():
+    # Each request alone fits in 8 blocks of 4 (26 tokens); the two together do not.
+    s = make(num_blocks=8, block_size=4, policy="priority")
+    s.add_request(request("low", 6, max_tokens=20, priority=5))
+    s.add_request(request("high", 6, max_tokens=20, priority=0))
+    preempted = []
+    while s.has_unfinished():
+        out, _ = step(s)
+        preempted += out.preempted_request_ids
+    assert preempted and set(preempted) == {"low"}
+    assert s.stats.num_preemptions == len(preempted)
+    assert s.block_manager.num_free_blocks == 8
+
+
+def test_fcfs_preempts_the_latest_arrival_and_resumes_it_first():
+    s = make(num_blocks=6, block_size=4, prefix=False)
+    s.add_request(request("first", 8, max_tokens=12))
+    s.add_request(request("second", 8, max_tokens=12))
+    s.add_request(request("third", 4, max_tokens=4))
+    out, _ = step(s)
+    assert set(scheduled(out)) == {"first", "second", "third"}
+    victims = []
+    while not victims:
+        out, _ = step(s)
+        victims = out.preempted_request_ids
+    assert victims == ["third"]
+    assert s.waiting[0].request_id == "third"
+
+
+def test_zero_max_num_seqs_is_unbounded():
+    s = make(max_num_seqs=0, max_num_batched_tokens=100_000)
+    for i in range(1000):
+        s.add_request(request(f"r{i}", 4))
+    out, _ = step(s)
+    assert len(out.requests) == 1000
+
+
+def test_max_num_seqs_caps_the_batch():
+    s = make(max_num_seqs=8)
+    for i in range(20):
+        s.add_request(request(f"r{i}", 4))
+    out, _ = step(s)
+    assert len(out.requests) == 8
+
+
+def test_aborted_request_frees_its_blocks_at_the_next_boundary():
+    s = make(num_blocks=64, block_size=16, prefix=False)
+    s.add_request(request("a", 100, max_tokens=50))
+    s.add_request(request("b", 30, max_tokens=50))
+    step(s)
+    assert s.block_manager.num_free_blocks == 64 - 7 - 2
+    s.finish_requests(["a"], FinishReason.ABORT)
+    out, _ = step(s)
+    assert "a" not in scheduled(out)
+    assert s.block_manager.num_free_blocks == 64 - 2  # only b's two blocks remain
+    assert s.requests.keys() == {"b"}
+
+
+def test_prioritize_prefill_admits_before_decodes():
+    s = make(max_num_batched_tokens=64, prioritize_prefill=True, max_num_seqs=0)
+    for i in range(10):
+        s.add_request(request(f"d{i}", 4, max_tokens=50))
+    step(s)
+    s.add_request(request("p", 200))
+    out, _ = step(s)
+    assert scheduled(out)["p"] == 64  # the prefill took the whole budget first
