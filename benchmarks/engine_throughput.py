@@ -1,0 +1,186 @@
+"""Engine throughput against HF transformers, in one process on one model.
+
+1. Mixed offline workload (seeded prompt / output lengths, ignore_eos): pdserve output
+   tokens/s divided by HF `generate` over the same requests in static batches of 16.
+2. Prefill efficiency: prefill tokens/s x 2 x matmul parameters, divided by the FLOP/s
+   torch.mm reaches at the model's own linear shapes. "Matmul parameters" are the
+   weights every prompt token multiplies (q/k/v/o, gate/up/down of every layer); the
+   embedding lookup and the lm_head (run only for each prompt's last token) are left out.
+3. Scheduler overhead: microseconds per schedule() + update() with 256 running decodes.
+
+Prints JSON and the ratios last; writes the JSON to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.block_manager import BlockManager  # noqa: E402
+from engine.config import SchedulerConfig  # noqa: E402
+from engine.model_path import resolve_model_path  # noqa: E402
+from engine.request import Request  # noqa: E402
+from engine.scheduler import Scheduler  # noqa: E402
+from engine.scheduler_output import ModelRunnerOutput  # noqa: E402
+from pdserve import LLM, SamplingParams  # noqa: E402
+
+
+def workload(num: int, vocab: int, seed: int, prompt_range, output_range):
+    rng = random.Random(seed)
+    return [([rng.randrange(4, vocab) for _ in range(rng.randint(*prompt_range))],
+             rng.randint(*output_range)) for _ in range(num)]
+
+
+def run_pdserve(llm: LLM, requests) -> dict:
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in requests]
+    llm.generate([requests[0][0]], params[0])  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in requests], params)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    assert tokens == sum(n for _, n in requests)
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
+
+
+def run_hf(model_dir: Path, requests, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = 0
+    t0 = time.perf_counter()
+    tokens = 0
+    for start in range(0, len(requests), batch_size):
+        batch = requests[start:start + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=False,
+                                 max_new_tokens=max(n for _, n in batch),
+                                 eos_token_id=None, pad_token_id=pad)
+        tokens += sum(min(n, out.shape[1] - width) for _, n in batch)
+    elapsed = time.perf_counter() - t0
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
+            "batch_size": batch_size}
+
+
+def matmul_flops(llm: LLM, rows: int, repeats: int = 5) -> float:
+    """FLOP/s of torch.mm over the model's linear shapes, weighted as in one forward."""
+    cfg = llm.engine.model_config
+    shapes = [(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, cfg.hidden_size),
+              (cfg.hidden_size, 2 * cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)]
+    xs = [(torch.randn(rows, k), torch.randn(k, n)) for k, n in shapes]
+    for a, b in xs:
+        torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for a, b in xs:
+            torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return sum(2 * rows * k * n for k, n in shapes) / best
+
+
+def matmul_params(llm: LLM) -> int:
+    cfg = llm.engine.model_config
+    per_layer = (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+                 + 3 * cfg.hidden_size * cfg.intermediate_size)
+    return per_layer * cfg.num_layers
+
+
+def prefill_efficiency(llm: LLM, num: int, prompt_len: int, seed: int) -> dict:
+    vocab = llm.engine.model_config.vocab_size
+    # Distinct prompts (no prefix hits); one output token each: a prefill-only load.
+    prompts = [p for p, _ in workload(num, vocab, seed + 1, (prompt_len, prompt_len), (1, 1))]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:2], params)
+    t0 = time.perf_counter()
+    llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    tok_s = num * prompt_len / elapsed
+    rows = llm.engine.config.scheduler.max_num_batched_tokens
+    peak = matmul_flops(llm, rows)
+    achieved = tok_s * 2 * matmul_params(llm)
+    return {"prefill_tok_s": tok_s, "matmul_params": matmul_params(llm),
+            "achieved_flop_s": achieved, "mm_flop_s": peak, "mm_rows": rows,
+            "efficiency": achieved / peak}
+
+
+def scheduler_overhead(num: int = 256, steps: int = 2000) -> dict:
+    # Room for every request to grow by `steps` tokens: no preemption in the timed loop.
+    blocks = num * ((200 + steps) // 16 + 2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=num), BlockManager(blocks, 16))
+    for i in range(num):
+        sched.add_request(Request(f"r{i}", list(range(1, 200)), SamplingParams(
+            max_tokens=10**6, ignore_eos=True), 0.0))
+    sampled = ModelRunnerOutput({f"r{i}": 5 for i in range(num)})
+    while any(r.num_output_tokens == 0 for r in sched.requests.values()):  # prefills
+        sched.update(sched.schedule(), sampled)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = sched.schedule()
+        sched.update(out, sampled)
+    per_step = (time.perf_counter() - t0) / steps
+    assert len(out.requests) == num and sched.stats.num_preemptions == 0
+    return {"running_decodes": num, "us_per_step": per_step * 1e6}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--prompt-range", type=int, nargs=2, default=(16, 512))
+    ap.add_argument("--output-range", type=int, nargs=2, default=(16, 256))
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--prefill-requests", type=int, default=32)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--skip-hf", action="store_true", help="only pdserve's own figures")
+    ap.add_argument("--out", default="bench-results/engine_throughput.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model_dir = resolve_model_path(args.model)
+    llm = LLM(str(model_dir), kv_cache_memory_bytes=3 << 30)
+    vocab = llm.engine.model_config.vocab_size
+    requests = workload(args.num_requests, vocab, args.seed, args.prompt_range, args.output_range)
+    result = {"model": str(model_dir), "threads": torch.get_num_threads(),
+              "num_requests": args.num_requests, "prompt_range": args.prompt_range,
+              "output_range": args.output_range}
+    result["scheduler"] = scheduler_overhead()
+    print(f"scheduler: {result['scheduler']['us_per_step']:.0f} us per step", flush=True)
+    result["prefill"] = prefill_efficiency(llm, args.prefill_requests, args.prefill_len, args.seed)
+    print(f"prefill: {result['prefill']['prefill_tok_s']:.0f} tok/s", flush=True)
+    result["pdserve"] = run_pdserve(llm, requests)
+    print(f"pdserve: {result['pdserve']['output_tok_s']:.0f} output tok/s", flush=True)
+    del llm
+    if not args.skip_hf:
+        result["hf"] = run_hf(model_dir, requests, args.hf_batch_size)
+        print(f"hf: {result['hf']['output_tok_s']:.0f} output tok/s", flush=True)
+        result["throughput_ratio"] = result["pdserve"]["output_tok_s"] / result["hf"]["output_tok_s"]
+    result["prefill_efficiency"] = result["prefill"]["efficiency"]
+    result["scheduler_us"] = result["scheduler"]["us_per_step"]
+
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    if "throughput_ratio" in result:
+        print(f"throughput ratio pdserve / HF static batches of {args.hf_batch_size}: "
+              f"{result['throughput_ratio']:.2f} (target >= 3.0)")
+    print(f"prefill efficiency: {result['prefill_efficiency']:.2f} (target >= 0.7)")
+    print(f"scheduler overhead: {result['scheduler_us']:.0f} us per schedule+update "
+          f"with 256 decodes (target <= 200)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
