@@ -40,7 +40,7 @@ def workload(num: int, vocab: int, seed: int, prompt_range, output_range):
 
 def run_pdserve(llm: LLM, requests) -> dict:
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in requests]
-    llm.generate([requests[0][0]], params[0])  # warm-up
+    llm.generate([[7] * 64], params[0])  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in requests], params)
     elapsed = time.perf_counter() - t0
@@ -95,16 +95,20 @@ def matmul_params(llm: LLM) -> int:
     return per_layer * cfg.num_layers
 
 
-def prefill_efficiency(llm: LLM, num: int, prompt_len: int, seed: int) -> dict:
+def prefill_efficiency(llm: LLM, num: int, prompt_range, seed: int) -> dict:
     vocab = llm.engine.model_config.vocab_size
-    # Distinct prompts (no prefix hits); one output token each: a prefill-only load.
-    prompts = [p for p, _ in workload(num, vocab, seed + 1, (prompt_len, prompt_len), (1, 1))]
+    # The mixed workload's prompt lengths, distinct prompts (no prefix hits), one output
+    # token each: a prefill-only load.
+    prompts = [p for p, _ in workload(num, vocab, seed + 1, prompt_range, (1, 1))]
+    warmup = [p for p, _ in workload(4, vocab, seed + 2, prompt_range, (1, 1))]
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    llm.generate(prompts[:2], params)
+    llm.generate(warmup, params)
+    hits = llm.engine.stats.prefix_cache_hits
     t0 = time.perf_counter()
     llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
-    tok_s = num * prompt_len / elapsed
+    assert llm.engine.stats.prefix_cache_hits == hits, "prefill load must not hit the cache"
+    tok_s = sum(map(len, prompts)) / elapsed
     rows = llm.engine.config.scheduler.max_num_batched_tokens
     peak = matmul_flops(llm, rows)
     achieved = tok_s * 2 * matmul_params(llm)
@@ -139,8 +143,7 @@ def main() -> int:
     ap.add_argument("--prompt-range", type=int, nargs=2, default=(16, 512))
     ap.add_argument("--output-range", type=int, nargs=2, default=(16, 256))
     ap.add_argument("--hf-batch-size", type=int, default=16)
-    ap.add_argument("--prefill-requests", type=int, default=32)
-    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--prefill-requests", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-hf", action="store_true", help="only pdserve's own figures")
@@ -158,7 +161,8 @@ def main() -> int:
               "output_range": args.output_range}
     result["scheduler"] = scheduler_overhead()
     print(f"scheduler: {result['scheduler']['us_per_step']:.0f} us per step", flush=True)
-    result["prefill"] = prefill_efficiency(llm, args.prefill_requests, args.prefill_len, args.seed)
+    result["prefill"] = prefill_efficiency(llm, args.prefill_requests, args.prompt_range,
+                                           args.seed)
     print(f"prefill: {result['prefill']['prefill_tok_s']:.0f} tok/s", flush=True)
     result["pdserve"] = run_pdserve(llm, requests)
     print(f"pdserve: {result['pdserve']['output_tok_s']:.0f} output tok/s", flush=True)

@@ -16,6 +16,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cpu_memory import keep_freed_memory
 from engine.detokenizer import Detokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import allocate_kv_cache, default_budget_bytes, num_blocks_for_budget
@@ -40,6 +41,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            keep_freed_memory()
         config = replace(config, model=str(resolve_model_path(config.model)))
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)

@@ -48,14 +48,22 @@ class Request:
     # hashes of this request's full blocks (prefix caching).
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    # Kept as plain attributes (not properties): read per request per step.
+    num_tokens: int = field(init=False)  # prompt + output tokens
+    max_num_tokens: int = field(init=False)  # where max_tokens / the context stops it
+    stop_token_set: frozenset[int] = field(init=False)  # eos (unless ignored) + stop ids
+
+    def __post_init__(self) -> None:
+        params = self.sampling_params
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+        limit = len(self.prompt_token_ids) + params.max_tokens
+        self.max_num_tokens = min(limit, self.max_model_len or limit)
+        eos = () if params.ignore_eos else self.eos_token_ids
+        self.stop_token_set = frozenset(eos) | frozenset(params.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -86,21 +94,16 @@ class Request:
 
     def append_output(self, token_id: int, logprob: float | None = None) -> None:
         self.output_token_ids.append(token_id)
+        self.num_tokens += 1
         if logprob is not None:
             self.output_logprobs.append(logprob)
 
     def check_stop(self) -> FinishReason | None:
         """Stop conditions that need no text: eos, stop tokens, max_tokens, context."""
-        params = self.sampling_params
         last = self.output_token_ids[-1]
-        if not params.ignore_eos and last in self.eos_token_ids:
+        if last in self.stop_token_set:
             self.stop_reason = last
             return FinishReason.STOP
-        if last in params.stop_token_ids:
-            self.stop_reason = last
-            return FinishReason.STOP
-        if self.num_output_tokens >= params.max_tokens:
-            return FinishReason.LENGTH
-        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+        if self.num_tokens >= self.max_num_tokens:
             return FinishReason.LENGTH
         return None

@@ -74,9 +74,12 @@ class Scheduler:
         """Advance progress counters, append sampled tokens, finish what stopped."""
         finished = []
         sampled = result.sampled_token_ids
+        logprobs = result.logprobs
         bs = self.block_manager.block_size
+        running = RequestStatus.RUNNING
+        generated = 0
         for request, n in zip(out.requests, out.num_scheduled):
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue
             before = request.num_computed_tokens
             request.num_computed_tokens = computed = before + n
@@ -85,12 +88,13 @@ class Scheduler:
             if computed != request.num_tokens:
                 continue  # a partial prefill chunk samples nothing
             rid = request.request_id
-            request.append_output(sampled[rid], result.logprobs.get(rid))
-            self.stats.generation_tokens += 1
+            request.append_output(sampled[rid], logprobs.get(rid) if logprobs else None)
+            generated += 1
             reason = request.check_stop()
             if reason is not None:
                 self._finish(request, reason)
                 finished.append(request)
+        self.stats.generation_tokens += generated
         return finished
 
     # ---- internals ----------------------------------------------------------
@@ -100,26 +104,29 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         bm = self.block_manager
         bs = bm.block_size
+        running = RequestStatus.RUNNING
+        scheduled, counts = out.requests, out.num_scheduled
         for request in requests:
             if budget <= 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted earlier in this step
-            n = request.num_tokens - request.num_computed_tokens
+            computed = request.num_computed_tokens
+            n = request.num_tokens - computed
             if threshold and n > threshold:
                 n = threshold
             if n > budget:
                 n = budget
             # Fast path: the request's last block has room (the common decode case).
-            fits = request.num_computed_tokens + n <= len(request.block_ids) * bs
+            fits = computed + n <= len(request.block_ids) * bs
             while not fits and not bm.allocate_slots(request, n):
                 victim = max(self.running, key=self._rank)
                 budget += self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                out.requests.append(request)
-                out.num_scheduled.append(n)
+                scheduled.append(request)
+                counts.append(n)
                 budget -= n
         return budget
 

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat token batch.
 
-Weights follow HF names after two fusions done at load time: q/k/v into `qkv_proj`,
-gate/up into `gate_up_proj` (one matmul each instead of three and two).
+Weights follow HF names, with q/k/v fused into `qkv_proj` at load time (one matmul
+instead of three). gate/up stay apart: the halves of a fused output are strided, and
+the elementwise SwiGLU over strided halves costs more on CPU than the fusion saves.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.model.rope import RotaryEmbedding
+from engine.model.rope import RotaryEmbedding, RotaryTables
 from engine.model_config import ModelConfig
 
 LayerHook = Callable[[int], None]  # called with the layer index once its KV is written
@@ -25,10 +26,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # As HF: normalize in float32, cast back, then scale by the weight.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -39,7 +39,7 @@ class Attention(nn.Module):
                                   bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
 
-    def forward(self, x, positions, rope: RotaryEmbedding, backend: AttentionBackend,
+    def forward(self, x, rotary: RotaryTables, backend: AttentionBackend,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         c = self.config
         t = x.shape[0]
@@ -47,22 +47,23 @@ class Attention(nn.Module):
         q = q.view(t, c.num_heads, c.head_dim)
         k = k.view(t, c.num_kv_heads, c.head_dim)
         v = v.view(t, c.num_kv_heads, c.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = rotary.apply(q), rotary.apply(k)
         return self.o_proj(backend.forward(q, k, v, kv_cache, meta))
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
-                                   bias=config.mlp_bias)
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # silu(g) as sigmoid(g) * g: the same function within an ulp, and ~3x faster
+        # than F.silu on CPU.
+        gate = self.gate_proj(x)
+        return self.down_proj(torch.sigmoid(gate).mul_(gate).mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -73,8 +74,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rope, backend, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, kv_cache, meta)
+    def forward(self, x, rotary, backend, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, backend, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -93,8 +94,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, on_layer_done: LayerHook | None = None) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden states [T, hidden]
         x = self.embed_tokens(input_ids)
+        rotary = rope.tables(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, rope, backend, kv_caches[i], meta)
+            x = layer(x, rotary, backend, kv_caches[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
         return self.norm(x)

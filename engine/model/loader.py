@@ -11,11 +11,8 @@ from safetensors import safe_open
 from engine.model.llama import LlamaForCausalLM
 from engine.model_config import ModelConfig
 
-# HF name -> (our parameter name, shard index inside a fused parameter)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
+# HF name -> (our parameter name, shard index inside the fused parameter)
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 
 
@@ -60,8 +57,7 @@ def _copy(name: str, tensor: torch.Tensor, params: dict, config: ModelConfig) ->
         layer, block, proj, kind = m.groups()
         fused, shard = _FUSED[proj]
         target = f"layers.{layer}.{block}.{fused}.{kind}"
-        sizes = ([config.q_size, config.kv_size, config.kv_size] if fused == "qkv_proj"
-                 else [config.intermediate_size] * 2)
+        sizes = [config.q_size, config.kv_size, config.kv_size]
         offset = sum(sizes[:shard])
         params[target].data[offset:offset + sizes[shard]].copy_(tensor)
         return f"{target}#{shard}"
@@ -78,8 +74,4 @@ def _copy(name: str, tensor: torch.Tensor, params: dict, config: ModelConfig) ->
 def _covered(param: str, loaded: set[str]) -> bool:
     if param in loaded:
         return True
-    if ".qkv_proj." in param:
-        return all(f"{param}#{i}" in loaded for i in range(3))
-    if ".gate_up_proj." in param:
-        return all(f"{param}#{i}" in loaded for i in range(2))
-    return False
+    return ".qkv_proj." in param and all(f"{param}#{i}" in loaded for i in range(3))
