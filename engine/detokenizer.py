@@ -30,10 +30,12 @@ class Detokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         before = len(self.text)
         self.text += delta
-        for stop in self.stop:
-            # Only the new text and the stop-length tail before it can hold a new match.
-            at = self.text.find(stop, max(before - len(stop) + 1, 0))
-            if at != -1:
-                self.text = self.text[:at]
-                return self.text[before:], stop
+        # Only the new text and the stop-length tail before it can hold a new match;
+        # of several matches the earliest wins.
+        matches = [(at, stop) for stop in self.stop
+                   if (at := self.text.find(stop, max(before - len(stop) + 1, 0))) != -1]
+        if matches:
+            at, stop = min(matches)
+            self.text = self.text[:at]
+            return self.text[before:], stop
         return delta, None

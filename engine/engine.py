@@ -19,9 +19,9 @@ from engine.config import EngineConfig
 from engine.cpu_memory import keep_freed_memory
 from engine.detokenizer import Detokenizer
 from engine.errors import InvalidRequestError
-from engine.kv_cache import allocate_kv_cache, default_budget_bytes, num_blocks_for_budget
+from engine.kv_cache import default_budget_bytes, num_blocks_for_budget
 from engine.model_config import ModelConfig
-from engine.model_runner import DTYPES, ModelRunner
+from engine.model_runner import ModelRunner
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
@@ -50,16 +50,14 @@ class LLMEngine:
         self.max_model_len = _max_model_len(config, self.model_config)
         self.eos_token_ids = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
-        device, dtype = torch.device(config.device), DTYPES[config.resolved_dtype]
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         cache = config.cache
         num_blocks = cache.num_kv_blocks or num_blocks_for_budget(
-            self.model_config, cache.block_size, dtype,
-            cache.kv_cache_memory_bytes or default_budget_bytes(device, config.gpu_memory_utilization))
-        kv_caches = allocate_kv_cache(self.model_config, num_blocks, cache.block_size, device, dtype)
+            self.model_config, cache.block_size, self.runner.dtype,
+            cache.kv_cache_memory_bytes or default_budget_bytes(config, self.model_config))
+        self.runner.init_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len,
-                                  kv_caches, cache.block_size)
         self._tracked: dict[str, _Tracked] = {}
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
 

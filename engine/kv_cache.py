@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from engine.config import EngineConfig
 from engine.model_config import ModelConfig
 
 CPU_DEFAULT_BYTES = 2 << 30
@@ -28,13 +29,32 @@ def num_blocks_for_budget(model: ModelConfig, block_size: int, dtype: torch.dtyp
     return n
 
 
-def default_budget_bytes(device: torch.device, gpu_memory_utilization: float) -> int:
+def default_budget_bytes(config: EngineConfig, model: ModelConfig) -> int:
+    """KV budget when none is given. CUDA: the share of the device that
+    gpu_memory_utilization allows, less what is already allocated (weights) and a
+    reserve for one step's activations. CPU: a fixed default, at most a quarter of
+    available memory."""
+    device = torch.device(config.device)
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        reserved = total * (1 - gpu_memory_utilization)
-        return int(max(free - reserved, 0))
+        total = torch.cuda.get_device_properties(device).total_memory
+        used = torch.cuda.memory_allocated(device)
+        budget = total * config.gpu_memory_utilization - used - _activation_reserve(config, model)
+        if budget <= 0:
+            raise ValueError("no device memory left for the KV cache; lower "
+                             "max_num_batched_tokens or raise gpu_memory_utilization")
+        return int(budget)
     available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     return min(CPU_DEFAULT_BYTES, available // 4)
+
+
+def _activation_reserve(config: EngineConfig, model: ModelConfig) -> int:
+    # A step's live activations: hidden states, the qkv and MLP intermediates of one
+    # layer, and float32 logits for up to max_num_seqs rows, doubled for the
+    # allocator's slack.
+    tokens = config.scheduler.max_num_batched_tokens
+    width = 3 * model.hidden_size + model.q_size + 2 * model.kv_size + 3 * model.intermediate_size
+    logits = max(config.scheduler.max_num_seqs, 256) * model.vocab_size * 4
+    return 2 * (tokens * width * 4 + logits)
 
 
 def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int,

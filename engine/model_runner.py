@@ -5,6 +5,7 @@ import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment, TorchAttention
 from engine.config import EngineConfig
+from engine.kv_cache import allocate_kv_cache
 from engine.model.llama import LayerHook
 from engine.model.loader import load_model
 from engine.model.rope import RotaryEmbedding
@@ -19,17 +20,22 @@ DECODE_GROUP_SIZE = 32
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 kv_caches: list[torch.Tensor], block_size: int):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.resolved_dtype]
+        self.model_config = model_config
         self.model = load_model(config.model, model_config, self.device, self.dtype)
         self.rope = RotaryEmbedding(model_config, max_model_len, self.device, self.dtype)
         self.backend = TorchAttention(model_config.num_heads, model_config.num_kv_heads,
                                       model_config.head_dim)
-        self.kv_caches = kv_caches
-        self.block_size = block_size
+        self.block_size = config.cache.block_size
+        self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler(config.seed)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """After the weights are in place, so a device budget counts what is left."""
+        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, self.block_size,
+                                           self.device, self.dtype)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, on_layer_done: LayerHook | None = None

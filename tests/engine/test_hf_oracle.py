@@ -118,10 +118,12 @@ def test_prefix_caching(arch):
     assert_matches_hf(llm, oracle, prompts, second)
 
 
-def test_preemption(arch):
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption(arch, prefix_caching):
     model_dir, oracle = arch
     # 20 blocks of 16 hold the largest request (200 + 16 tokens) but never all of them.
-    llm = LLM(str(model_dir), num_kv_blocks=20, enable_prefix_caching=False)
+    # With prefix caching a resumed request may find its own freed blocks again.
+    llm = LLM(str(model_dir), num_kv_blocks=20, enable_prefix_caching=prefix_caching)
     prompts = random_prompts(llm.engine.model_config.vocab_size, seed=3)
     outputs = run(llm, prompts)
     assert llm.engine.stats.num_preemptions > 0

@@ -77,3 +77,13 @@ def test_logprobs_of_chosen_tokens(llm):
     expected = logits.log_softmax(-1)[out.token_ids[0]].item()
     assert out.logprobs[0] == pytest.approx(expected, abs=1e-5)
     assert all(lp <= 0 for lp in out.logprobs)
+
+
+def test_earliest_of_several_stop_strings_wins(llm):
+    full = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0,
+                                                   ignore_eos=True))[0]
+    early, late = full.text[4:7], full.text[12:15]
+    assert early not in full.text[:4] and late not in full.text[:12]
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0,
+                                                  stop=[late, early], ignore_eos=True))[0]
+    assert out.text == full.text[:4] and out.stop_reason == early
