@@ -1,0 +1,259 @@
+"""The decode side: publishes a rendezvous address, accepts pairs, scatters layers.
+
+A transfer's life: expect() (blocks reserved) -> BEGIN validated -> LAYER x num_layers
+scattered into the reserved blocks -> done (ack "ok"). A refusal, an ABORT, the
+deadline or a lost peer ends it instead: `on_release(request_id)` hands the reserved
+blocks back to their owner and waiters get a typed error.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer import protocol as P
+from kv_transfer.channel import RECEIVER_RANK, PairChannel, device_descriptor
+from kv_transfer.config import TransferConfig
+from kv_transfer.errors import (KVTransferError, PeerLostError, TransferAborted,
+                                TransferRefused, TransferTimeout)
+from kv_transfer.layout import KVLayout
+
+_POLL_S = 0.05
+
+
+@dataclass
+class _Incoming:
+    request_id: str
+    block_ids: list[int]  # to fill, in order
+    num_cached_blocks: int
+    deadline: float
+    pair: str | None = None
+    seq: int | None = None
+    layers_landed: int = 0
+    error: KVTransferError | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class KVReceiver:
+    def __init__(self, kv_caches: list[torch.Tensor], config: TransferConfig = TransferConfig(),
+                 host: str = "127.0.0.1",
+                 on_release: Callable[[str], None] | None = None):
+        self.kv_caches = kv_caches
+        self.layout = KVLayout.of(kv_caches)
+        self.config = config
+        self.on_release = on_release
+        self.device = kv_caches[0].device
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=config.connect_timeout_s))
+        self.address = f"{host}:{self.store.port}"
+        self.store.set(P.LAYOUT_KEY, json.dumps(self.layout.to_dict()))
+        self.store.set(P.DEVICE_KEY, json.dumps(device_descriptor(self.device)))
+        self.bytes_received = 0
+        self._lock = threading.Lock()
+        self._by_request: dict[str, _Incoming] = {}
+        self._by_seq: dict[tuple[str, int], _Incoming] = {}
+        self._pairs: dict[str, PairChannel] = {}
+        self._closed = threading.Event()
+        self._threads = [threading.Thread(target=self._accept_loop, daemon=True),
+                         threading.Thread(target=self._deadline_loop, daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ---- the owner's side ----------------------------------------------------
+
+    def expect(self, request_id: str, block_ids: list[int], num_cached_blocks: int = 0) -> None:
+        """Register reserved blocks for `request_id`; `block_ids` are the blocks still to
+        fill (the first `num_cached_blocks` of the request are already held here)."""
+        with self._lock:
+            if request_id in self._by_request:
+                raise ValueError(f"request {request_id} is already expected")
+            self._by_request[request_id] = _Incoming(
+                request_id, list(block_ids), num_cached_blocks,
+                time.monotonic() + self.config.timeout_s)
+
+    def wait(self, request_id: str, timeout: float | None = None) -> None:
+        """Block until every layer landed; raises the transfer's typed error. Either
+        way the request is forgotten afterwards."""
+        incoming = self._by_request.get(request_id)
+        if incoming is None:
+            raise KeyError(f"request {request_id} is not expected")
+        incoming.done.wait(self.config.timeout_s if timeout is None else timeout)
+        if not incoming.done.is_set():
+            self._fail(incoming, TransferTimeout(request_id, "not complete within the wait"),
+                       P.TIMED_OUT)
+        self._forget(incoming)
+        if incoming.error is not None:
+            raise incoming.error
+
+    def poll(self, request_id: str) -> bool:
+        """True once every layer landed; raises (and forgets) on failure."""
+        incoming = self._by_request[request_id]
+        if not incoming.done.is_set():
+            return False
+        self._forget(incoming)
+        if incoming.error is not None:
+            raise incoming.error
+        return True
+
+    def abort(self, request_id: str) -> None:
+        incoming = self._by_request.get(request_id)
+        if incoming is not None:
+            self._fail(incoming, TransferAborted(request_id, "aborted by the receiver"),
+                       P.ABORTED)
+            self._forget(incoming)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._by_request)
+
+    def close(self) -> None:
+        self._closed.set()
+        for incoming in list(self._by_request.values()):
+            self._fail(incoming, TransferAborted(incoming.request_id, "receiver closed"),
+                       P.ABORTED)
+        for channel in list(self._pairs.values()):
+            channel.close()
+
+    # ---- pairs -----------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        next_join = 1
+        while not self._closed.wait(_POLL_S):
+            # check() rather than a timed wait(): an idle receiver logs nothing.
+            if not self.store.check([P.join_key(next_join)]):
+                continue
+            record = P.JoinRecord.decode(self.store.get(P.join_key(next_join)))
+            next_join += 1
+            threading.Thread(target=self._serve_pair, args=(record,), daemon=True).start()
+
+    def _serve_pair(self, record: P.JoinRecord) -> None:
+        try:
+            channel = PairChannel(self.store, record.pair, RECEIVER_RANK, record.backend,
+                                  self.device, self.config.connect_timeout_s)
+        except Exception:
+            return  # the sender gave up before the rendezvous finished
+        self._pairs[record.pair] = channel
+        head = torch.empty(P.HEADER_LEN, dtype=torch.int64, device=channel.wire_device)
+        staging = torch.empty(0, dtype=torch.uint8, device=channel.wire_device)
+        try:
+            while not self._closed.is_set():
+                channel.recv(head)
+                kind, seq, layer, nbytes = head.tolist()
+                if nbytes > staging.numel():
+                    staging = torch.empty(nbytes, dtype=torch.uint8, device=channel.wire_device)
+                payload = staging[:nbytes]
+                if nbytes:
+                    channel.recv(payload)
+                    self.bytes_received += nbytes
+                self._on_message(channel, kind, seq, layer, payload)
+        except Exception as exc:  # the sender died or closed the pair
+            self._pair_lost(record.pair, exc)
+        finally:
+            self._pairs.pop(record.pair, None)
+            channel.close()
+
+    def _on_message(self, channel: PairChannel, kind: int, seq: int, layer: int,
+                    payload: torch.Tensor) -> None:
+        if kind == P.BEGIN:
+            self._begin(channel.pair, seq, P.Handshake.decode(payload.cpu()))
+            return
+        incoming = self._by_seq.get((channel.pair, seq))
+        if kind == P.ABORT:
+            if incoming is not None:
+                self._fail(incoming, TransferAborted(incoming.request_id,
+                                                     "aborted by the sender"), P.ABORTED)
+            return
+        if incoming is None or incoming.done.is_set():
+            return  # refused, aborted or timed out: drained and dropped
+        with self._lock:
+            if incoming.done.is_set():
+                return
+            self._scatter(incoming, layer, payload)
+            incoming.layers_landed += 1
+            complete = incoming.layers_landed == self.layout.num_layers
+        if complete:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self._finish(incoming, None, P.ACK_OK)
+
+    def _begin(self, pair: str, seq: int, hs: P.Handshake) -> None:
+        problem = self._check(hs)
+        incoming = self._by_request.get(hs.request_id)
+        if problem is not None:
+            self.store.set(P.ack_key(pair, seq), P.encode_ack(P.REFUSED, problem))
+            if incoming is not None and incoming.pair is None:
+                self._fail(incoming, TransferRefused(hs.request_id, problem), None)
+            return
+        with self._lock:
+            incoming.pair, incoming.seq = pair, seq
+            self._by_seq[(pair, seq)] = incoming
+
+    def _check(self, hs: P.Handshake) -> str | None:
+        diffs = self.layout.differences(hs.kv_layout)
+        if diffs:
+            return "KV layout mismatch: " + "; ".join(diffs)
+        incoming = self._by_request.get(hs.request_id)
+        if incoming is None or incoming.done.is_set():
+            return f"request {hs.request_id} is not expected here (no reserved blocks)"
+        if incoming.pair is not None:
+            return f"request {hs.request_id} is already being received"
+        if (hs.block_ids, hs.num_cached_blocks) != (incoming.block_ids, incoming.num_cached_blocks):
+            return (f"block ids differ from the reservation: sender has "
+                    f"{len(hs.block_ids)} blocks after {hs.num_cached_blocks} cached, "
+                    f"receiver reserved {len(incoming.block_ids)} after "
+                    f"{incoming.num_cached_blocks}")
+        return None
+
+    def _scatter(self, incoming: _Incoming, layer: int, payload: torch.Tensor) -> None:
+        cache = self.kv_caches[layer]  # [2, num_blocks, block, Hkv, D]
+        n = len(incoming.block_ids)
+        data = payload.view(self.layout.torch_dtype).view(2, n, *cache.shape[2:])
+        index = torch.tensor(incoming.block_ids, device=cache.device)
+        cache.index_copy_(1, index, data.to(cache.device, non_blocking=True))
+
+    def _pair_lost(self, pair: str, exc: Exception) -> None:
+        for incoming in [i for (p, _), i in list(self._by_seq.items()) if p == pair]:
+            self._fail(incoming, PeerLostError(incoming.request_id,
+                                               f"sender connection lost: {exc}"), None)
+
+    def _deadline_loop(self) -> None:
+        while not self._closed.wait(_POLL_S):
+            now = time.monotonic()
+            for incoming in list(self._by_request.values()):
+                if not incoming.done.is_set() and now > incoming.deadline:
+                    self._fail(incoming, TransferTimeout(
+                        incoming.request_id,
+                        f"{incoming.layers_landed}/{self.layout.num_layers} layers landed "
+                        f"within {self.config.timeout_s}s"), P.TIMED_OUT)
+
+    # ---- endings -------------------------------------------------------------------
+
+    def _fail(self, incoming: _Incoming, error: KVTransferError, ack: str | None) -> None:
+        with self._lock:
+            if incoming.done.is_set():
+                return
+            incoming.error = error
+        self._finish(incoming, error, ack)
+        if self.on_release is not None:
+            self.on_release(incoming.request_id)
+
+    def _finish(self, incoming: _Incoming, error, ack: str | None) -> None:
+        if ack is not None and incoming.pair is not None:
+            try:
+                self.store.set(P.ack_key(incoming.pair, incoming.seq),
+                               P.encode_ack(ack, str(error) if error else ""))
+            except Exception:
+                pass  # store shutting down
+        incoming.done.set()
+
+    def _forget(self, incoming: _Incoming) -> None:
+        with self._lock:
+            self._by_request.pop(incoming.request_id, None)
+            if incoming.pair is not None:
+                self._by_seq.pop((incoming.pair, incoming.seq), None)

@@ -1,0 +1,222 @@
+"""The prefill side: opens pairs lazily and streams a request's KV layer by layer.
+
+    handle = sender.begin(request_id, receiver_address, src_blocks, dst_blocks, cached)
+    ... forward pass: after layer i writes its KV, sender.send_layer(handle, i) ...
+    sender.finish(handle)        # every layer landed on the receiver, or a typed error
+
+send_layer gathers the request's scattered blocks of one layer into one contiguous
+buffer and queues it asynchronously, so computing layer i+1 overlaps sending layer i.
+Blocks the receiver already holds (its prefix hit) are never sent.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer import protocol as P
+from kv_transfer.channel import SENDER_RANK, PairChannel, choose_backend, device_descriptor
+from kv_transfer.config import TransferConfig
+from kv_transfer.errors import (KVTransferError, LayoutMismatchError, PeerLostError,
+                                TransferAborted, TransferRefused, TransferTimeout)
+from kv_transfer.layout import KVLayout
+
+_ACK_ERRORS = {P.REFUSED: TransferRefused, P.ABORTED: TransferAborted,
+               P.TIMED_OUT: TransferTimeout}
+
+
+@dataclass
+class _Peer:
+    store: dist.Store
+    channel: PairChannel
+
+
+@dataclass
+class SendHandle:
+    request_id: str
+    peer: _Peer
+    seq: int
+    src_index: torch.Tensor  # the sender's blocks to send, in the receiver's order
+    started: float
+    layers_sent: int = 0
+    bytes_sent: int = 0
+    works: list = field(default_factory=list)  # in-flight sends; they own their buffers
+    closed: bool = False
+
+
+class KVSender:
+    def __init__(self, sender_id: str, kv_caches: list[torch.Tensor],
+                 config: TransferConfig = TransferConfig()):
+        self.sender_id = sender_id
+        self.kv_caches = kv_caches
+        self.layout = KVLayout.of(kv_caches)
+        self.config = config
+        self.device = kv_caches[0].device
+        self._incarnation = uuid.uuid4().hex[:8]
+        self._connections = 0
+        self._peers: dict[str, _Peer] = {}
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def begin(self, request_id: str, receiver_address: str, src_block_ids: list[int],
+              dst_block_ids: list[int], num_cached_blocks: int = 0) -> SendHandle:
+        """Handshake for one request. `src_block_ids` / `dst_block_ids` cover the whole
+        request on each side; the first `num_cached_blocks` are held by the receiver
+        already and are skipped."""
+        if len(src_block_ids) != len(dst_block_ids):
+            raise ValueError(f"request {request_id}: {len(src_block_ids)} source blocks but "
+                             f"{len(dst_block_ids)} destination blocks")
+        if not 0 <= num_cached_blocks <= len(src_block_ids):
+            raise ValueError(f"request {request_id}: num_cached_blocks out of range")
+        peer = self._peer(receiver_address)
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        hs = P.Handshake(request_id, list(dst_block_ids[num_cached_blocks:]), num_cached_blocks,
+                         self.layout.to_dict())
+        payload = hs.encode()
+        handle = SendHandle(request_id, peer, seq,
+                            torch.tensor(src_block_ids[num_cached_blocks:], device=self.device),
+                            time.monotonic())
+        self._send(handle, [P.header(P.BEGIN, seq, 0, payload.numel()), payload])
+        return handle
+
+    def send_layer(self, handle: SendHandle, layer: int) -> None:
+        if handle.closed:
+            return
+        cache = self.kv_caches[layer]
+        if self._stream is not None:
+            # Gather on a side stream once the compute stream has written this layer.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                buffer = cache.index_select(1, handle.src_index)
+            self._stream.synchronize()
+        else:
+            buffer = cache.index_select(1, handle.src_index)  # [2, n, block, Hkv, D]
+        data = buffer.view(-1).view(torch.uint8)
+        handle.bytes_sent += data.numel()
+        handle.layers_sent += 1
+        # Completed sends release their buffers now rather than at finish().
+        handle.works = [w for w in handle.works if not w.is_completed()]
+        self._send(handle, [P.header(P.LAYER, handle.seq, layer, data.numel()), data])
+
+    def finish(self, handle: SendHandle, timeout: float | None = None) -> SendHandle:
+        """Wait until the receiver confirms every layer landed; typed error otherwise."""
+        if handle.layers_sent != self.layout.num_layers:
+            raise ValueError(f"request {handle.request_id}: finish() after "
+                             f"{handle.layers_sent}/{self.layout.num_layers} layers")
+        deadline = handle.started + (self.config.timeout_s if timeout is None else timeout)
+        key = P.ack_key(handle.peer.channel.pair, handle.seq)
+        try:
+            try:
+                self._settle(handle, deadline)
+                handle.peer.store.wait([key], _remaining(deadline))
+            except Exception as exc:
+                if not _is_timeout(exc):
+                    raise
+                self._drop_peer(handle.peer)  # a timed-out gloo op closes the pair
+                raise TransferTimeout(handle.request_id, "the receiver did not confirm "
+                                      "within the timeout") from None
+            reason, message = P.decode_ack(handle.peer.store.get(key))
+            handle.peer.store.delete_key(key)
+        except KVTransferError:
+            self._close(handle)
+            raise
+        except Exception as exc:
+            self._drop_peer(handle.peer)
+            self._close(handle)
+            raise PeerLostError(handle.request_id, f"receiver lost: {exc}") from None
+        self._close(handle)
+        if reason != P.ACK_OK:
+            raise _ACK_ERRORS.get(reason, KVTransferError)(handle.request_id, message)
+        return handle
+
+    def abort(self, handle: SendHandle) -> None:
+        """Give up on a transfer: the receiver releases its blocks; buffers are dropped."""
+        if handle.closed:
+            return
+        try:
+            self._send(handle, [P.header(P.ABORT, handle.seq)])
+            self._settle(handle, time.monotonic() + self.config.timeout_s)
+        except Exception:
+            self._drop_peer(handle.peer)  # the receiver's side fails on its own
+        self._close(handle)
+
+    def close(self) -> None:
+        for peer in list(self._peers.values()):
+            peer.channel.close()
+        self._peers.clear()
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _send(self, handle: SendHandle, messages: list[torch.Tensor]) -> None:
+        try:
+            handle.works.extend(handle.peer.channel.send(messages))
+        except Exception as exc:
+            self._drop_peer(handle.peer)
+            self._close(handle)
+            raise PeerLostError(handle.request_id, f"send failed: {exc}") from None
+
+    def _settle(self, handle: SendHandle, deadline: float) -> None:
+        """Wait for in-flight sends: a Work owns its tensor, and dropping it early
+        would free bytes gloo is still sending."""
+        while handle.works:
+            handle.works[0].wait(_remaining(deadline))
+            handle.works.pop(0)
+
+    def _close(self, handle: SendHandle) -> None:
+        # Only after the sends settled, or once the pair is dropped (nothing in flight).
+        handle.closed = True
+        handle.works.clear()
+
+    def _peer(self, address: str) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is None:
+            peer = self._peers[address] = self._connect(address)
+        return peer
+
+    def _connect(self, address: str) -> _Peer:
+        host, port = address.rsplit(":", 1)
+        timeout = datetime.timedelta(seconds=self.config.connect_timeout_s)
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+            theirs = KVLayout(**json.loads(store.get(P.LAYOUT_KEY)))
+            device = json.loads(store.get(P.DEVICE_KEY))
+        except Exception as exc:
+            raise PeerLostError(None, f"cannot reach receiver at {address}: {exc}") from None
+        diffs = self.layout.differences(theirs)
+        if diffs:
+            raise LayoutMismatchError(None, f"receiver at {address} has another KV layout: "
+                                      + "; ".join(diffs))
+        backend = choose_backend(self.config.backend, device_descriptor(self.device), device)
+        self._connections += 1  # a reconnect must not meet the old pair's store keys
+        pair = f"{self.sender_id}-{self._incarnation}-{self._connections}"
+        index = store.add(P.JOIN_COUNTER, 1)
+        store.set(P.join_key(index), P.JoinRecord(self.sender_id, pair, backend).encode())
+        try:
+            channel = PairChannel(store, pair, SENDER_RANK, backend, self.device,
+                                  self.config.connect_timeout_s)
+        except Exception as exc:
+            raise PeerLostError(None, f"pair rendezvous with {address} failed: {exc}") from None
+        return _Peer(store, channel)
+
+    def _drop_peer(self, peer: _Peer) -> None:
+        for address, known in list(self._peers.items()):
+            if known is peer:
+                del self._peers[address]
+                peer.channel.close()
+
+
+def _remaining(deadline: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+
+
+def _is_timeout(exc: Exception) -> bool:
+    return "timeout" in str(exc).lower() or "timed out" in str(exc).lower()

@@ -1,0 +1,130 @@
+"""Worker processes holding a real KV cache and a KVSender or KVReceiver, driven over a
+pipe so a test can run several sides at once. Sender caches hold seeded random data the
+test can recompute; receiver caches start at zero."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer import KVReceiver, KVSender, TransferConfig
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    num_layers: int = 3
+    num_blocks: int = 32
+    block_size: int = 16
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    dtype: str = "float32"
+
+    def layer_shape(self):
+        return (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+def sender_cache(spec: CacheSpec, seed: int) -> list[torch.Tensor]:
+    dtype = getattr(torch, spec.dtype)
+    return [torch.randn(spec.layer_shape(), generator=torch.Generator().manual_seed(seed * 100 + i))
+            .to(dtype) for i in range(spec.num_layers)]
+
+
+def _main(role: str, name: str, spec: CacheSpec, seed: int, config: TransferConfig, conn):
+    torch.set_num_threads(1)
+    dtype = getattr(torch, spec.dtype)
+    released: list[str] = []
+    if role == "receiver":
+        caches = [torch.zeros(spec.layer_shape(), dtype=dtype) for _ in range(spec.num_layers)]
+        side = KVReceiver(caches, config, on_release=released.append)
+        conn.send(side.address)
+    else:
+        caches = sender_cache(spec, seed)
+        side = KVSender(name, caches, config)
+        conn.send(None)
+    while True:
+        command, args = conn.recv()
+        try:
+            conn.send(("ok", _COMMANDS[command](side, caches, released, *args)))
+        except Exception as exc:
+            conn.send(("err", (type(exc).__name__, str(exc))))
+
+
+def _transfer(sender: KVSender, caches, released, jobs, layer_delay=0.0, stop_after=None,
+              then="finish"):
+    """Interleaved transfers: begin all jobs, send layer by layer round-robin."""
+    handles = [sender.begin(*job) for job in jobs]
+    for layer in range(len(caches)):
+        if stop_after is not None and layer == stop_after:
+            if then == "abort":
+                for h in handles:
+                    sender.abort(h)
+                return "aborted"
+            time.sleep(3600)  # hang mid-transfer until the test kills this process
+        for h in handles:
+            sender.send_layer(h, layer)
+        time.sleep(layer_delay)
+    return [sender.finish(h).bytes_sent for h in handles]
+
+
+def _blocks(receiver: KVReceiver, caches, released, block_ids):
+    return [c[:, block_ids].clone() for c in caches]
+
+
+_COMMANDS = {
+    "transfer": _transfer,
+    "expect": lambda r, c, rel, *a: r.expect(*a),
+    "wait": lambda r, c, rel, *a: r.wait(*a),
+    "abort": lambda r, c, rel, rid: r.abort(rid),
+    "blocks": _blocks,
+    "released": lambda r, c, rel: list(rel),
+    "bytes_received": lambda r, c, rel: r.bytes_received,
+    "pending": lambda r, c, rel: r.num_pending,
+}
+
+
+class RemoteError(Exception):
+    def __init__(self, kind: str, message: str):
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class Worker:
+    def __init__(self, role: str, name: str, spec: CacheSpec = CacheSpec(), seed: int = 0,
+                 config: TransferConfig = TransferConfig(timeout_s=10, connect_timeout_s=20)):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_main, args=(role, name, spec, seed, config, child),
+                                   daemon=True)
+        self.process.start()
+        self.address = self._reply(60)
+        self.spec, self.seed = spec, seed
+
+    def call(self, command: str, *args, timeout: float = 60):
+        self.start(command, *args)
+        return self.result(timeout)
+
+    def start(self, command: str, *args) -> None:
+        self.conn.send((command, args))
+
+    def result(self, timeout: float = 60):
+        status, value = self._reply(timeout)
+        if status == "err":
+            raise RemoteError(*value)
+        return value
+
+    def _reply(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"worker gave no answer within {timeout}s")
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        os.kill(self.process.pid, 9)
+        self.process.join(10)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)

@@ -1,0 +1,209 @@
+"""kv_transfer between real processes over real torch.distributed (gloo) pairs."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kv_transfer import KVLayout
+from tests.kv_transfer.harness import CacheSpec, RemoteError, Worker, sender_cache
+
+SPEC = CacheSpec()
+
+
+def expected_blocks(spec: CacheSpec, seed: int, src_blocks: list[int]) -> list[torch.Tensor]:
+    return [c[:, src_blocks] for c in sender_cache(spec, seed)]
+
+
+def assert_landed(receiver: Worker, sender: Worker, src: list[int], dst: list[int]) -> None:
+    got = receiver.call("blocks", dst)
+    want = expected_blocks(sender.spec, sender.seed, src)
+    for layer, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"layer {layer} differs"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    receiver, sender = Worker("receiver", "r0"), Worker("sender", "s0", seed=7)
+    yield receiver, sender
+    receiver.stop()
+    sender.stop()
+
+
+@pytest.mark.parametrize("spec", [
+    CacheSpec(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype="float32"),
+    CacheSpec(num_layers=3, block_size=8, num_kv_heads=1, head_dim=128, dtype="bfloat16"),
+    CacheSpec(num_layers=4, block_size=32, num_kv_heads=4, head_dim=32, dtype="bfloat16"),
+])
+def test_scattered_blocks_arrive_bitwise_equal(spec):
+    receiver, sender = Worker("receiver", "r", spec), Worker("sender", "s", spec, seed=3)
+    try:
+        src, dst = [5, 1, 17, 30, 2], [9, 20, 3, 11, 0]
+        receiver.call("expect", "req", dst)
+        assert sender.call("transfer", [("req", receiver.address, src, dst)]) == [
+            len(src) * KVLayout(spec.num_layers, spec.block_size, spec.num_kv_heads,
+                                spec.head_dim, spec.dtype).block_bytes_per_layer * spec.num_layers]
+        receiver.call("wait", "req")
+        assert_landed(receiver, sender, src, dst)
+        untouched = [b for b in range(spec.num_blocks) if b not in dst]
+        assert all(not t.any() for t in receiver.call("blocks", untouched))
+    finally:
+        receiver.stop()
+        sender.stop()
+
+
+def test_blocks_the_receiver_holds_are_not_sent(pair):
+    receiver, sender = pair
+    src, dst, cached = [3, 4, 5, 6, 7, 8], [10, 11, 12, 13, 14, 15], 4
+    receiver.call("expect", "prefix", dst[cached:], cached)
+    before = receiver.call("bytes_received")
+    block_bytes = KVLayout(SPEC.num_layers, SPEC.block_size, SPEC.num_kv_heads,
+                           SPEC.head_dim, SPEC.dtype).block_bytes_per_layer
+    sent = sender.call("transfer", [("prefix", receiver.address, src, dst, cached)])
+    receiver.call("wait", "prefix")
+    assert sent == [2 * block_bytes * SPEC.num_layers]
+    payload = receiver.call("bytes_received") - before
+    assert 2 * block_bytes * SPEC.num_layers <= payload < 3 * block_bytes * SPEC.num_layers
+    assert_landed(receiver, sender, src[cached:], dst[cached:])
+    assert all(not t.any() for t in receiver.call("blocks", dst[:cached]))
+
+
+def test_layout_mismatch_is_refused_with_what_differs():
+    receiver = Worker("receiver", "r", CacheSpec(head_dim=32, dtype="bfloat16"))
+    sender = Worker("sender", "s", CacheSpec(head_dim=64, dtype="float32"))
+    try:
+        receiver.call("expect", "req", [1, 2])
+        with pytest.raises(RemoteError) as err:
+            sender.call("transfer", [("req", receiver.address, [1, 2], [1, 2])])
+        assert err.value.kind == "LayoutMismatchError"
+        assert "head_dim: 64 here vs 32 there" in str(err.value)
+        assert "dtype: float32 here vs bfloat16 there" in str(err.value)
+    finally:
+        receiver.stop()
+        sender.stop()
+
+
+def test_unexpected_request_is_refused_and_the_pair_keeps_working(pair):
+    receiver, sender = pair
+    with pytest.raises(RemoteError) as err:
+        sender.call("transfer", [("nobody-reserved", receiver.address, [1], [2])])
+    assert err.value.kind == "TransferRefused" and "not expected" in str(err.value)
+    receiver.call("expect", "after", [2, 3])
+    sender.call("transfer", [("after", receiver.address, [8, 9], [2, 3])])
+    receiver.call("wait", "after")
+    assert_landed(receiver, sender, [8, 9], [2, 3])
+
+
+def test_two_senders_two_receivers_interleaved_and_a_late_joiner():
+    receivers = [Worker("receiver", f"r{i}") for i in range(2)]
+    senders = [Worker("sender", f"s{i}", seed=10 + i) for i in range(2)]
+    late = None
+    try:
+        jobs = {}  # (sender, receiver) -> (request id, src, dst)
+        for si, s in enumerate(senders):
+            for ri, r in enumerate(receivers):
+                rid = f"s{si}-r{ri}"
+                src = [si * 8 + ri * 4 + k for k in range(3)]
+                dst = [si * 12 + ri * 3 + k for k in range(3)]
+                jobs[si, ri] = (rid, src, dst)
+                r.call("expect", rid, dst)
+        for si, s in enumerate(senders):  # both senders stream at once, slowly
+            s.start("transfer", [(jobs[si, ri][0], receivers[ri].address, jobs[si, ri][1],
+                                  jobs[si, ri][2]) for ri in range(2)], 0.3)
+        late = Worker("sender", "late", seed=99)  # joins while the others stream
+        receivers[0].call("expect", "late", [30, 31])
+        late.call("transfer", [("late", receivers[0].address, [0, 1], [30, 31])])
+        for s in senders:
+            s.result()
+        for (si, ri), (rid, src, dst) in jobs.items():
+            receivers[ri].call("wait", rid)
+            assert_landed(receivers[ri], senders[si], src, dst)
+        receivers[0].call("wait", "late")
+        assert_landed(receivers[0], late, [0, 1], [30, 31])
+    finally:
+        for w in receivers + senders + ([late] if late else []):
+            w.stop()
+
+
+def test_sender_killed_mid_transfer_frees_the_receivers_blocks():
+    receiver, sender = Worker("receiver", "r"), Worker("sender", "s")
+    try:
+        receiver.call("expect", "doomed", [4, 5, 6])
+        sender.start("transfer", [("doomed", receiver.address, [1, 2, 3], [4, 5, 6])], 0.0, 1,
+                     "hang")
+        time.sleep(1.5)  # layer 0 is on its way; the sender now hangs
+        sender.kill()
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as err:
+            receiver.call("wait", "doomed")
+        assert err.value.kind == "PeerLostError"
+        assert time.monotonic() - t0 < 10  # within the transfer timeout
+        assert receiver.call("released") == ["doomed"]
+        assert receiver.call("pending") == 0
+    finally:
+        receiver.stop()
+        sender.stop()
+
+
+def test_receiver_killed_mid_transfer_gives_the_sender_a_typed_error():
+    receiver, sender = Worker("receiver", "r"), Worker("sender", "s")
+    try:
+        receiver.call("expect", "orphan", [4, 5, 6])
+        sender.start("transfer", [("orphan", receiver.address, [1, 2, 3], [4, 5, 6])], 1.0)
+        time.sleep(0.5)
+        receiver.kill()
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as err:
+            sender.result(timeout=30)
+        assert err.value.kind in ("PeerLostError", "TransferTimeout")
+        assert time.monotonic() - t0 < 12
+    finally:
+        receiver.stop()
+        sender.stop()
+
+
+def test_sender_abort_mid_transfer_releases_blocks_and_keeps_the_pair(pair):
+    receiver, sender = pair
+    receiver.call("expect", "quit", [20, 21])
+    assert sender.call("transfer", [("quit", receiver.address, [1, 2], [20, 21])], 0.0, 1,
+                       "abort") == "aborted"
+    with pytest.raises(RemoteError) as err:
+        receiver.call("wait", "quit")
+    assert err.value.kind == "TransferAborted"
+    assert "quit" in receiver.call("released")
+    receiver.call("expect", "next", [20, 21])
+    sender.call("transfer", [("next", receiver.address, [6, 7], [20, 21])])
+    receiver.call("wait", "next")
+    assert_landed(receiver, sender, [6, 7], [20, 21])
+
+
+def test_receiver_abort_mid_transfer_reaches_the_sender(pair):
+    receiver, sender = pair
+    receiver.call("expect", "cancel", [24, 25])
+    sender.start("transfer", [("cancel", receiver.address, [1, 2], [24, 25])], 0.5)
+    time.sleep(0.6)
+    receiver.call("abort", "cancel")
+    with pytest.raises(RemoteError) as err:
+        sender.result()
+    assert err.value.kind == "TransferAborted"
+    assert "cancel" in receiver.call("released")
+    receiver.call("expect", "then", [24, 25])  # the pair survived the abort
+    sender.call("transfer", [("then", receiver.address, [3, 4], [24, 25])])
+    receiver.call("wait", "then")
+    assert_landed(receiver, sender, [3, 4], [24, 25])
+
+
+def test_nothing_arrives_within_the_timeout():
+    from kv_transfer import TransferConfig
+    receiver = Worker("receiver", "r", config=TransferConfig(timeout_s=1.0))
+    try:
+        receiver.call("expect", "never", [1, 2])
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as err:
+            receiver.call("wait", "never", 5.0)
+        assert err.value.kind == "TransferTimeout"
+        assert time.monotonic() - t0 < 3
+        assert receiver.call("released") == ["never"]
+    finally:
+        receiver.stop()
