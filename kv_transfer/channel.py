@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 RECEIVER_RANK, SENDER_RANK = 0, 1
-_TAG = 0  # one ordered stream per pair
+CONTROL_TAG = 0  # the ordered stream of headers and handshakes
 # An idle pair waits for its next header indefinitely: a gloo recv that times out
 # closes the pair. Transfer deadlines are enforced above this layer; a dead peer
 # surfaces at once as a closed connection.
@@ -41,15 +41,19 @@ class PairChannel:
     def wire_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
-    def send(self, messages: list[torch.Tensor]) -> list:
-        """Queue tensors in order, atomically with respect to other senders on this
-        pair; returns their Work handles (async: the caller keeps computing)."""
+    def send(self, messages: list[torch.Tensor], tag: int = CONTROL_TAG) -> list:
+        """Queue tensors in order on `tag`, atomically with respect to other senders on
+        this pair; returns their Work handles (async: the caller keeps computing)."""
         with self._send_lock:
-            return [self.pg.send([self._to_wire(t)], self.peer, _TAG) for t in messages]
+            return [self.pg.send([self._to_wire(t)], self.peer, tag) for t in messages]
 
-    def recv(self, buffer: torch.Tensor) -> None:
-        """Blocking receive of the next message into `buffer` (on the wire device)."""
-        self.pg.recv([buffer], self.peer, _TAG).wait()
+    def recv(self, buffer: torch.Tensor, tag: int = CONTROL_TAG) -> None:
+        """Blocking receive of the next message on `tag` into `buffer` (wire device)."""
+        self.pg.recv([buffer], self.peer, tag).wait()
+
+    def post_recv(self, buffer: torch.Tensor, tag: int):
+        """Post a receive now, complete later: data flows without a round trip."""
+        return self.pg.recv([buffer], self.peer, tag)
 
     def _to_wire(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.wire_device) if t.device != self.wire_device else t

@@ -1,16 +1,21 @@
 """The wire protocol of one sender -> receiver pair.
 
-Data: one ordered stream per pair. Every message is a header tensor
-int64[4] = [kind, seq, layer, nbytes] followed, when nbytes > 0, by a uint8 payload.
-  BEGIN  payload: the handshake (json of `Handshake`)
-  LAYER  payload: layer `layer` of the transfer's blocks, [2, n, block, Hkv, D] bytes
-  ABORT  no payload: the sender gave up on the transfer
-The receiver drains every payload even for a refused or aborted transfer, so one
-transfer's failure never desynchronizes the pair for the others.
+Control (tag 0, one ordered stream): a header int64[4] = [BEGIN, seq, 0, nbytes],
+then the handshake (json of `Handshake`) as a uint8 payload of nbytes.
+Data (tag `data_tag(seq)`): exactly num_layers payloads, layer 0 first, each the
+transfer's blocks of one layer, [2, n, block, Hkv, D] bytes, then an int64 trailer:
+LAYER_DATA, or LAYER_ABORT for scratch padding. On BEGIN the receiver posts all of
+them at once, so layers flow without a round trip each. Posted receives cannot be
+withdrawn, so every transfer's layers are always delivered in full: an aborting
+sender pads the rest (the trailer says so, in the same ordered stream), and the
+receiver drains what it refused. One transfer's failure never desynchronizes the
+pair for the others.
+
+Status (receiver -> sender, tag `ack_tag(seq)`): exactly one int64[1] per BEGIN,
+OK, REFUSED, ABORTED or TIMED_OUT. The sender posts its receive before BEGIN.
 
 Control: the receiver's TCPStore. `layout` and `device` describe the receiver; a new
-pair registers under `join/<n>`; the receiver answers each transfer under
-`ack/<pair>/<seq>` with "ok" or "<reason>:<message>".
+pair registers under `join/<n>`; a failure's message waits under `reason/<pair>/<seq>`.
 """
 from __future__ import annotations
 
@@ -21,11 +26,20 @@ import torch
 
 from kv_transfer.layout import KVLayout
 
-BEGIN, LAYER, ABORT = 1, 2, 3
+BEGIN = 1
 HEADER_LEN = 4
+LAYER_DATA, LAYER_ABORT = 1, 0
+TRAILER_BYTES = 8
+OK, REFUSED, ABORTED, TIMED_OUT = 0, 1, 2, 3
+_TAG_SPACE = 1 << 29
 
-ACK_OK = "ok"
-REFUSED, ABORTED, TIMED_OUT = "refused", "aborted", "timeout"
+
+def data_tag(seq: int) -> int:
+    return 1 + seq % _TAG_SPACE
+
+
+def ack_tag(seq: int) -> int:
+    return 1 + _TAG_SPACE + seq % _TAG_SPACE
 
 LAYOUT_KEY = "layout"
 DEVICE_KEY = "device"
@@ -36,8 +50,8 @@ def join_key(index: int) -> str:
     return f"join/{index}"
 
 
-def ack_key(pair: str, seq: int) -> str:
-    return f"ack/{pair}/{seq}"
+def reason_key(pair: str, seq: int) -> str:
+    return f"reason/{pair}/{seq}"
 
 
 def header(kind: int, seq: int, layer: int = 0, nbytes: int = 0) -> torch.Tensor:
@@ -62,6 +76,10 @@ class Handshake:
     def kv_layout(self) -> KVLayout:
         return KVLayout(**self.layout)
 
+    @property
+    def message_bytes(self) -> int:
+        return len(self.block_ids) * self.kv_layout.block_bytes_per_layer + TRAILER_BYTES
+
 
 @dataclass(frozen=True)
 class JoinRecord:
@@ -75,12 +93,3 @@ class JoinRecord:
     @classmethod
     def decode(cls, raw: bytes) -> "JoinRecord":
         return cls(**json.loads(raw))
-
-
-def encode_ack(reason: str, message: str = "") -> str:
-    return reason if reason == ACK_OK else f"{reason}:{message}"
-
-
-def decode_ack(raw: bytes) -> tuple[str, str]:
-    reason, _, message = raw.decode().partition(":")
-    return reason, message

@@ -1,8 +1,8 @@
 """The decode side: publishes a rendezvous address, accepts pairs, scatters layers.
 
-A transfer's life: expect() (blocks reserved) -> BEGIN validated -> LAYER x num_layers
-scattered into the reserved blocks -> done (ack "ok"). A refusal, an ABORT, the
-deadline or a lost peer ends it instead: `on_release(request_id)` hands the reserved
+A transfer's life: expect() (blocks reserved) -> BEGIN validated, one receive posted per
+layer -> each layer scattered into the reserved blocks as it lands -> done (status OK).
+A refusal, an abort (either side), the deadline or a lost peer ends it instead: `on_release(request_id)` hands the reserved
 blocks back to their owner and waiters get a typed error.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer import protocol as P
+from kv_transfer.buffer_pool import BufferPool
 from kv_transfer.channel import RECEIVER_RANK, PairChannel, device_descriptor
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import (KVTransferError, PeerLostError, TransferAborted,
@@ -36,6 +37,7 @@ class _Incoming:
     pair: str | None = None
     seq: int | None = None
     layers_landed: int = 0
+    settled: bool = False  # claimed under the lock by the one path that ends it
     error: KVTransferError | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -55,6 +57,7 @@ class KVReceiver:
         self.store.set(P.LAYOUT_KEY, json.dumps(self.layout.to_dict()))
         self.store.set(P.DEVICE_KEY, json.dumps(device_descriptor(self.device)))
         self.bytes_received = 0
+        self._staging = BufferPool()  # layer receive buffers, reused once scattered
         self._lock = threading.Lock()
         self._by_request: dict[str, _Incoming] = {}
         self._by_seq: dict[tuple[str, int], _Incoming] = {}
@@ -140,59 +143,78 @@ class KVReceiver:
             return  # the sender gave up before the rendezvous finished
         self._pairs[record.pair] = channel
         head = torch.empty(P.HEADER_LEN, dtype=torch.int64, device=channel.wire_device)
-        staging = torch.empty(0, dtype=torch.uint8, device=channel.wire_device)
         try:
             while not self._closed.is_set():
                 channel.recv(head)
-                kind, seq, layer, nbytes = head.tolist()
-                if nbytes > staging.numel():
-                    staging = torch.empty(nbytes, dtype=torch.uint8, device=channel.wire_device)
-                payload = staging[:nbytes]
-                if nbytes:
-                    channel.recv(payload)
-                    self.bytes_received += nbytes
-                self._on_message(channel, kind, seq, layer, payload)
+                kind, seq, _, nbytes = head.tolist()
+                if kind != P.BEGIN:
+                    raise RuntimeError(f"unknown control message {kind}")
+                payload = torch.empty(nbytes, dtype=torch.uint8, device=channel.wire_device)
+                channel.recv(payload)
+                self._begin(channel, seq, P.Handshake.decode(payload.cpu()))
         except Exception as exc:  # the sender died or closed the pair
             self._pair_lost(record.pair, exc)
         finally:
             self._pairs.pop(record.pair, None)
             channel.close()
 
-    def _on_message(self, channel: PairChannel, kind: int, seq: int, layer: int,
-                    payload: torch.Tensor) -> None:
-        if kind == P.BEGIN:
-            self._begin(channel.pair, seq, P.Handshake.decode(payload.cpu()))
-            return
-        incoming = self._by_seq.get((channel.pair, seq))
-        if kind == P.ABORT:
-            if incoming is not None:
-                self._fail(incoming, TransferAborted(incoming.request_id,
-                                                     "aborted by the sender"), P.ABORTED)
-            return
-        if incoming is None or incoming.done.is_set():
-            return  # refused, aborted or timed out: drained and dropped
+    def _collect(self, incoming: _Incoming | None, works: list, buffers: list) -> None:
+        """Lands each layer as its posted receive completes. `incoming` is None for a
+        refused transfer, whose layers are drained and dropped."""
+        for layer, work in enumerate(works):
+            try:
+                work.wait()
+            except Exception as exc:
+                if incoming is not None:
+                    self._fail(incoming, PeerLostError(
+                        incoming.request_id, f"sender connection lost: {exc}"), None)
+                return
+            buffer, buffers[layer] = buffers[layer], None
+            self.bytes_received += buffer.numel()
+            try:
+                if incoming is None or incoming.done.is_set():
+                    continue  # drained and dropped
+                data, trailer = buffer[:-P.TRAILER_BYTES], buffer[-P.TRAILER_BYTES:]
+                if int(trailer.cpu().clone().view(torch.int64)[0]) != P.LAYER_DATA:
+                    self._fail(incoming, TransferAborted(incoming.request_id,
+                                                         "aborted by the sender"), P.ABORTED)
+                else:
+                    self._land(incoming, layer, data)
+            finally:
+                self._staging.put(buffer)
+
+    def _land(self, incoming: _Incoming, layer: int, payload: torch.Tensor) -> None:
         with self._lock:
-            if incoming.done.is_set():
+            if incoming.settled:
                 return
             self._scatter(incoming, layer, payload)
             incoming.layers_landed += 1
             complete = incoming.layers_landed == self.layout.num_layers
+            incoming.settled = complete
         if complete:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-            self._finish(incoming, None, P.ACK_OK)
+            self._finish(incoming, None, P.OK)
 
-    def _begin(self, pair: str, seq: int, hs: P.Handshake) -> None:
+    def _begin(self, channel: PairChannel, seq: int, hs: P.Handshake) -> None:
+        pair = channel.pair
         problem = self._check(hs)
         incoming = self._by_request.get(hs.request_id)
         if problem is not None:
-            self.store.set(P.ack_key(pair, seq), P.encode_ack(P.REFUSED, problem))
+            self._send_status(pair, seq, P.REFUSED, problem)
             if incoming is not None and incoming.pair is None:
                 self._fail(incoming, TransferRefused(hs.request_id, problem), None)
-            return
-        with self._lock:
-            incoming.pair, incoming.seq = pair, seq
-            self._by_seq[(pair, seq)] = incoming
+            incoming = None
+        else:
+            with self._lock:
+                incoming.pair, incoming.seq = pair, seq
+                self._by_seq[(pair, seq)] = incoming
+        num_layers = hs.kv_layout.num_layers  # the sender's count: drain what it sends
+        buffers = [self._staging.get(hs.message_bytes, channel.wire_device)
+                   for _ in range(num_layers)]
+        works = [channel.post_recv(b, P.data_tag(seq)) for b in buffers]
+        threading.Thread(target=self._collect, args=(incoming, works, buffers),
+                         daemon=True).start()
 
     def _check(self, hs: P.Handshake) -> str | None:
         diffs = self.layout.differences(hs.kv_layout)
@@ -234,23 +256,33 @@ class KVReceiver:
 
     # ---- endings -------------------------------------------------------------------
 
-    def _fail(self, incoming: _Incoming, error: KVTransferError, ack: str | None) -> None:
+    def _fail(self, incoming: _Incoming, error: KVTransferError, status: int | None) -> None:
         with self._lock:
-            if incoming.done.is_set():
+            if incoming.settled:
                 return
+            incoming.settled = True
             incoming.error = error
-        self._finish(incoming, error, ack)
+        self._finish(incoming, error, status)
         if self.on_release is not None:
             self.on_release(incoming.request_id)
 
-    def _finish(self, incoming: _Incoming, error, ack: str | None) -> None:
-        if ack is not None and incoming.pair is not None:
-            try:
-                self.store.set(P.ack_key(incoming.pair, incoming.seq),
-                               P.encode_ack(ack, str(error) if error else ""))
-            except Exception:
-                pass  # store shutting down
+    def _finish(self, incoming: _Incoming, error, status: int | None) -> None:
+        if status is not None and incoming.pair is not None:
+            self._send_status(incoming.pair, incoming.seq, status, str(error) if error else "")
         incoming.done.set()
+
+    def _send_status(self, pair: str, seq: int, status: int, message: str) -> None:
+        """The one status reply a BEGIN gets; a failure's message goes to the store."""
+        channel = self._pairs.get(pair)
+        if channel is None:
+            return  # the pair is gone: the sender fails on its own
+        try:
+            if status != P.OK:
+                self.store.set(P.reason_key(pair, seq), message)
+            work, = channel.send([torch.tensor([status], dtype=torch.int64)], P.ack_tag(seq))
+            work.wait(datetime.timedelta(seconds=self.config.connect_timeout_s))
+        except Exception:
+            pass  # the sender went away; nothing is owed to it any more
 
     def _forget(self, incoming: _Incoming) -> None:
         with self._lock:

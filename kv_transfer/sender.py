@@ -21,14 +21,16 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer import protocol as P
-from kv_transfer.channel import SENDER_RANK, PairChannel, choose_backend, device_descriptor
+from kv_transfer.buffer_pool import BufferPool
+from kv_transfer.channel import (CONTROL_TAG, SENDER_RANK, PairChannel, choose_backend,
+                                 device_descriptor)
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import (KVTransferError, LayoutMismatchError, PeerLostError,
                                 TransferAborted, TransferRefused, TransferTimeout)
 from kv_transfer.layout import KVLayout
 
-_ACK_ERRORS = {P.REFUSED: TransferRefused, P.ABORTED: TransferAborted,
-               P.TIMED_OUT: TransferTimeout}
+_STATUS_ERRORS = {P.REFUSED: TransferRefused, P.ABORTED: TransferAborted,
+                  P.TIMED_OUT: TransferTimeout}
 
 
 @dataclass
@@ -44,9 +46,12 @@ class SendHandle:
     seq: int
     src_index: torch.Tensor  # the sender's blocks to send, in the receiver's order
     started: float
+    status: torch.Tensor  # int64[1], filled by the receiver's one reply
+    status_work: object  # its posted receive
     layers_sent: int = 0
     bytes_sent: int = 0
-    works: list = field(default_factory=list)  # in-flight sends; they own their buffers
+    works: list = field(default_factory=list)  # in-flight sends (each owns its tensor)
+    pooled: list = field(default_factory=list)  # (work, buffer): back to the pool once sent
     closed: bool = False
 
 
@@ -64,6 +69,7 @@ class KVSender:
         self._seq = 0
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._pool = BufferPool()  # layer messages, reused once sent
 
     def begin(self, request_id: str, receiver_address: str, src_block_ids: list[int],
               dst_block_ids: list[int], num_cached_blocks: int = 0) -> SendHandle:
@@ -82,30 +88,45 @@ class KVSender:
         hs = P.Handshake(request_id, list(dst_block_ids[num_cached_blocks:]), num_cached_blocks,
                          self.layout.to_dict())
         payload = hs.encode()
+        status = torch.full((1,), -1, dtype=torch.int64)
+        try:
+            status_work = peer.channel.post_recv(status, P.ack_tag(seq))
+        except Exception as exc:
+            self._drop_peer(peer)
+            raise PeerLostError(request_id, f"receiver lost: {exc}") from None
         handle = SendHandle(request_id, peer, seq,
                             torch.tensor(src_block_ids[num_cached_blocks:], device=self.device),
-                            time.monotonic())
+                            time.monotonic(), status, status_work)
         self._send(handle, [P.header(P.BEGIN, seq, 0, payload.numel()), payload])
         return handle
 
     def send_layer(self, handle: SendHandle, layer: int) -> None:
         if handle.closed:
             return
+        if layer != handle.layers_sent:
+            raise ValueError(f"request {handle.request_id}: layer {layer} sent out of order "
+                             f"(expected {handle.layers_sent})")
         cache = self.kv_caches[layer]
-        if self._stream is not None:
-            # Gather on a side stream once the compute stream has written this layer.
+        wire = handle.peer.channel.wire_device
+        message, data = self._layer_message(handle, P.LAYER_DATA, wire)
+        gathered = data.view(cache.dtype).view(2, len(handle.src_index), *cache.shape[2:])
+        if self._stream is None:
+            torch.index_select(cache, 1, handle.src_index, out=gathered)  # [2, n, block, Hkv, D]
+        else:
+            # Gather on a side stream once the compute stream has written this layer;
+            # for gloo the gathered blocks then move to host memory in one copy.
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                buffer = cache.index_select(1, handle.src_index)
+                if wire == cache.device:
+                    torch.index_select(cache, 1, handle.src_index, out=gathered)
+                else:
+                    gathered.copy_(cache.index_select(1, handle.src_index))
             self._stream.synchronize()
-        else:
-            buffer = cache.index_select(1, handle.src_index)  # [2, n, block, Hkv, D]
-        data = buffer.view(-1).view(torch.uint8)
         handle.bytes_sent += data.numel()
         handle.layers_sent += 1
-        # Completed sends release their buffers now rather than at finish().
-        handle.works = [w for w in handle.works if not w.is_completed()]
-        self._send(handle, [P.header(P.LAYER, handle.seq, layer, data.numel()), data])
+        self._recycle(handle)
+        self._send(handle, [message], P.data_tag(handle.seq))
+        handle.pooled.append((handle.works[-1], message))
 
     def finish(self, handle: SendHandle, timeout: float | None = None) -> SendHandle:
         """Wait until the receiver confirms every layer landed; typed error otherwise."""
@@ -113,19 +134,18 @@ class KVSender:
             raise ValueError(f"request {handle.request_id}: finish() after "
                              f"{handle.layers_sent}/{self.layout.num_layers} layers")
         deadline = handle.started + (self.config.timeout_s if timeout is None else timeout)
-        key = P.ack_key(handle.peer.channel.pair, handle.seq)
         try:
             try:
                 self._settle(handle, deadline)
-                handle.peer.store.wait([key], _remaining(deadline))
+                handle.status_work.wait(_remaining(deadline))
             except Exception as exc:
                 if not _is_timeout(exc):
                     raise
                 self._drop_peer(handle.peer)  # a timed-out gloo op closes the pair
                 raise TransferTimeout(handle.request_id, "the receiver did not confirm "
                                       "within the timeout") from None
-            reason, message = P.decode_ack(handle.peer.store.get(key))
-            handle.peer.store.delete_key(key)
+            status = int(handle.status[0])
+            message = "" if status == P.OK else self._reason(handle)
         except KVTransferError:
             self._close(handle)
             raise
@@ -134,8 +154,8 @@ class KVSender:
             self._close(handle)
             raise PeerLostError(handle.request_id, f"receiver lost: {exc}") from None
         self._close(handle)
-        if reason != P.ACK_OK:
-            raise _ACK_ERRORS.get(reason, KVTransferError)(handle.request_id, message)
+        if status != P.OK:
+            raise _STATUS_ERRORS.get(status, KVTransferError)(handle.request_id, message)
         return handle
 
     def abort(self, handle: SendHandle) -> None:
@@ -143,8 +163,16 @@ class KVSender:
         if handle.closed:
             return
         try:
-            self._send(handle, [P.header(P.ABORT, handle.seq)])
-            self._settle(handle, time.monotonic() + self.config.timeout_s)
+            # The receiver posted a receive for every layer: pad the rest with scratch
+            # whose trailer says "aborted"; the first one ends the transfer there.
+            missing = self.layout.num_layers - handle.layers_sent
+            if missing:
+                scratch, _ = self._layer_message(handle, P.LAYER_ABORT,
+                                                 handle.peer.channel.wire_device)
+                self._send(handle, [scratch] * missing, P.data_tag(handle.seq))
+            deadline = time.monotonic() + self.config.timeout_s
+            self._settle(handle, deadline)
+            handle.status_work.wait(_remaining(deadline))  # owed even for an abort
         except Exception:
             self._drop_peer(handle.peer)  # the receiver's side fails on its own
         self._close(handle)
@@ -156,13 +184,27 @@ class KVSender:
 
     # ---- internals ----------------------------------------------------------------
 
-    def _send(self, handle: SendHandle, messages: list[torch.Tensor]) -> None:
+    def _send(self, handle: SendHandle, messages: list[torch.Tensor],
+              tag: int = CONTROL_TAG) -> None:
         try:
-            handle.works.extend(handle.peer.channel.send(messages))
+            handle.works.extend(handle.peer.channel.send(messages, tag))
         except Exception as exc:
             self._drop_peer(handle.peer)
             self._close(handle)
             raise PeerLostError(handle.request_id, f"send failed: {exc}") from None
+
+    def _layer_message(self, handle: SendHandle, mark: int, device: torch.device):
+        """A uint8 message of one layer's data plus its trailer; returns (message, data)."""
+        nbytes = len(handle.src_index) * self.layout.block_bytes_per_layer
+        message = self._pool.get(nbytes + P.TRAILER_BYTES, device)
+        message[nbytes:] = torch.tensor([mark], dtype=torch.int64).view(torch.uint8)
+        return message, message[:nbytes]
+
+    def _reason(self, handle: SendHandle) -> str:
+        key = P.reason_key(handle.peer.channel.pair, handle.seq)
+        message = handle.peer.store.get(key).decode()
+        handle.peer.store.delete_key(key)
+        return message
 
     def _settle(self, handle: SendHandle, deadline: float) -> None:
         """Wait for in-flight sends: a Work owns its tensor, and dropping it early
@@ -170,11 +212,24 @@ class KVSender:
         while handle.works:
             handle.works[0].wait(_remaining(deadline))
             handle.works.pop(0)
+        self._recycle(handle)
+
+    def _recycle(self, handle: SendHandle) -> None:
+        """Sent buffers go back to the pool; in-flight ones stay with their Work."""
+        in_flight = []
+        for work, buffer in handle.pooled:
+            if work.is_completed():
+                self._pool.put(buffer)
+            else:
+                in_flight.append((work, buffer))
+        handle.pooled = in_flight
+        handle.works = [w for w in handle.works if not w.is_completed()]
 
     def _close(self, handle: SendHandle) -> None:
         # Only after the sends settled, or once the pair is dropped (nothing in flight).
         handle.closed = True
         handle.works.clear()
+        handle.pooled.clear()
 
     def _peer(self, address: str) -> _Peer:
         peer = self._peers.get(address)
