@@ -32,6 +32,7 @@ test: $(VENV)/.dev
 
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/engine_throughput.py
+	$(BIN)/python benchmarks/kv_transfer.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -36,8 +36,12 @@ class _Incoming:
     deadline: float
     pair: str | None = None
     seq: int | None = None
+    index: torch.Tensor | None = None  # block_ids on the cache's device
     layers_landed: int = 0
-    settled: bool = False  # claimed under the lock by the one path that ends it
+    settled: bool = False  # claimed under `lock` by the one path that ends it
+    # Held across each scatter: once a failure releases the blocks to their owner,
+    # no late layer may write into them.
+    lock: threading.Lock = field(default_factory=threading.Lock)
     error: KVTransferError | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -78,7 +82,8 @@ class KVReceiver:
                 raise ValueError(f"request {request_id} is already expected")
             self._by_request[request_id] = _Incoming(
                 request_id, list(block_ids), num_cached_blocks,
-                time.monotonic() + self.config.timeout_s)
+                time.monotonic() + self.config.timeout_s,
+                index=torch.tensor(block_ids, dtype=torch.long, device=self.device))
 
     def wait(self, request_id: str, timeout: float | None = None) -> None:
         """Block until every layer landed; raises the transfer's typed error. Either
@@ -184,7 +189,7 @@ class KVReceiver:
                 self._staging.put(buffer)
 
     def _land(self, incoming: _Incoming, layer: int, payload: torch.Tensor) -> None:
-        with self._lock:
+        with incoming.lock:
             if incoming.settled:
                 return
             self._scatter(incoming, layer, payload)
@@ -236,8 +241,7 @@ class KVReceiver:
         cache = self.kv_caches[layer]  # [2, num_blocks, block, Hkv, D]
         n = len(incoming.block_ids)
         data = payload.view(self.layout.torch_dtype).view(2, n, *cache.shape[2:])
-        index = torch.tensor(incoming.block_ids, device=cache.device)
-        cache.index_copy_(1, index, data.to(cache.device, non_blocking=True))
+        cache.index_copy_(1, incoming.index, data.to(cache.device, non_blocking=True))
 
     def _pair_lost(self, pair: str, exc: Exception) -> None:
         for incoming in [i for (p, _), i in list(self._by_seq.items()) if p == pair]:
@@ -257,7 +261,7 @@ class KVReceiver:
     # ---- endings -------------------------------------------------------------------
 
     def _fail(self, incoming: _Incoming, error: KVTransferError, status: int | None) -> None:
-        with self._lock:
+        with incoming.lock:
             if incoming.settled:
                 return
             incoming.settled = True
