@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass, replace
+from typing import Callable, Optional
 
 import torch
 
@@ -26,8 +27,14 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
+from engine.model.llama import LayerHook
 from engine.model_path import resolve_model_path
 from engine.tokenizer import Tokenizer
+
+
+# Prefill role: given a step's schedule, a hook for the forward pass (or None).
+KVExport = Callable[[SchedulerOutput], Optional[LayerHook]]
 
 
 @dataclass
@@ -70,20 +77,35 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> Request:
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling_params", "must be a SamplingParams")
-        if request_id in self._tracked:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        token_ids = self._prompt_token_ids(prompt)
-        self._check_length(len(token_ids), params.max_tokens)
-        arrival = time.time() if arrival_time is None else arrival_time
-        request = Request(request_id, token_ids, params, arrival,
-                          eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
+        request = self._new_request(request_id, prompt, params, arrival_time)
         self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(
-            request, Detokenizer(self.tokenizer, token_ids, params.stop), RequestMetrics(arrival))
+        self._track(request)
         return request
+
+    def reserve_remote(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams | None = None,
+                       arrival_time: float | None = None) -> Request | None:
+        """Decode role: reserve blocks for a request prefilled elsewhere. Returns the
+        request (its block_ids; the first num_cached_tokens // block_size of them
+        already hold the prompt's prefix here), or None when there is no room."""
+        request = self._new_request(request_id, prompt, params, arrival_time)
+        if not self.scheduler.reserve(request):
+            return None
+        self._track(request)
+        return request
+
+    def admit_remote(self, request_id: str, first_token: int) -> RequestOutput:
+        """Decode role: the prompt's KV landed; continue from the prefill's first token."""
+        request = self.scheduler.admit_prefilled(request_id, first_token)
+        tracked = self._tracked[request_id]
+        tracked.metrics.first_token_time = time.time()
+        reason = request.check_stop()
+        if reason is not None:
+            self.scheduler.finish_requests([request_id], reason)
+        new_text, stop = tracked.detokenizer.append([first_token])
+        if stop is not None and not request.is_finished:
+            self.scheduler.finish_requests([request_id], FinishReason.STOP)
+        return self._output(tracked, [first_token], new_text, time.time())
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Thread-safe; blocks are freed at the next step boundary."""
@@ -99,7 +121,9 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, export: KVExport | None = None) -> list[RequestOutput]:
+        """One engine step. `export` (prefill role) sees the step's schedule before the
+        forward pass and may return a hook called as each layer's KV is written."""
         outputs = self._apply_aborts()
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -109,7 +133,7 @@ class LLMEngine:
             metrics = self._tracked[request.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        result = self.runner.execute(out)
+        result = self.runner.execute(out, export(out) if export is not None else None)
         self.scheduler.update(out, result)
         now = time.time()
         for rid in result.sampled_token_ids:
@@ -129,6 +153,25 @@ class LLMEngine:
             self.block_manager.free(request)
 
     # ---- internals ----------------------------------------------------------------
+
+    def _new_request(self, request_id: str, prompt, params, arrival_time) -> Request:
+        """Validates everything a request carries; raises before any state changes."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", "must be a SamplingParams")
+        if request_id in self._tracked:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        token_ids = self._prompt_token_ids(prompt)
+        self._check_length(len(token_ids), params.max_tokens)
+        arrival = time.time() if arrival_time is None else arrival_time
+        return Request(request_id, token_ids, params, arrival,
+                       eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
+
+    def _track(self, request: Request) -> None:
+        self._tracked[request.request_id] = _Tracked(
+            request, Detokenizer(self.tokenizer, request.prompt_token_ids,
+                                 request.sampling_params.stop),
+            RequestMetrics(request.arrival_time))
 
     def _emit(self, tracked: _Tracked, now: float) -> RequestOutput:
         request, metrics = tracked.request, tracked.metrics

@@ -14,6 +14,7 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; the prompt's KV is arriving
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"

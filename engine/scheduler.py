@@ -44,6 +44,40 @@ class Scheduler:
                 done.append(request)
         return done
 
+    def reserve(self, request: Request) -> bool:
+        """Decode role: allocate blocks for a prompt whose KV another worker computes.
+        Leading blocks found in the local prefix cache count as computed and need not
+        arrive. False (nothing changed) when the pool lacks room."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        hits = self.block_manager.get_computed_blocks(request)
+        num_hit_tokens = len(hits) * self.block_manager.block_size
+        if not self.block_manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hits):
+            return False
+        request.num_computed_tokens = num_hit_tokens
+        request.num_cached_tokens = num_hit_tokens
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = next(self._seq)
+        self.stats.prompt_tokens += request.num_prompt_tokens
+        self.stats.prefix_cache_queries += request.num_prompt_tokens
+        self.stats.prefix_cache_hits += num_hit_tokens
+        return True
+
+    def admit_prefilled(self, request_id: str, first_token: int) -> Request:
+        """The prompt's KV landed: the request joins the batch with its prompt computed
+        and the prefill worker's first token appended."""
+        request = self.requests[request_id]
+        if request.status is not RequestStatus.WAITING_FOR_KV:
+            raise ValueError(f"request {request_id} is not waiting for KV")
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+        request.append_output(first_token)
+        self.stats.generation_tokens += 1
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
+
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
@@ -182,7 +216,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request.status is not RequestStatus.FINISHED:
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
