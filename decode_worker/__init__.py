@@ -1,0 +1,1 @@
+"""The decode role: block reservation, KV import, continuous batching, streaming."""

@@ -1,0 +1,49 @@
+"""The decode worker as a Ray async actor. `steps()` streams one StepBatch per engine
+step to its subscriber (the router)."""
+from __future__ import annotations
+
+import asyncio
+
+import ray
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.worker_messages import Reservation, StepBatch
+from kv_transfer import TransferConfig
+from decode_worker.worker import DecodeWorker
+
+
+@ray.remote
+class DecodeWorkerActor:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig):
+        self._loop = asyncio.get_event_loop()
+        self._batches: asyncio.Queue[StepBatch] = asyncio.Queue()
+        self.worker = DecodeWorker(worker_id, engine_config, transfer, on_batch=self._publish)
+
+    def _publish(self, batch: StepBatch) -> None:  # any thread
+        self._loop.call_soon_threadsafe(self._batches.put_nowait, batch)
+
+    async def address(self) -> str:
+        return self.worker.address
+
+    async def reserve(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams, arrival_time: float) -> Reservation | None:
+        return await asyncio.wrap_future(
+            self.worker.reserve(request_id, prompt_token_ids, params, arrival_time))
+
+    async def start(self, request_id: str, first_token: int) -> None:
+        await asyncio.wrap_future(self.worker.start(request_id, first_token))
+
+    async def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+
+    async def steps(self):
+        """Every step's new tokens, for as long as the subscriber listens."""
+        while True:
+            yield await self._batches.get()
+
+    async def stats(self) -> dict:
+        return self.worker.stats()
+
+    async def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,90 @@
+"""A decode worker: reserves KV blocks for the router, imports each prompt's KV from a
+prefill worker, runs the requests in its continuous batch and publishes every step's
+new tokens as one StepBatch.
+
+Request lifecycle: reserve() (blocks held, receiver expecting) -> start(first token)
+once the prefill worker reports the KV landed -> decoding in the batch (preemption
+recomputes locally) -> finished. An abort, or a failed transfer, frees the blocks.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.engine_loop import EngineLoop
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.worker_messages import Reservation, StepBatch, TokenDelta
+from kv_transfer import KVReceiver, TransferConfig
+
+
+class DecodeWorker:
+    def __init__(self, worker_id: str, engine_config: EngineConfig,
+                 transfer: TransferConfig = TransferConfig(),
+                 on_batch: Callable[[StepBatch], None] | None = None):
+        self.worker_id = worker_id
+        self.on_batch = on_batch
+        engine = LLMEngine(engine_config)
+        self.receiver = KVReceiver(engine.runner.kv_caches, transfer, on_release=engine.abort)
+        self._waits = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-wait")
+        self.loop = EngineLoop(engine, on_step=self._on_step)
+
+    @property
+    def address(self) -> str:
+        return self.receiver.address
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int],
+                params: SamplingParams, arrival_time: float | None = None) -> Future:
+        """Resolves to a Reservation, or None when the KV pool has no room."""
+        def reserve(engine: LLMEngine) -> Reservation | None:
+            request = engine.reserve_remote(request_id, prompt_token_ids, params, arrival_time)
+            if request is None:
+                return None
+            cached = request.num_cached_tokens // engine.block_manager.block_size
+            self.receiver.expect(request_id, request.block_ids[cached:], cached)
+            return Reservation(request_id, self.address, list(request.block_ids), cached)
+
+        return self.loop.call(reserve)
+
+    def start(self, request_id: str, first_token: int) -> Future:
+        """The prefill worker sent the KV and sampled `first_token`: confirm the KV is
+        here, then decode. Resolves once the request joined the batch."""
+        def join(engine: LLMEngine) -> None:
+            # Published on the engine thread, so it precedes the request's next step.
+            self._on_step([engine.admit_remote(request_id, first_token)])
+
+        def admit() -> None:
+            self.receiver.wait(request_id)  # typed error if the transfer failed
+            self.loop.call(join).result()
+
+        return self._waits.submit(admit)
+
+    def abort(self, request_id: str) -> None:
+        self.receiver.abort(request_id)
+        self.loop.engine.abort(request_id)
+
+    def stats(self) -> dict:
+        engine = self.loop.engine
+        return {"worker_id": self.worker_id, "running": len(engine.scheduler.running),
+                "reserved": engine.scheduler.num_unfinished - len(engine.scheduler.running)
+                - len(engine.scheduler.waiting),
+                "free_blocks": engine.block_manager.num_free_blocks,
+                "num_blocks": engine.block_manager.num_blocks,
+                "kv_cache_usage": engine.block_manager.usage}
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        self._waits.shutdown(wait=False)
+        self.receiver.close()
+
+    def _on_step(self, outputs: list[RequestOutput]) -> None:
+        if self.on_batch is None:
+            return
+        self.on_batch(StepBatch(self.worker_id, [
+            TokenDelta(o.request_id, o.new_token_ids, o.new_text,
+                       o.logprobs[-len(o.new_token_ids):] if o.logprobs and o.new_token_ids else [],
+                       o.finished, o.finish_reason, len(o.prompt_token_ids),
+                       o.num_cached_tokens, len(o.token_ids))
+            for o in outputs]))

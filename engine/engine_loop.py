@@ -1,0 +1,71 @@
+"""An LLMEngine on its own thread. Other threads never touch the engine: they submit
+calls, run between steps, and receive every step's outputs as one batch."""
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Callable, TypeVar
+
+from engine.engine import KVExport, LLMEngine
+from engine.outputs import RequestOutput
+
+T = TypeVar("T")
+_IDLE_WAIT_S = 0.05
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput]], None],
+                 export: KVExport | None = None):
+        self.engine = engine
+        self.on_step = on_step
+        self.export = export
+        self.error: BaseException | None = None
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future:
+        """Runs fn(engine) at the next step boundary; its result or error lands in the
+        returned future."""
+        future: Future = Future()
+        if self.error is not None:
+            future.set_exception(RuntimeError(f"engine loop stopped: {self.error!r}"))
+            return future
+        self._calls.put((fn, future))
+        self._wake.set()
+        return future
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._run_calls()
+                if self.engine.has_unfinished():
+                    outputs = self.engine.step(self.export)
+                    if outputs:
+                        self.on_step(outputs)
+                else:
+                    self._wake.wait(_IDLE_WAIT_S)
+                    self._wake.clear()
+        except BaseException as exc:  # a bug in a step: fail loudly, never hang callers
+            self.error = exc
+            self._run_calls()
+            raise
+
+    def _run_calls(self) -> None:
+        while not self._calls.empty():
+            fn, future = self._calls.get()
+            if self.error is not None:
+                future.set_exception(RuntimeError(f"engine loop stopped: {self.error!r}"))
+                continue
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:
+                future.set_exception(exc)

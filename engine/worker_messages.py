@@ -1,0 +1,54 @@
+"""Typed messages between the router and the workers (Ray actor calls). Plain data:
+no tensors, no Ray; KV bytes only ever travel through kv_transfer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A decode worker's answer to `reserve`: where the prompt's KV must go."""
+    request_id: str
+    receiver_address: str  # the decode worker's kv_transfer rendezvous
+    block_ids: list[int]  # for the whole prompt, in order
+    num_cached_blocks: int  # leading blocks the decode worker already holds
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    target: Reservation
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token: int
+    first_logprob: float | None
+    kv_bytes_sent: int
+    prefill_seconds: float  # first scheduled -> KV confirmed on the decode worker
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    request_id: str
+    token_ids: list[int]  # new since the last delta
+    text: str  # new since the last delta
+    logprobs: list[float]
+    finished: bool
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One engine step's new tokens for every request it advanced."""
+    worker_id: str
+    deltas: list[TokenDelta]

@@ -1,0 +1,1 @@
+"""The prefill role: batched / chunked prefill with prefix caching, KV streamed out."""

@@ -1,0 +1,29 @@
+"""The prefill worker as a Ray async actor (resources set with .options())."""
+from __future__ import annotations
+
+import asyncio
+
+import ray
+
+from engine.config import EngineConfig
+from engine.worker_messages import PrefillJob, PrefillResult
+from kv_transfer import TransferConfig
+from prefill_worker.worker import PrefillWorker
+
+
+@ray.remote
+class PrefillWorkerActor:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig):
+        self.worker = PrefillWorker(worker_id, engine_config, transfer)
+
+    async def prefill(self, job: PrefillJob) -> PrefillResult:
+        return await asyncio.wrap_future(self.worker.prefill(job))
+
+    async def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+
+    async def stats(self) -> dict:
+        return self.worker.stats()
+
+    async def shutdown(self) -> None:
+        self.worker.shutdown()
