@@ -31,6 +31,7 @@ from engine.scheduler_output import SchedulerOutput
 from engine.model.llama import LayerHook
 from engine.model_path import resolve_model_path
 from engine.tokenizer import Tokenizer
+from engine.validation import check_length, prompt_token_ids
 
 
 # Prefill role: given a step's schedule, a hook for the forward pass (or None).
@@ -210,28 +211,10 @@ class LLMEngine:
                 for r in self.scheduler.finish_requests(ids, FinishReason.ABORT)]
 
     def _prompt_token_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise InvalidRequestError("prompt", "must be a non-empty string or list of token ids")
-        vocab = self.model_config.vocab_size
-        for t in prompt:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise InvalidRequestError(
-                    "prompt", f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        return list(prompt)
+        return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def _check_length(self, num_prompt: int, max_tokens: int) -> None:
-        if num_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"{num_prompt} prompt tokens leave no room in the model's "
-                f"context of {self.max_model_len} tokens")
-        if num_prompt + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens", f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) "
-                f"exceeds the model's context of {self.max_model_len} tokens")
+        check_length(num_prompt, max_tokens, self.max_model_len)
         need = self.block_manager.blocks_needed(num_prompt + max_tokens)
         if need > self.block_manager.num_blocks:
             raise InvalidRequestError(

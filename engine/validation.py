@@ -1,0 +1,31 @@
+"""Request checks shared by the engine and the router, so both refuse the same input
+with the same field-named error before any state changes."""
+from __future__ import annotations
+
+from engine.errors import InvalidRequestError
+from engine.tokenizer import Tokenizer
+
+
+def prompt_token_ids(prompt, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        return tokenizer.encode(prompt)
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise InvalidRequestError("prompt", "must be a non-empty string or list of token ids")
+    for t in prompt:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise InvalidRequestError(
+                "prompt", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
+    return list(prompt)
+
+
+def check_length(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
+    if num_prompt >= max_model_len:
+        raise InvalidRequestError(
+            "prompt", f"{num_prompt} prompt tokens leave no room in the model's "
+            f"context of {max_model_len} tokens")
+    if num_prompt + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            "max_tokens", f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) "
+            f"exceeds the model's context of {max_model_len} tokens")

@@ -1,0 +1,251 @@
+"""The gRPC client SDK: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    client = Client("127.0.0.1:50051")
+    out = client.generate("Hello", max_tokens=32, temperature=0)
+    for chunk in client.generate_stream([1, 2, 3], max_tokens=8): ...
+
+Deadlines come from `timeout=` (per call, else the client's default). Only
+RESOURCE_EXHAUSTED (overload) is retried, with exponential backoff that honours the
+server's retry-after, and only before any token has arrived. Failures raise typed
+exceptions: InvalidArgumentError, OverloadedError, DeadlineExceededError,
+UnavailableError, all PdserveError.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc as pb_grpc
+
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+           pb.FINISH_REASON_ABORT: "abort"}
+_SAMPLING = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
+             "ignore_eos", "logprobs", "priority"}
+
+
+class PdserveError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.message = code, message
+
+
+class InvalidArgumentError(PdserveError):
+    pass
+
+
+class OverloadedError(PdserveError):
+    def __init__(self, code, message, retry_after_s: float | None):
+        super().__init__(code, message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceededError(PdserveError):
+    pass
+
+
+class UnavailableError(PdserveError):
+    pass
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class CompletionChunk:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str | None
+    usage: Usage | None
+
+
+@dataclass
+class Completion:
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    ttft_s: float | None = None  # measured by the client
+    e2e_s: float | None = None
+
+    def add(self, chunk: CompletionChunk, started: float) -> None:
+        if self.ttft_s is None and chunk.token_ids:
+            self.ttft_s = time.perf_counter() - started
+        self.request_id = chunk.request_id
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+            self.e2e_s = time.perf_counter() - started
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+
+
+def _request(prompt, request_id: str, sampling: dict) -> pb.GenerateRequest:
+    unknown = set(sampling) - _SAMPLING
+    if unknown:
+        raise TypeError(f"unknown sampling argument(s): {sorted(unknown)}")
+    params = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    if isinstance(prompt, str):
+        return pb.GenerateRequest(request_id=request_id, text=prompt, sampling_params=params)
+    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=list(prompt)),
+                              sampling_params=params)
+
+
+def _chunk(r: pb.GenerateResponse) -> CompletionChunk:
+    usage = (Usage(r.usage.prompt_tokens, r.usage.completion_tokens,
+                   r.usage.cached_prompt_tokens) if r.HasField("usage") else None)
+    return CompletionChunk(r.request_id, list(r.token_ids), r.text, list(r.logprobs),
+                           _FINISH.get(r.finish_reason), usage)
+
+
+def _error(err: grpc.RpcError) -> PdserveError:
+    code, message = err.code(), err.details() or ""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        retry_after = None
+        for key, value in (err.trailing_metadata() or ()):
+            if key == "retry-after":
+                retry_after = float(value)
+        return OverloadedError(code, message, retry_after)
+    kind = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+            grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+            grpc.StatusCode.UNAVAILABLE: UnavailableError}.get(code, PdserveError)
+    return kind(code, message)
+
+
+def _backoff(attempt: int, base_s: float, err: OverloadedError) -> float:
+    return max(err.retry_after_s or 0.0, base_s * (2 ** attempt))
+
+
+class _Settings:
+    def __init__(self, timeout: float | None, max_retries: int, backoff_s: float):
+        self.timeout, self.max_retries, self.backoff_s = timeout, max_retries, backoff_s
+
+
+class Client:
+    def __init__(self, target: str, timeout: float | None = 60.0, max_retries: int = 3,
+                 backoff_s: float = 0.1):
+        self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.GenerateServiceStub(self._channel)
+        self._settings = _Settings(timeout, max_retries, backoff_s)
+
+    def generate(self, prompt, *, timeout: float | None = None, request_id: str = "",
+                 **sampling) -> Completion:
+        started = time.perf_counter()
+        completion = Completion()
+        for chunk in self.generate_stream(prompt, timeout=timeout, request_id=request_id,
+                                          **sampling):
+            completion.add(chunk, started)
+        return completion
+
+    def generate_stream(self, prompt, *, timeout: float | None = None, request_id: str = "",
+                        **sampling):
+        request = _request(prompt, request_id, sampling)
+        s = self._settings
+        for attempt in range(s.max_retries + 1):
+            received = False
+            try:
+                for response in self._stub.Generate(request, timeout=timeout or s.timeout):
+                    received = True
+                    yield _chunk(response)
+                return
+            except grpc.RpcError as err:
+                error = _error(err)
+                if received or not isinstance(error, OverloadedError) or attempt == s.max_retries:
+                    raise error from None
+                time.sleep(_backoff(attempt, s.backoff_s, error))
+
+    def abort(self, request_id: str, timeout: float | None = None) -> bool:
+        try:
+            return self._stub.Abort(pb.AbortRequest(request_id=request_id),
+                                    timeout=timeout or self._settings.timeout).found
+        except grpc.RpcError as err:
+            raise _error(err) from None
+
+    def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
+        try:
+            return self._stub.GetModelInfo(pb.GetModelInfoRequest(),
+                                           timeout=timeout or self._settings.timeout)
+        except grpc.RpcError as err:
+            raise _error(err) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, target: str, timeout: float | None = 60.0, max_retries: int = 3,
+                 backoff_s: float = 0.1):
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = pb_grpc.GenerateServiceStub(self._channel)
+        self._settings = _Settings(timeout, max_retries, backoff_s)
+
+    async def generate(self, prompt, *, timeout: float | None = None, request_id: str = "",
+                       **sampling) -> Completion:
+        started = time.perf_counter()
+        completion = Completion()
+        async for chunk in self.generate_stream(prompt, timeout=timeout, request_id=request_id,
+                                                **sampling):
+            completion.add(chunk, started)
+        return completion
+
+    async def generate_stream(self, prompt, *, timeout: float | None = None,
+                              request_id: str = "", **sampling):
+        request = _request(prompt, request_id, sampling)
+        s = self._settings
+        for attempt in range(s.max_retries + 1):
+            received = False
+            call = self._stub.Generate(request, timeout=timeout or s.timeout)
+            try:
+                async for response in call:
+                    received = True
+                    yield _chunk(response)
+                return
+            except grpc.RpcError as err:
+                error = _error(err)
+                if received or not isinstance(error, OverloadedError) or attempt == s.max_retries:
+                    raise error from None
+                await asyncio.sleep(_backoff(attempt, s.backoff_s, error))
+            finally:
+                call.cancel()  # no-op when complete; a consumer that stops early cancels
+
+    async def abort(self, request_id: str, timeout: float | None = None) -> bool:
+        try:
+            return (await self._stub.Abort(pb.AbortRequest(request_id=request_id),
+                                           timeout=timeout or self._settings.timeout)).found
+        except grpc.RpcError as err:
+            raise _error(err) from None
+
+    async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
+        try:
+            return await self._stub.GetModelInfo(pb.GetModelInfoRequest(),
+                                                 timeout=timeout or self._settings.timeout)
+        except grpc.RpcError as err:
+            raise _error(err) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

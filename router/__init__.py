@@ -1,0 +1,1 @@
+"""The front door: validation, tokenization, (prefill, decode) choice, streaming."""

@@ -1,0 +1,88 @@
+"""The gRPC front end (grpc.aio): pdserve.v1.GenerateService, grpc.health.v1 and
+server reflection. A thin translation between proto messages and the router."""
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc as pb_grpc
+from router.errors import OverloadedError, WorkerError
+from router.router import Router
+
+_FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
+           "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
+
+
+def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
+    """proto -> SamplingParams; unset optional fields keep their defaults."""
+    kwargs = {name: getattr(msg, name) for name in
+              ("max_tokens", "temperature", "top_k", "top_p", "seed") if msg.HasField(name)}
+    return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+                          ignore_eos=msg.ignore_eos, logprobs=msg.logprobs,
+                          priority=msg.priority, **kwargs)
+
+
+class GenerateServicer(pb_grpc.GenerateServiceServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        try:
+            if request.WhichOneof("prompt") == "text":
+                prompt = request.text
+            elif request.WhichOneof("prompt") == "token_ids":
+                prompt = list(request.token_ids.ids)
+            else:
+                raise InvalidRequestError("prompt", "set text or token_ids")
+            accepted = self.router.accept(prompt, sampling_params(request.sampling_params),
+                                          request.request_id)
+        except InvalidRequestError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        completion = 0
+        try:
+            async for delta in self.router.generate(accepted):
+                completion += len(delta.token_ids)
+                response = pb.GenerateResponse(
+                    request_id=accepted.request_id, token_ids=delta.token_ids, text=delta.text,
+                    logprobs=delta.logprobs, finish_reason=_FINISH[delta.finish_reason])
+                if delta.finished:
+                    response.usage.CopyFrom(pb.Usage(
+                        prompt_tokens=len(accepted.prompt_token_ids),
+                        completion_tokens=completion,
+                        cached_prompt_tokens=delta.num_cached_tokens))
+                yield response
+        except OverloadedError as err:
+            context.set_trailing_metadata((("retry-after", f"{err.retry_after_s:g}"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        except WorkerError as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        return pb.AbortResponse(found=await self.router.abort(request.request_id))
+
+    async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+        m = self.router.model
+        return pb.GetModelInfoResponse(model=m.name, max_model_len=m.max_model_len,
+                                       vocab_size=m.vocab_size,
+                                       has_chat_template=bool(self.router.tokenizer.chat_template))
+
+
+async def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int = 0):
+    """Starts the server; returns (server, bound port). Port 0 picks a free one."""
+    server = grpc.aio.server()
+    pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(router), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

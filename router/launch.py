@@ -1,0 +1,57 @@
+"""Start the worker pools as Ray actors and build a Router over them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import ray
+
+from decode_worker.actor import DecodeWorkerActor
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
+from engine.model_path import resolve_model_path
+from engine.tokenizer import Tokenizer
+from kv_transfer import TransferConfig
+from prefill_worker.actor import PrefillWorkerActor
+from router.config import RouterConfig
+from router.router import ModelInfo, Router
+from router.workers import DecodeHandle, PrefillHandle
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    num_cpus: float = 1.0  # per worker actor
+    num_gpus: float = 0.0  # per worker actor (1 on GPU machines)
+
+    def __post_init__(self) -> None:
+        if self.prefill_workers < 1 or self.decode_workers < 1:
+            raise ValueError("need at least one prefill and one decode worker")
+
+
+def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
+           transfer: TransferConfig = TransferConfig(),
+           router_config: RouterConfig = RouterConfig()) -> Router:
+    """Blocking: actors are up and have reported their KV capacity when it returns.
+    Call Router.start() on the event loop that will serve it."""
+    model_dir = resolve_model_path(engine_config.model)  # build `tiny` once, here
+    engine_config = replace(engine_config, model=str(model_dir))
+    options = {"num_cpus": pools.num_cpus, "num_gpus": pools.num_gpus}
+    prefill = [PrefillWorkerActor.options(**options).remote(f"prefill-{i}", engine_config,
+                                                            transfer)
+               for i in range(pools.prefill_workers)]
+    decode = [DecodeWorkerActor.options(**options).remote(f"decode-{i}", engine_config,
+                                                          transfer)
+              for i in range(pools.decode_workers)]
+    decode_stats = ray.get([d.stats.remote() for d in decode])
+    ray.get([p.stats.remote() for p in prefill])
+    model = ModelConfig.from_dir(model_dir)
+    max_len = min(engine_config.max_model_len or model.max_position_embeddings,
+                  model.max_position_embeddings)
+    info = ModelInfo(str(engine_config.model), max_len, model.vocab_size,
+                     engine_config.cache.block_size)
+    return Router(Tokenizer(model_dir), info,
+                  [PrefillHandle(f"prefill-{i}", a) for i, a in enumerate(prefill)],
+                  [DecodeHandle(f"decode-{i}", a, s["num_blocks"], s["free_blocks"])
+                   for i, (a, s) in enumerate(zip(decode, decode_stats))],
+                  router_config)

@@ -1,0 +1,175 @@
+"""The router core, shared by the gRPC and HTTP front ends.
+
+A request's path: validate + tokenize -> reserve KV on a decode worker (in policy
+order; none has room -> OverloadedError) -> prefill on a prefill worker, which
+streams the KV to the reserved blocks and samples token #1 -> start on the decode
+worker -> its step stream feeds this request's queue until it finishes. If the
+caller goes away (client disconnect, gRPC cancel) or anything fails, the request is
+aborted on both workers so their blocks are freed.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from engine.validation import check_length, prompt_token_ids
+from engine.worker_messages import PrefillJob, Reservation, TokenDelta
+from router.config import RouterConfig
+from router.errors import OverloadedError, WorkerError
+from router.policy import decode_order, prefill_choice
+from router.workers import DecodeHandle, PrefillHandle
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """What the router knows once a request is validated."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class Router:
+    def __init__(self, tokenizer: Tokenizer, model: ModelInfo, prefill: list[PrefillHandle],
+                 decode: list[DecodeHandle], config: RouterConfig = RouterConfig()):
+        self.tokenizer = tokenizer
+        self.model = model
+        self.config = config
+        self.prefill = {w.worker_id: w for w in prefill}
+        self.decode = {w.worker_id: w for w in decode}
+        self._inflight: dict[str, DecodeHandle] = {}
+        self._reservations: dict[str, Reservation] = {}
+        self._prefilling: dict[str, PrefillHandle] = {}
+        self._aborted: set[str] = set()
+        self._ids = itertools.count()
+
+    async def start(self) -> None:
+        for worker in self.decode.values():
+            worker.start_pump()
+
+    async def stop(self) -> None:
+        for worker in self.decode.values():
+            if worker.pump is not None:
+                worker.pump.cancel()
+
+    def accept(self, prompt, params: SamplingParams, request_id: str = "") -> Accepted:
+        """Validation and tokenization; raises InvalidRequestError naming the field."""
+        ids = prompt_token_ids(prompt, self.tokenizer, self.model.vocab_size)
+        check_length(len(ids), params.max_tokens, self.model.max_model_len)
+        rid = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        if rid in self._inflight:
+            raise InvalidRequestError("request_id", f"{rid!r} is already in flight")
+        return Accepted(rid, ids, params, time.time())
+
+    async def generate(self, req: Accepted) -> AsyncIterator[TokenDelta]:
+        """Streams the request's deltas; the last one has finished=True."""
+        if self.config.max_inflight and len(self._inflight) >= self.config.max_inflight:
+            raise OverloadedError("the router is at max_inflight", self.config.retry_after_s)
+        decode = await self._reserve(req)
+        queue: asyncio.Queue = asyncio.Queue()
+        decode.streams[req.request_id] = queue
+        finished = False
+        try:
+            try:
+                first = await self._prefill(req, decode)
+                await asyncio.wait_for(decode.actor.start.remote(req.request_id, first),
+                                       self.config.start_timeout_s)
+            except Exception:
+                if req.request_id not in self._aborted:
+                    raise
+                finished = True  # aborted while prefilling: the abort already freed it
+                yield TokenDelta(req.request_id, [], "", [], True, "abort")
+                return
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            decode.streams.pop(req.request_id, None)
+            self._inflight.pop(req.request_id, None)
+            self._reservations.pop(req.request_id, None)
+            self._aborted.discard(req.request_id)
+            decode.inflight -= 1
+            if not finished:  # cancelled or failed: free the blocks on both sides
+                await self._abort_on_workers(req.request_id, decode)
+
+    async def abort(self, request_id: str) -> bool:
+        decode = self._inflight.get(request_id)
+        if decode is None:
+            return False
+        queue = decode.streams.get(request_id)
+        self._aborted.add(request_id)
+        await self._abort_on_workers(request_id, decode)
+        if queue is not None:
+            queue.put_nowait(TokenDelta(request_id, [], "", [], True, "abort"))
+        return True
+
+    # ---- steps ------------------------------------------------------------------
+
+    async def _reserve(self, req: Accepted) -> DecodeHandle:
+        needed = -(-(len(req.prompt_token_ids) + 1) // self.model.block_size)
+        order = decode_order([w.load() for w in self.decode.values()], needed)
+        for worker_id in order:
+            worker = self.decode[worker_id]
+            worker.inflight += 1
+            try:
+                reservation = await asyncio.wait_for(worker.actor.reserve.remote(
+                    req.request_id, req.prompt_token_ids, req.params, req.arrival_time),
+                    self.config.reserve_timeout_s)
+            except Exception:
+                reservation = None
+            if reservation is not None:
+                self._inflight[req.request_id] = worker
+                self._reservations[req.request_id] = reservation
+                return worker
+            worker.inflight -= 1
+            asyncio.get_running_loop().create_task(worker.refresh())
+        raise OverloadedError("no decode worker has room for this request's KV",
+                              self.config.retry_after_s)
+
+    async def _prefill(self, req: Accepted, decode: DecodeHandle) -> int:
+        worker_id = prefill_choice([w.load() for w in self.prefill.values()])
+        if worker_id is None:
+            raise OverloadedError("no prefill worker", self.config.retry_after_s)
+        worker = self.prefill[worker_id]
+        worker.queued += 1
+        self._prefilling[req.request_id] = worker
+        job = PrefillJob(req.request_id, req.prompt_token_ids, req.params,
+                         self._reservations.pop(req.request_id), req.arrival_time)
+        try:
+            result = await asyncio.wait_for(worker.actor.prefill.remote(job),
+                                            self.config.prefill_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise WorkerError(f"prefill of {req.request_id} failed: {exc}") from None
+        finally:
+            worker.queued -= 1
+            self._prefilling.pop(req.request_id, None)
+        return result.first_token
+
+    async def _abort_on_workers(self, request_id: str, decode: DecodeHandle) -> None:
+        calls = [decode.actor.abort.remote(request_id)]
+        prefill = self._prefilling.get(request_id)
+        if prefill is not None:
+            calls.append(prefill.actor.abort.remote(request_id))
+        await asyncio.gather(*calls, return_exceptions=True)
