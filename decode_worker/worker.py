@@ -72,7 +72,8 @@ class DecodeWorker:
                 - len(engine.scheduler.waiting),
                 "free_blocks": engine.block_manager.num_free_blocks,
                 "num_blocks": engine.block_manager.num_blocks,
-                "kv_cache_usage": engine.block_manager.usage}
+                "kv_cache_usage": engine.block_manager.usage,
+                "num_preemptions": engine.stats.num_preemptions}
 
     def shutdown(self) -> None:
         self.loop.stop()

@@ -31,9 +31,11 @@ class PoolSpec:
 
 def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
            transfer: TransferConfig = TransferConfig(),
-           router_config: RouterConfig = RouterConfig()) -> Router:
+           router_config: RouterConfig = RouterConfig(),
+           served_model_name: str | None = None) -> Router:
     """Blocking: actors are up and have reported their KV capacity when it returns.
     Call Router.start() on the event loop that will serve it."""
+    served = served_model_name or engine_config.model
     model_dir = resolve_model_path(engine_config.model)  # build `tiny` once, here
     engine_config = replace(engine_config, model=str(model_dir))
     options = {"num_cpus": pools.num_cpus, "num_gpus": pools.num_gpus}
@@ -48,7 +50,7 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     model = ModelConfig.from_dir(model_dir)
     max_len = min(engine_config.max_model_len or model.max_position_embeddings,
                   model.max_position_embeddings)
-    info = ModelInfo(str(engine_config.model), max_len, model.vocab_size,
+    info = ModelInfo(served, max_len, model.vocab_size,
                      engine_config.cache.block_size)
     return Router(Tokenizer(model_dir), info,
                   [PrefillHandle(f"prefill-{i}", a) for i, a in enumerate(prefill)],

@@ -23,6 +23,7 @@ from engine.validation import check_length, prompt_token_ids
 from engine.worker_messages import PrefillJob, Reservation, TokenDelta
 from router.config import RouterConfig
 from router.errors import OverloadedError, WorkerError
+from router.metrics import RouterMetrics
 from router.policy import decode_order, prefill_choice
 from router.workers import DecodeHandle, PrefillHandle
 
@@ -56,6 +57,7 @@ class Router:
         self._reservations: dict[str, Reservation] = {}
         self._prefilling: dict[str, PrefillHandle] = {}
         self._aborted: set[str] = set()
+        self.metrics = RouterMetrics(model.name)
         self._ids = itertools.count()
 
     async def start(self) -> None:
@@ -80,10 +82,19 @@ class Router:
         """Streams the request's deltas; the last one has finished=True."""
         if self.config.max_inflight and len(self._inflight) >= self.config.max_inflight:
             raise OverloadedError("the router is at max_inflight", self.config.retry_after_s)
-        decode = await self._reserve(req)
+        m = self.metrics
+        m.waiting.inc()
+        waiting = True
+        try:
+            decode = await self._reserve(req)
+        except BaseException:
+            m.waiting.dec()
+            raise
+        m.prompt_tokens.inc(len(req.prompt_token_ids))
         queue: asyncio.Queue = asyncio.Queue()
         decode.streams[req.request_id] = queue
         finished = False
+        last = req.arrival_time
         try:
             try:
                 first = await self._prefill(req, decode)
@@ -99,11 +110,26 @@ class Router:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
+                now = time.time()
+                if item.token_ids:
+                    if waiting:
+                        waiting = False
+                        m.waiting.dec()
+                        m.running.inc()
+                        m.ttft.observe(now - req.arrival_time)
+                    else:
+                        m.itl.observe((now - last) / len(item.token_ids))
+                    last = now
+                    m.generation_tokens.inc(len(item.token_ids))
                 finished = item.finished
+                if finished:
+                    m.e2e.observe(now - req.arrival_time)
+                    m.finished(item.finish_reason or "stop")
                 yield item
                 if finished:
                     return
         finally:
+            (m.waiting if waiting else m.running).dec()
             decode.streams.pop(req.request_id, None)
             self._inflight.pop(req.request_id, None)
             self._reservations.pop(req.request_id, None)
@@ -122,6 +148,20 @@ class Router:
         if queue is not None:
             queue.put_nowait(TokenDelta(request_id, [], "", [], True, "abort"))
         return True
+
+    async def refresh_stats(self, timeout_s: float = 2.0) -> None:
+        """Worker-side gauges (KV usage, preemptions) for /metrics."""
+        workers = list(self.decode.values())
+        results = await asyncio.gather(*[asyncio.wait_for(w.actor.stats.remote(), timeout_s)
+                                         for w in workers], return_exceptions=True)
+        stats = [r for r in results if isinstance(r, dict)]
+        for worker, result in zip(workers, results):
+            if isinstance(result, dict):
+                worker.free_blocks = result["free_blocks"]
+        if stats:
+            used = sum(s["num_blocks"] - s["free_blocks"] for s in stats)
+            self.metrics.kv_usage.set(used / sum(s["num_blocks"] for s in stats))
+            self.metrics.preemptions.set(sum(s["num_preemptions"] for s in stats))
 
     # ---- steps ------------------------------------------------------------------
 

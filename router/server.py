@@ -5,27 +5,47 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import uvicorn
+
 from router.grpc_server import start_grpc_server
+from router.http_server import create_app
 from router.router import Router
 
 
 class RouterServer:
-    def __init__(self, router: Router, host: str = "127.0.0.1", grpc_port: int = 0):
+    def __init__(self, router: Router, host: str = "127.0.0.1", grpc_port: int = 0,
+                 http_port: int = 0):
         self.router = router
         self.host = host
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="router",
                                         daemon=True)
         self._thread.start()
-        self._grpc, self.grpc_port = self._run(self._start(grpc_port), timeout=30)
+        self._grpc, self.grpc_port = self._run(self._start_grpc(grpc_port), timeout=30)
+        self._http, self.http_port = self._run(self._start_http(http_port), timeout=30)
 
     @property
     def grpc_target(self) -> str:
         return f"{self.host}:{self.grpc_port}"
 
-    async def _start(self, grpc_port: int):
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    async def _start_grpc(self, port: int):
         await self.router.start()
-        return await start_grpc_server(self.router, self.host, grpc_port)
+        return await start_grpc_server(self.router, self.host, port)
+
+    async def _start_http(self, port: int):
+        config = uvicorn.Config(create_app(self.router), host=self.host, port=port,
+                                log_level="warning", lifespan="off")
+        server = uvicorn.Server(config)
+        self._http_task = self.loop.create_task(server.serve())
+        while not server.started:
+            if self._http_task.done():
+                self._http_task.result()  # raises why it could not start
+            await asyncio.sleep(0.01)
+        return server, server.servers[0].sockets[0].getsockname()[1]
 
     def _run(self, coro, timeout: float):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -33,6 +53,8 @@ class RouterServer:
     def stop(self, grace_s: float = 5.0) -> None:
         """Drains: in-flight streams get `grace_s` to finish, then the loop stops."""
         async def shutdown():
+            self._http.should_exit = True
+            await asyncio.wait_for(self._http_task, grace_s + 5)
             await self._grpc.stop(grace_s)
             await self.router.stop()
         self._run(shutdown(), timeout=grace_s + 10)

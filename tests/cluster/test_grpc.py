@@ -5,39 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 import pytest
-import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.config import EngineConfig
-from kv_transfer import TransferConfig
-from pdserve.client import AsyncClient, Client, InvalidArgumentError
-from router.launch import PoolSpec, launch
-from router.server import RouterServer
+from pdserve.client import AsyncClient, Client, InvalidArgumentError, OverloadedError
+from tests.cluster.conftest import wait_all_blocks_free
 from tests.engine.test_hf_oracle import Oracle
-
-
-@pytest.fixture(scope="module")
-def server(llama_dir):
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=32 << 20,
-                                      long_prefill_token_threshold=32, max_model_len=512)
-    router = launch(config, PoolSpec(1, 1), TransferConfig(timeout_s=30))
-    srv = RouterServer(router)
-    yield srv
-    srv.stop()
-    ray.shutdown()
-
-
-def worker_stats(srv: RouterServer) -> list[dict]:
-    actors = [w.actor for w in srv.router.prefill.values()] + \
-             [w.actor for w in srv.router.decode.values()]
-    return ray.get([a.stats.remote() for a in actors])
 
 
 def test_concurrent_requests_through_the_sdk_match_hf(server, llama_dir):
@@ -96,13 +75,7 @@ def test_cancel_mid_stream_frees_blocks_on_both_workers(server):
             return seen
 
     assert asyncio.run(cancel_after_a_few_tokens()) >= 3
-    deadline = time.monotonic() + 30
-    while True:
-        stats = worker_stats(server)
-        if all(s["free_blocks"] == s["num_blocks"] for s in stats):
-            break
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.1)
+    wait_all_blocks_free(server)
 
 
 def test_abort_rpc_ends_the_stream(server):
@@ -129,3 +102,24 @@ def test_health_reflection_and_model_info(server):
         assert {"pdserve.v1.GenerateService", "grpc.health.v1.Health"} <= names
     info = Client(server.grpc_target).model_info()
     assert info.max_model_len == 512 and info.vocab_size > 0 and info.has_chat_template
+
+
+def test_overload_is_resource_exhausted_and_the_sdk_retries(server):
+    router = server.router
+    saved = router.config
+    router.config = replace(saved, max_inflight=1)
+    try:
+        with Client(server.grpc_target, max_retries=0) as impatient, \
+                Client(server.grpc_target, max_retries=8, backoff_s=0.05) as patient:
+            held = impatient.generate_stream([7, 8, 9], max_tokens=500, ignore_eos=True)
+            next(held)  # the only slot is taken until this stream is drained
+            with pytest.raises(OverloadedError) as err:
+                impatient.generate([1, 2], max_tokens=2)
+            assert err.value.retry_after_s == saved.retry_after_s
+            drain = threading.Thread(target=lambda: list(held))
+            drain.start()  # the slot frees once the held request ends
+            out = patient.generate([1, 2], max_tokens=2, ignore_eos=True)
+            drain.join(30)
+        assert len(out.token_ids) == 2
+    finally:
+        router.config = saved

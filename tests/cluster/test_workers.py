@@ -22,13 +22,6 @@ from tests.engine.test_hf_oracle import Oracle
 TRANSFER = TransferConfig(timeout_s=30)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 class StepReader:
     """Reads a decode worker's StepBatch stream on a thread, per request."""
 

@@ -1,0 +1,284 @@
+"""The OpenAI-compatible HTTP front end (FastAPI): /v1/completions,
+/v1/chat/completions (when the tokenizer has a chat template), /v1/models, /health,
+/ready, /metrics. Errors are OpenAI-shaped JSON: bad input 400 naming the field,
+overload 429 with Retry-After, a failed worker 503."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from engine.worker_messages import TokenDelta
+from router.errors import OverloadedError, WorkerError
+from router.router import Accepted, Router
+
+_DISCONNECT_POLL_S = 0.1
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI fields we do not use are accepted
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    priority: int = 0
+
+    def params(self, logprobs: bool) -> SamplingParams:
+        if self.n != 1:
+            raise InvalidRequestError("n", "only n=1 is supported")
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(
+            max_tokens=16 if self.max_tokens is None else self.max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, logprobs=logprobs, priority=self.priority)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+
+
+def _error(status: int, message: str, param: str | None = None,
+           kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status}}, status_code=status, headers=headers)
+
+
+def create_app(router: Router) -> FastAPI:
+    app = FastAPI(title="pdserve")
+    model = router.model
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"] if p != "body")
+        return _error(400, f"{field}: {first['msg']}", field or None)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request, exc: InvalidRequestError):
+        return _error(400, str(exc), exc.field)
+
+    @app.exception_handler(OverloadedError)
+    async def _overloaded(request, exc: OverloadedError):
+        return _error(429, str(exc), kind="rate_limit_error",
+                      headers={"Retry-After": f"{max(1, round(exc.retry_after_s))}"})
+
+    @app.exception_handler(WorkerError)
+    async def _worker(request, exc: WorkerError):
+        return _error(503, str(exc), kind="service_unavailable")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if not router.decode or not router.prefill:
+            return _error(503, "no workers", kind="service_unavailable")
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics():
+        await router.refresh_stats()
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model.name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "max_model_len": model.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model, model.name)
+        if body.echo:
+            raise InvalidRequestError("echo", "echo is not supported")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise InvalidRequestError("prompt", "batched prompts are not supported; "
+                                          "send one request per prompt")
+            prompt = prompt[0]
+        accepted = router.accept(prompt, body.params(body.logprobs is not None))
+        shape = _CompletionShape(accepted, model.name, body, router)
+        return await _respond(router, accepted, shape, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        _check_model(body.model, model.name)
+        if not router.tokenizer.chat_template:
+            raise InvalidRequestError("messages", "this model has no chat template")
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        text = router.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+        # The template writes the special tokens itself.
+        ids = router.tokenizer.encode(text, add_special_tokens=False)
+        accepted = router.accept(ids, body.params(body.logprobs))
+        shape = _ChatShape(accepted, model.name, body, router)
+        return await _respond(router, accepted, shape, body, request)
+
+    return app
+
+
+def _check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise InvalidRequestError("model", f"model {requested!r} is not served here "
+                                  f"(this server serves {served!r})")
+
+
+async def _respond(router: Router, accepted: Accepted, shape, body, request: Request):
+    stream = router.generate(accepted)
+    if body.stream:
+        first = await stream.__anext__()  # overload and worker errors get a real status
+        return StreamingResponse(_sse(stream, first, shape, body), media_type="text/event-stream")
+    collect = asyncio.ensure_future(_collect(stream))
+    while not collect.done():  # a client that hangs up aborts the request
+        await asyncio.wait({collect}, timeout=_DISCONNECT_POLL_S)
+        if not collect.done() and await request.is_disconnected():
+            collect.cancel()
+            await stream.aclose()
+            return Response(status_code=499)
+    return JSONResponse(shape.full(collect.result()))
+
+
+async def _collect(stream) -> list[TokenDelta]:
+    return [delta async for delta in stream]
+
+
+async def _sse(stream, first: TokenDelta, shape, body):
+    deltas = [first]
+    try:
+        yield _event(shape.chunk(first, first=True))
+        async for delta in stream:
+            deltas.append(delta)
+            yield _event(shape.chunk(delta, first=False))
+        if body.stream_options and body.stream_options.include_usage:
+            yield _event(shape.usage_chunk(deltas))
+        yield "data: [DONE]\n\n"
+    finally:
+        await stream.aclose()  # a disconnect lands here: abort on both workers
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _usage(accepted: Accepted, deltas: list[TokenDelta]) -> dict:
+    completion = sum(len(d.token_ids) for d in deltas)
+    cached = max((d.num_cached_tokens for d in deltas), default=0)
+    prompt = len(accepted.prompt_token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class _CompletionShape:
+    def __init__(self, accepted: Accepted, model: str, body: CompletionRequest, router: Router):
+        self.accepted, self.model, self.body, self.router = accepted, model, body, router
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _choice(self, deltas: list[TokenDelta]) -> dict:
+        ids = [t for d in deltas for t in d.token_ids]
+        choice = {"index": 0, "text": "".join(d.text for d in deltas),
+                  "finish_reason": deltas[-1].finish_reason if deltas else None,
+                  "logprobs": None}
+        if self.body.logprobs is not None:
+            choice["logprobs"] = {
+                "tokens": [self.router.tokenizer.decode([t], skip_special_tokens=False)
+                           for t in ids],
+                "token_logprobs": [lp for d in deltas for lp in d.logprobs],
+                "top_logprobs": None, "text_offset": None}
+        if self.body.return_token_ids:
+            choice["token_ids"] = ids
+        return choice
+
+    def full(self, deltas: list[TokenDelta]) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": [self._choice(deltas)],
+                "usage": _usage(self.accepted, deltas)}
+
+    def chunk(self, delta: TokenDelta, first: bool) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": [self._choice([delta])]}
+
+    def usage_chunk(self, deltas: list[TokenDelta]) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": [], "usage": _usage(self.accepted, deltas)}
+
+
+class _ChatShape:
+    def __init__(self, accepted: Accepted, model: str, body: ChatRequest, router: Router):
+        self.accepted, self.model, self.body, self.router = accepted, model, body, router
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _logprobs(self, deltas: list[TokenDelta]):
+        if not self.body.logprobs:
+            return None
+        ids = [t for d in deltas for t in d.token_ids]
+        lps = [lp for d in deltas for lp in d.logprobs]
+        decode = self.router.tokenizer.decode
+        return {"content": [{"token": decode([t], skip_special_tokens=False), "logprob": lp,
+                             "bytes": None, "top_logprobs": []} for t, lp in zip(ids, lps)]}
+
+    def _extra(self, choice: dict, deltas: list[TokenDelta]) -> dict:
+        if self.body.return_token_ids:
+            choice["token_ids"] = [t for d in deltas for t in d.token_ids]
+        return choice
+
+    def full(self, deltas: list[TokenDelta]) -> dict:
+        choice = {"index": 0, "finish_reason": deltas[-1].finish_reason if deltas else None,
+                  "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                  "logprobs": self._logprobs(deltas)}
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": [self._extra(choice, deltas)],
+                "usage": _usage(self.accepted, deltas)}
+
+    def chunk(self, delta: TokenDelta, first: bool) -> dict:
+        message: dict = {"content": delta.text}
+        if first:
+            message["role"] = "assistant"
+        choice = {"index": 0, "delta": message, "finish_reason": delta.finish_reason,
+                  "logprobs": self._logprobs([delta])}
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [self._extra(choice, [delta])]}
+
+    def usage_chunk(self, deltas: list[TokenDelta]) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [], "usage": _usage(self.accepted, deltas)}
+

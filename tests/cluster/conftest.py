@@ -1,0 +1,43 @@
+"""One local Ray and one disaggregated server (1 prefill + 1 decode worker on the test
+Llama) shared by the cluster tests."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from engine.config import EngineConfig
+from kv_transfer import TransferConfig
+from router.launch import PoolSpec, launch
+from router.server import RouterServer
+
+
+@pytest.fixture(scope="package")
+def ray_local():
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def server(ray_local, llama_dir):
+    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=32 << 20,
+                                      long_prefill_token_threshold=32, max_model_len=512)
+    router = launch(config, PoolSpec(1, 1), TransferConfig(timeout_s=30),
+                    served_model_name="test-llama")
+    srv = RouterServer(router)
+    yield srv
+    srv.stop()
+
+
+def wait_all_blocks_free(srv: RouterServer, timeout_s: float = 30.0) -> None:
+    actors = [w.actor for w in srv.router.prefill.values()] + \
+             [w.actor for w in srv.router.decode.values()]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = ray.get([a.stats.remote() for a in actors])
+        if all(s["free_blocks"] == s["num_blocks"] for s in stats):
+            return
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)

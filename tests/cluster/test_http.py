@@ -1,0 +1,145 @@
+"""The OpenAI-compatible HTTP API of the disaggregated cluster: the official `openai`
+client, SSE streaming with usage, OpenAI-shaped 400s naming the field, 429 with
+Retry-After, client disconnects freeing blocks, and /metrics."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import httpx
+import openai
+import pytest
+
+from tests.cluster.conftest import wait_all_blocks_free
+from tests.engine.test_hf_oracle import Oracle
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", timeout=60,
+                         max_retries=0)
+
+
+def test_completions_with_token_ids_match_hf(client, llama_dir):
+    oracle = Oracle(llama_dir)
+    rng = random.Random(31)
+    for n in (4, 45, 120):
+        prompt = [rng.randrange(4, 2000) for _ in range(n)]
+        out = client.completions.create(model="test-llama", prompt=prompt, max_tokens=8,
+                                        temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        expected, _ = oracle.generate(prompt, 8)
+        choice = out.choices[0]
+        assert choice.model_extra["token_ids"] == expected
+        assert choice.finish_reason == "length"
+        assert out.usage.prompt_tokens == n and out.usage.completion_tokens == 8
+
+
+def test_streaming_completion_with_usage(client):
+    full = client.completions.create(model="test-llama", prompt="The weather", max_tokens=6,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(
+        model="test-llama", prompt="The weather", max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+def test_chat_completion_and_stream(client):
+    messages = [{"role": "user", "content": "Say something"}]
+    out = client.chat.completions.create(model="test-llama", messages=messages, max_tokens=5,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].message.role == "assistant"
+    assert out.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(
+        model="test-llama", messages=messages, max_tokens=5, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        out.choices[0].message.content
+
+
+def test_models_lists_max_model_len(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["test-llama"]
+    assert models[0].model_extra["max_model_len"] == 512
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "test-llama"}, "prompt"),
+    ({"prompt": "", "max_tokens": 4}, "prompt"),
+    ({"prompt": [1, 99999999]}, "prompt"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": list(range(1, 500)), "max_tokens": 100}, "max_tokens"),
+    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "model": "gpt-4"}, "model"),
+])
+def test_bad_input_is_400_naming_the_field(server, body, param):
+    response = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"]
+    ok = httpx.post(f"{server.http_url}/v1/completions",
+                    json={"prompt": [5, 6], "max_tokens": 2, "ignore_eos": True}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_overload_is_429_with_retry_after(server):
+    router = server.router
+    saved = router.config
+    router.config = replace(saved, max_inflight=1)
+    try:
+        with httpx.Client(timeout=30) as http, http.stream(
+                "POST", f"{server.http_url}/v1/completions",
+                json={"prompt": [7, 8, 9], "max_tokens": 500, "stream": True,
+                      "ignore_eos": True}) as held:
+            # Headers arrive with the first token: the first request holds the only slot
+            # until its stream ends, and this test has read none of it yet.
+            assert held.status_code == 200 and len(router._inflight) == 1
+            response = http.post(f"{server.http_url}/v1/completions",
+                                 json={"prompt": [1, 2], "max_tokens": 2})
+            assert response.status_code == 429
+            assert int(response.headers["retry-after"]) >= 1
+            assert response.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        router.config = saved
+    wait_all_blocks_free(server)
+
+
+def test_client_disconnect_mid_stream_frees_blocks(server):
+    with httpx.Client(timeout=30) as http, http.stream(
+            "POST", f"{server.http_url}/v1/completions",
+            json={"prompt": list(range(20, 120)), "max_tokens": 400, "stream": True,
+                  "ignore_eos": True}) as response:
+        events = []
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+            if len(events) >= 3:
+                break  # leaving the block closes the connection mid-stream
+    assert len(events) == 3
+    wait_all_blocks_free(server)
+
+
+def test_health_ready_and_metrics(server, client):
+    client.completions.create(model="test-llama", prompt="metrics please", max_tokens=3,
+                              extra_body={"ignore_eos": True})
+    assert httpx.get(f"{server.http_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.http_url}/ready").status_code == 200
+    text = httpx.get(f"{server.http_url}/metrics").text
+    for name in ("pdserve:time_to_first_token_seconds_bucket",
+                 "pdserve:inter_token_latency_seconds_bucket",
+                 "pdserve:e2e_request_latency_seconds_count", "pdserve:num_requests_running",
+                 "pdserve:num_requests_waiting", "pdserve:kv_cache_usage_perc",
+                 "pdserve:prompt_tokens_total", "pdserve:generation_tokens_total",
+                 "pdserve:num_preemptions"):
+        assert name in text, name
+    count = [line for line in text.splitlines()
+             if line.startswith("pdserve:e2e_request_latency_seconds_count")]
+    assert float(count[0].split()[-1]) >= 1
