@@ -31,6 +31,11 @@ class DecodeWorkerActor:
         return await asyncio.wrap_future(
             self.worker.reserve(request_id, prompt_token_ids, params, arrival_time))
 
+    async def submit(self, request_id: str, prompt_token_ids: list[int],
+                     params: SamplingParams, arrival_time: float) -> None:
+        await asyncio.wrap_future(
+            self.worker.submit(request_id, prompt_token_ids, params, arrival_time))
+
     async def start(self, request_id: str, first_token: int) -> None:
         await asyncio.wrap_future(self.worker.start(request_id, first_token))
 

@@ -1,6 +1,7 @@
 """A decode worker: reserves KV blocks for the router, imports each prompt's KV from a
 prefill worker, runs the requests in its continuous batch and publishes every step's
-new tokens as one StepBatch.
+new tokens as one StepBatch. In colocated mode the same worker is handed whole
+requests (submit) and prefills them itself with chunked prefill.
 
 Request lifecycle: reserve() (blocks held, receiver expecting) -> start(first token)
 once the prefill worker reports the KV landed -> decoding in the batch (preemption
@@ -47,6 +48,12 @@ class DecodeWorker:
             return Reservation(request_id, self.address, list(request.block_ids), cached)
 
         return self.loop.call(reserve)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               arrival_time: float | None = None) -> Future:
+        """Colocated mode: run the whole request here, prefill (chunked) included."""
+        return self.loop.call(lambda engine: engine.add_request(
+            request_id, prompt_token_ids, params, arrival_time) and None)
 
     def start(self, request_id: str, first_token: int) -> Future:
         """The prefill worker sent the KV and sampled `first_token`: confirm the KV is

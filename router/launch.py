@@ -17,16 +17,33 @@ from router.router import ModelInfo, Router
 from router.workers import DecodeHandle, PrefillHandle
 
 
+MODES = ("disaggregated", "colocated")
+
+
 @dataclass(frozen=True)
 class PoolSpec:
     prefill_workers: int = 1
     decode_workers: int = 1
+    mode: str = "disaggregated"  # colocated: prefill + decode engine workers, both phases
     num_cpus: float = 1.0  # per worker actor
     num_gpus: float = 0.0  # per worker actor (1 on GPU machines)
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
         if self.prefill_workers < 1 or self.decode_workers < 1:
             raise ValueError("need at least one prefill and one decode worker")
+
+    @property
+    def num_prefill(self) -> int:
+        return self.prefill_workers if self.mode == "disaggregated" else 0
+
+    @property
+    def num_engine(self) -> int:
+        """Decode workers, or in colocated mode every engine worker."""
+        if self.mode == "disaggregated":
+            return self.decode_workers
+        return self.prefill_workers + self.decode_workers
 
 
 def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
@@ -41,10 +58,10 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     options = {"num_cpus": pools.num_cpus, "num_gpus": pools.num_gpus}
     prefill = [PrefillWorkerActor.options(**options).remote(f"prefill-{i}", engine_config,
                                                             transfer)
-               for i in range(pools.prefill_workers)]
+               for i in range(pools.num_prefill)]
     decode = [DecodeWorkerActor.options(**options).remote(f"decode-{i}", engine_config,
                                                           transfer)
-              for i in range(pools.decode_workers)]
+              for i in range(pools.num_engine)]
     decode_stats = ray.get([d.stats.remote() for d in decode])
     ray.get([p.stats.remote() for p in prefill])
     model = ModelConfig.from_dir(model_dir)

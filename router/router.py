@@ -1,11 +1,14 @@
 """The router core, shared by the gRPC and HTTP front ends.
 
-A request's path: validate + tokenize -> reserve KV on a decode worker (in policy
+Disaggregated (a prefill pool exists): validate + tokenize -> reserve KV on a decode
+worker (in policy
 order; none has room -> OverloadedError) -> prefill on a prefill worker, which
 streams the KV to the reserved blocks and samples token #1 -> start on the decode
 worker -> its step stream feeds this request's queue until it finishes. If the
 caller goes away (client disconnect, gRPC cancel) or anything fails, the request is
 aborted on both workers so their blocks are freed.
+Colocated (no prefill pool): the least-loaded engine worker takes the whole request
+(chunked prefill, then decode) and streams it the same way.
 """
 from __future__ import annotations
 
@@ -86,7 +89,7 @@ class Router:
         m.waiting.inc()
         waiting = True
         try:
-            decode = await self._reserve(req)
+            decode = await (self._reserve(req) if self.prefill else self._place(req))
         except BaseException:
             m.waiting.dec()
             raise
@@ -97,9 +100,14 @@ class Router:
         last = req.arrival_time
         try:
             try:
-                first = await self._prefill(req, decode)
-                await asyncio.wait_for(decode.actor.start.remote(req.request_id, first),
-                                       self.config.start_timeout_s)
+                if self.prefill:
+                    first = await self._prefill(req, decode)
+                    await asyncio.wait_for(decode.actor.start.remote(req.request_id, first),
+                                           self.config.start_timeout_s)
+                else:
+                    await asyncio.wait_for(decode.actor.submit.remote(
+                        req.request_id, req.prompt_token_ids, req.params, req.arrival_time),
+                        self.config.start_timeout_s)
             except Exception:
                 if req.request_id not in self._aborted:
                     raise
@@ -185,6 +193,16 @@ class Router:
             asyncio.get_running_loop().create_task(worker.refresh())
         raise OverloadedError("no decode worker has room for this request's KV",
                               self.config.retry_after_s)
+
+    async def _place(self, req: Accepted) -> DecodeHandle:
+        """Colocated mode: the least-loaded engine worker takes the whole request."""
+        order = decode_order([w.load() for w in self.decode.values()], 0)
+        if not order:
+            raise OverloadedError("no engine worker", self.config.retry_after_s)
+        worker = self.decode[order[0]]
+        worker.inflight += 1
+        self._inflight[req.request_id] = worker
+        return worker
 
     async def _prefill(self, req: Accepted, decode: DecodeHandle) -> int:
         worker_id = prefill_choice([w.load() for w in self.prefill.values()])

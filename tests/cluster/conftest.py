@@ -41,3 +41,13 @@ def wait_all_blocks_free(srv: RouterServer, timeout_s: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, stats
         time.sleep(0.1)
+
+
+@pytest.fixture(scope="package")
+def colocated_server(ray_local, llama_dir):
+    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=32 << 20,
+                                      long_prefill_token_threshold=32, max_model_len=512)
+    router = launch(config, PoolSpec(1, 1, mode="colocated"), served_model_name="test-llama")
+    srv = RouterServer(router)
+    yield srv
+    srv.stop()
