@@ -1,8 +1,10 @@
-"""The `pdserve` command line."""
+"""The `pdserve` command line: serve, demo, make-tiny-model."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
 
 
@@ -10,10 +12,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run the offline engine on the tiny model")
+    serve = sub.add_parser("serve", help="start the cluster and serve gRPC + HTTP")
+    _cluster_args(serve)
+    serve.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster (default: start a local one)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--grpc-port", type=int, default=50051)
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    serve.set_defaults(func=_serve)
+
+    demo = sub.add_parser("demo", help="1 prefill + 1 decode worker on the tiny model, "
+                          "a few requests through the SDK and the HTTP API")
     demo.add_argument("--model", default="tiny")
-    demo.add_argument("--num-prompts", type=int, default=32)
-    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.add_argument("--offline", action="store_true",
+                      help="run the offline engine instead of the cluster")
+    demo.add_argument("--num-prompts", type=int, default=8)
+    demo.add_argument("--max-tokens", type=int, default=32)
     demo.set_defaults(func=_demo)
 
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight HF model + tokenizer")
@@ -25,7 +41,124 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args) or 0
 
 
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="a local HF directory, or `tiny`")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--num-cpus-per-worker", type=float, default=1.0)
+    p.add_argument("--num-gpus-per-worker", type=float, default=0.0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument("--transfer-timeout", type=float, default=30.0)
+
+
+def _launch(args):
+    from engine.config import EngineConfig
+    from kv_transfer import TransferConfig
+    from router.launch import PoolSpec, launch
+
+    config = EngineConfig.from_kwargs(
+        args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_threads=args.num_threads)
+    pools = PoolSpec(args.prefill_workers, args.decode_workers, args.mode,
+                     args.num_cpus_per_worker, args.num_gpus_per_worker)
+    return launch(config, pools, TransferConfig(timeout_s=args.transfer_timeout),
+                  served_model_name=args.served_model_name or args.model)
+
+
+def _serve(args) -> int:
+    import ray
+
+    from router.server import RouterServer
+
+    ray.init(address=args.ray_address, include_dashboard=False,
+             log_to_driver=args.ray_address is None)
+    srv = RouterServer(_launch(args), args.host, args.grpc_port, args.http_port)
+    print(f"pdserve serving {args.model!r} ({args.mode}): gRPC {srv.grpc_target}  "
+          f"HTTP {srv.http_url}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print(f"draining (up to {args.drain_timeout:g}s) ...", flush=True)
+    srv.stop(args.drain_timeout)
+    ray.shutdown()
+    print("stopped", flush=True)
+    return 0
+
+
 def _demo(args) -> int:
+    if args.offline:
+        return _offline_demo(args)
+    import httpx
+    import ray
+
+    from pdserve.client import Client
+    from router.server import RouterServer
+
+    t0 = time.perf_counter()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        demo_args = argparse.Namespace(
+            model=args.model, served_model_name=None, mode="disaggregated", prefill_workers=1,
+            decode_workers=1, num_cpus_per_worker=1.0, num_gpus_per_worker=0.0, device="cpu",
+            dtype=None, max_model_len=None, max_num_seqs=64, max_num_batched_tokens=2048,
+            long_prefill_token_threshold=256, no_prefix_caching=False,
+            kv_cache_memory_bytes=256 << 20, num_threads=1, transfer_timeout=30.0)
+        srv = RouterServer(_launch(demo_args))
+        print(f"cluster up in {time.perf_counter() - t0:.1f}s: 1 prefill + 1 decode worker, "
+              f"gRPC {srv.grpc_target}, HTTP {srv.http_url}")
+        prompts = [f"{_TOPICS[i % len(_TOPICS)]} {i}" for i in range(args.num_prompts)]
+        with Client(srv.grpc_target) as client:
+            for prompt in prompts[:3]:
+                out = client.generate(prompt, max_tokens=args.max_tokens, temperature=0,
+                                      ignore_eos=True)
+                print(f"[gRPC] {prompt!r} -> {out.text[:60]!r}  ttft {out.ttft_s * 1e3:.0f} ms"
+                      f"  e2e {out.e2e_s * 1e3:.0f} ms  ({out.usage.completion_tokens} tokens)")
+            t1 = time.perf_counter()
+            outs = _concurrently(client, prompts, args.max_tokens)
+            elapsed = time.perf_counter() - t1
+        tokens = sum(len(o.token_ids) for o in outs)
+        print(f"[gRPC] {len(outs)} concurrent requests: {tokens} tokens in {elapsed:.2f}s "
+              f"({tokens / elapsed:.0f} tok/s), median ttft "
+              f"{sorted(o.ttft_s for o in outs)[len(outs) // 2] * 1e3:.0f} ms")
+        r = httpx.post(f"{srv.http_url}/v1/completions", timeout=60, json={
+            "model": args.model, "prompt": prompts[0], "max_tokens": args.max_tokens,
+            "temperature": 0, "ignore_eos": True})
+        body = r.json()
+        print(f"[HTTP] /v1/completions {r.status_code}: {body['choices'][0]['text'][:60]!r} "
+              f"usage {body['usage']['completion_tokens']} tokens")
+        srv.stop()
+    finally:
+        ray.shutdown()
+    print(f"demo done in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+_TOPICS = ["The history of", "A recipe for", "def fibonacci(n):", "Dear reader,",
+           "import numpy as np\n", "In the beginning", "The weather today", "Once upon a time"]
+
+
+def _concurrently(client, prompts, max_tokens):
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: client.generate(p, max_tokens=max_tokens, temperature=0,
+                                                       ignore_eos=True), prompts))
+
+
+def _offline_demo(args) -> int:
     from pdserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -33,9 +166,7 @@ def _demo(args) -> int:
     print(f"loaded {args.model!r} in {time.perf_counter() - t0:.1f}s "
           f"({llm.engine.model_config.num_layers} layers, "
           f"{llm.engine.block_manager.num_blocks} KV blocks)")
-    topics = ["The history of", "A recipe for", "def fibonacci(n):", "Dear reader,",
-              "import numpy as np\n", "In the beginning", "The weather today", "Once upon a time"]
-    prompts = [f"{topics[i % len(topics)]} {i}" for i in range(args.num_prompts)]
+    prompts = [f"{_TOPICS[i % len(_TOPICS)]} {i}" for i in range(args.num_prompts)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params)
