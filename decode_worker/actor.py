@@ -43,9 +43,13 @@ class DecodeWorkerActor:
         self.worker.abort(request_id)
 
     async def steps(self):
-        """Every step's new tokens, for as long as the subscriber listens."""
+        """Every step's new tokens, for as long as the subscriber listens. Steps that
+        queued up while the subscriber was busy go out merged, as one batch."""
         while True:
-            yield await self._batches.get()
+            batch = await self._batches.get()
+            while not self._batches.empty():
+                batch = batch.merged(self._batches.get_nowait())
+            yield batch
 
     async def stats(self) -> dict:
         return self.worker.stats()

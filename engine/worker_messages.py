@@ -47,8 +47,23 @@ class TokenDelta:
     num_output_tokens: int = 0
 
 
+    def merged(self, later: "TokenDelta") -> "TokenDelta":
+        """This delta followed by `later`, as one (for a consumer that fell behind)."""
+        return TokenDelta(self.request_id, self.token_ids + later.token_ids,
+                          self.text + later.text, self.logprobs + later.logprobs,
+                          later.finished, later.finish_reason, later.num_prompt_tokens,
+                          later.num_cached_tokens, later.num_output_tokens)
+
+
 @dataclass(frozen=True)
 class StepBatch:
-    """One engine step's new tokens for every request it advanced."""
+    """One or more engine steps' new tokens for every request they advanced."""
     worker_id: str
     deltas: list[TokenDelta]
+
+    def merged(self, later: "StepBatch") -> "StepBatch":
+        by_request = {d.request_id: d for d in self.deltas}
+        for d in later.deltas:
+            earlier = by_request.get(d.request_id)
+            by_request[d.request_id] = d if earlier is None else earlier.merged(d)
+        return StepBatch(self.worker_id, list(by_request.values()))

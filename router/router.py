@@ -116,6 +116,9 @@ class Router:
                 return
             while True:
                 item = await queue.get()
+                while not isinstance(item, Exception) and not queue.empty():
+                    later = queue.get_nowait()  # the caller fell behind: one message
+                    item = later if isinstance(later, Exception) else item.merged(later)
                 if isinstance(item, Exception):
                     raise item
                 now = time.time()

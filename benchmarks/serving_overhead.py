@@ -1,0 +1,158 @@
+"""What the router + gRPC path adds over the in-process engine, same run, same workload.
+
+Both sides run one engine with the same settings and thread count: in-process
+(LLMEngine.step in this process) and behind the cluster (one colocated engine worker
+as a Ray actor, the router, the gRPC server, the SDK's AsyncClient). A batch of
+--batch concurrent requests, seeded prompts, greedy, ignore_eos.
+  added TTFT p50 = p50(TTFT through gRPC) - p50(TTFT in-process)       target <= 2 ms
+  throughput ratio = output tok/s through gRPC / in-process            target >= 0.95
+Also: the added TTFT of one request alone (no batching effects), median of --singles.
+
+--threads defaults to 1: the cluster side's router, gRPC server and client need CPU of
+their own, and on a 2-core machine an engine with 2 threads would measure core
+contention rather than the router's overhead (both settings are worth a look).
+Prints JSON and the ratios last; writes the JSON to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ray  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.client import AsyncClient  # noqa: E402
+from router.launch import PoolSpec, launch  # noqa: E402
+from router.server import RouterServer  # noqa: E402
+
+
+def workload(n: int, vocab: int, seed: int, prompt_range, max_tokens: int):
+    rng = random.Random(seed)
+    return [([rng.randrange(4, vocab) for _ in range(rng.randint(*prompt_range))], max_tokens)
+            for _ in range(n)]
+
+
+def single_ttfts_in_process(config: EngineConfig, requests) -> list[float]:
+    engine = LLMEngine(config)
+    ttfts = []
+    for i, (prompt, _) in enumerate(requests):
+        t0 = time.time()
+        engine.add_request(f"s{i}", prompt, SamplingParams(max_tokens=2, temperature=0,
+                                                           ignore_eos=True), arrival_time=t0)
+        first = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                if first is None and out.token_ids:
+                    first = time.time() - t0
+        ttfts.append(first)
+    return ttfts[2:]  # the first two warm up
+
+
+async def single_ttfts_grpc(target: str, requests) -> list[float]:
+    async with AsyncClient(target, timeout=600) as client:
+        ttfts = [(await client.generate(p, max_tokens=2, temperature=0, ignore_eos=True)).ttft_s
+                 for p, _ in requests]
+    return ttfts[2:]
+
+
+def in_process(config: EngineConfig, requests) -> dict:
+    engine = LLMEngine(config)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in requests]
+    for warm in range(2):
+        engine.add_request(f"warm{warm}", requests[warm][0], params[0])
+    while engine.has_unfinished():
+        engine.step()
+    t0 = time.time()
+    for i, ((prompt, _), p) in enumerate(zip(requests, params)):
+        engine.add_request(f"r{i}", prompt, p, arrival_time=t0)
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.finished]
+    elapsed = time.time() - t0
+    tokens = sum(len(o.token_ids) for o in done)
+    return {"ttft_p50_s": statistics.median(o.metrics.ttft for o in done),
+            "output_tok_s": tokens / elapsed, "seconds": elapsed, "output_tokens": tokens}
+
+
+async def through_grpc(target: str, requests) -> dict:
+    async with AsyncClient(target, timeout=600) as client:
+        await asyncio.gather(*[client.generate(p, max_tokens=n, temperature=0, ignore_eos=True)
+                               for p, n in requests[:2]])  # warm-up
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*[client.generate(p, max_tokens=n, temperature=0,
+                                                      ignore_eos=True) for p, n in requests])
+        elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"ttft_p50_s": statistics.median(o.ttft_s for o in outs),
+            "output_tok_s": tokens / elapsed, "seconds": elapsed, "output_tokens": tokens}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-range", type=int, nargs=2, default=(64, 256))
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--singles", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench-results/serving_overhead.json")
+    args = ap.parse_args()
+
+    config = EngineConfig.from_kwargs(args.model, num_threads=args.threads,
+                                      kv_cache_memory_bytes=512 << 20)
+    probe = LLMEngine(config)
+    vocab = probe.model_config.vocab_size
+    del probe
+    requests = workload(args.batch, vocab, args.seed, args.prompt_range, args.max_tokens)
+    singles = workload(args.singles, vocab, args.seed + 1, args.prompt_range, 2)
+    result = {"batch": args.batch, "prompt_range": args.prompt_range,
+              "max_tokens": args.max_tokens, "threads": args.threads}
+    result["in_process"] = in_process(config, requests)
+    result["in_process"]["single_ttft_ms"] = statistics.median(
+        single_ttfts_in_process(config, singles)) * 1e3
+    print(f"in-process: ttft p50 {result['in_process']['ttft_p50_s'] * 1e3:.1f} ms, "
+          f"{result['in_process']['output_tok_s']:.0f} tok/s", flush=True)
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        router = launch(config, PoolSpec(0, 1, mode="colocated", num_cpus=args.threads))
+        server = RouterServer(router)
+        result["grpc"] = asyncio.run(through_grpc(server.grpc_target, requests))
+        result["grpc"]["single_ttft_ms"] = statistics.median(
+            asyncio.run(single_ttfts_grpc(server.grpc_target, singles))) * 1e3
+        server.stop()
+    finally:
+        ray.shutdown()
+    print(f"gRPC: ttft p50 {result['grpc']['ttft_p50_s'] * 1e3:.1f} ms, "
+          f"{result['grpc']['output_tok_s']:.0f} tok/s", flush=True)
+
+    result["added_ttft_p50_ms"] = (result["grpc"]["ttft_p50_s"]
+                                   - result["in_process"]["ttft_p50_s"]) * 1e3
+    result["added_single_ttft_ms"] = (result["grpc"]["single_ttft_ms"]
+                                      - result["in_process"]["single_ttft_ms"])
+    result["throughput_ratio"] = (result["grpc"]["output_tok_s"]
+                                  / result["in_process"]["output_tok_s"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    print(f"added TTFT p50 through router + gRPC: {result['added_ttft_p50_ms']:.2f} ms "
+          f"(target <= 2)")
+    print(f"added TTFT of one request alone: {result['added_single_ttft_ms']:.2f} ms")
+    print(f"output throughput ratio gRPC / in-process: {result['throughput_ratio']:.3f} "
+          f"(target >= 0.95)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
