@@ -68,6 +68,7 @@ class KVSender:
         self._peers: dict[str, _Peer] = {}
         self._seq = 0
         self._lock = threading.Lock()
+        self._connect_lock = threading.Lock()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pool = BufferPool()  # layer messages, reused once sent
 
@@ -231,10 +232,18 @@ class KVSender:
         handle.works.clear()
         handle.pooled.clear()
 
+    def connect(self, address: str) -> None:
+        """Open the pair ahead of the first transfer (the rendezvous takes about a
+        second; better at start-up than inside a prefill step)."""
+        self._peer(address)
+
     def _peer(self, address: str) -> _Peer:
         peer = self._peers.get(address)
         if peer is None:
-            peer = self._peers[address] = self._connect(address)
+            with self._connect_lock:  # one pair per receiver, whoever asks first
+                peer = self._peers.get(address)
+                if peer is None:
+                    peer = self._peers[address] = self._connect(address)
         return peer
 
     def _connect(self, address: str) -> _Peer:

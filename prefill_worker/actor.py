@@ -19,6 +19,9 @@ class PrefillWorkerActor:
     async def prefill(self, job: PrefillJob) -> PrefillResult:
         return await asyncio.wrap_future(self.worker.prefill(job))
 
+    async def connect(self, receiver_addresses: list[str]) -> None:
+        await asyncio.to_thread(self.worker.connect, receiver_addresses)
+
     async def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
 

@@ -57,6 +57,11 @@ class PrefillWorker:
         self.loop.call(add).add_done_callback(refused)
         return future
 
+    def connect(self, receiver_addresses: list[str]) -> None:
+        """Pair with decode workers now rather than on their first request."""
+        for address in receiver_addresses:
+            self.sender.connect(address)
+
     def abort(self, request_id: str) -> None:
         self.loop.engine.abort(request_id)
         entry = self._jobs.get(request_id)

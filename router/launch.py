@@ -69,7 +69,8 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
                                                           transfer)
               for i in range(pools.num_engine)]
     decode_stats = ray.get([d.stats.remote() for d in decode])
-    ray.get([p.stats.remote() for p in prefill])
+    addresses = ray.get([d.address.remote() for d in decode])
+    ray.get([p.connect.remote(addresses) for p in prefill])  # every pair, before traffic
     model = ModelConfig.from_dir(model_dir)
     max_len = min(engine_config.max_model_len or model.max_position_embeddings,
                   model.max_position_embeddings)
