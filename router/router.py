@@ -16,14 +16,14 @@ import asyncio
 import itertools
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.validation import check_length, prompt_token_ids
-from engine.worker_messages import PrefillJob, Reservation, TokenDelta
+from engine.worker_messages import PrefillJob, PrefillResult, Reservation, TokenDelta
 from router.config import RouterConfig
 from router.errors import OverloadedError, WorkerError
 from router.metrics import RouterMetrics
@@ -82,28 +82,31 @@ class Router:
         return Accepted(rid, ids, params, time.time())
 
     async def generate(self, req: Accepted) -> AsyncIterator[TokenDelta]:
-        """Streams the request's deltas; the last one has finished=True."""
+        """Streams the request's deltas; the last one has finished=True. Disaggregated,
+        token #1 goes out as soon as the prefill worker sampled it (TTFT), while the
+        decode worker is being started."""
         if self.config.max_inflight and len(self._inflight) >= self.config.max_inflight:
             raise OverloadedError("the router is at max_inflight", self.config.retry_after_s)
-        m = self.metrics
-        m.waiting.inc()
-        waiting = True
+        track = _Tracker(self.metrics, req)
         try:
             decode = await (self._reserve(req) if self.prefill else self._place(req))
         except BaseException:
-            m.waiting.dec()
+            track.close()
             raise
-        m.prompt_tokens.inc(len(req.prompt_token_ids))
+        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         queue: asyncio.Queue = asyncio.Queue()
         decode.streams[req.request_id] = queue
+        starting: asyncio.Future | None = None
+        first_token: int | None = None  # sent already; dropped from the decode stream
         finished = False
-        last = req.arrival_time
         try:
             try:
                 if self.prefill:
-                    first = await self._prefill(req, decode)
-                    await asyncio.wait_for(decode.actor.start.remote(req.request_id, first),
-                                           self.config.start_timeout_s)
+                    result = await self._prefill(req, decode)
+                    first_token = result.first_token
+                    starting = asyncio.ensure_future(asyncio.wait_for(
+                        decode.actor.start.remote(req.request_id, first_token),
+                        self.config.start_timeout_s))
                 else:
                     await asyncio.wait_for(decode.actor.submit.remote(
                         req.request_id, req.prompt_token_ids, req.params, req.arrival_time),
@@ -114,33 +117,23 @@ class Router:
                 finished = True  # aborted while prefilling: the abort already freed it
                 yield TokenDelta(req.request_id, [], "", [], True, "abort")
                 return
+            if first_token is not None:
+                logprobs = [result.first_logprob] if result.first_logprob is not None else []
+                yield track.observe(TokenDelta(req.request_id, [first_token], "", logprobs,
+                                               False, None, len(req.prompt_token_ids), 0, 1))
             while True:
-                item = await queue.get()
-                while not isinstance(item, Exception) and not queue.empty():
-                    later = queue.get_nowait()  # the caller fell behind: one message
-                    item = later if isinstance(later, Exception) else item.merged(later)
-                if isinstance(item, Exception):
-                    raise item
-                now = time.time()
-                if item.token_ids:
-                    if waiting:
-                        waiting = False
-                        m.waiting.dec()
-                        m.running.inc()
-                        m.ttft.observe(now - req.arrival_time)
-                    else:
-                        m.itl.observe((now - last) / len(item.token_ids))
-                    last = now
-                    m.generation_tokens.inc(len(item.token_ids))
+                item = await self._next_delta(queue, starting)
+                if first_token is not None and item.token_ids:
+                    item = replace(item, token_ids=item.token_ids[1:])
+                    first_token = None
                 finished = item.finished
-                if finished:
-                    m.e2e.observe(now - req.arrival_time)
-                    m.finished(item.finish_reason or "stop")
-                yield item
+                yield track.observe(item)
                 if finished:
                     return
         finally:
-            (m.waiting if waiting else m.running).dec()
+            track.close()
+            if starting is not None and not starting.done():
+                starting.cancel()
             decode.streams.pop(req.request_id, None)
             self._inflight.pop(req.request_id, None)
             self._reservations.pop(req.request_id, None)
@@ -148,6 +141,30 @@ class Router:
             decode.inflight -= 1
             if not finished:  # cancelled or failed: free the blocks on both sides
                 await self._abort_on_workers(req.request_id, decode)
+
+    async def _next_delta(self, queue: asyncio.Queue, starting) -> TokenDelta:
+        """The next delta, merged with any queued behind it (the caller fell behind);
+        a decode worker that failed to start the request raises instead of hanging."""
+        if starting is not None and not starting.done():
+            getter = asyncio.ensure_future(queue.get())
+            try:
+                await asyncio.wait({getter, starting}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not getter.done():
+                    getter.cancel()
+            item = getter.result() if getter.done() and not getter.cancelled() else None
+        else:
+            item = None
+        if item is None:
+            if starting is not None and starting.done() and starting.exception() is not None:
+                raise WorkerError(f"the decode worker could not start: {starting.exception()}")
+            item = await queue.get()
+        while not isinstance(item, Exception) and not queue.empty():
+            later = queue.get_nowait()
+            item = later if isinstance(later, Exception) else item.merged(later)
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     async def abort(self, request_id: str) -> bool:
         decode = self._inflight.get(request_id)
@@ -207,7 +224,7 @@ class Router:
         self._inflight[req.request_id] = worker
         return worker
 
-    async def _prefill(self, req: Accepted, decode: DecodeHandle) -> int:
+    async def _prefill(self, req: Accepted, decode: DecodeHandle) -> PrefillResult:
         worker_id = prefill_choice([w.load() for w in self.prefill.values()])
         if worker_id is None:
             raise OverloadedError("no prefill worker", self.config.retry_after_s)
@@ -226,7 +243,7 @@ class Router:
         finally:
             worker.queued -= 1
             self._prefilling.pop(req.request_id, None)
-        return result.first_token
+        return result
 
     async def _abort_on_workers(self, request_id: str, decode: DecodeHandle) -> None:
         calls = [decode.actor.abort.remote(request_id)]
@@ -234,3 +251,36 @@ class Router:
         if prefill is not None:
             calls.append(prefill.actor.abort.remote(request_id))
         await asyncio.gather(*calls, return_exceptions=True)
+
+
+class _Tracker:
+    """One request's metrics: waiting until its first token, then running."""
+
+    def __init__(self, metrics: RouterMetrics, req: Accepted):
+        self.m, self.req = metrics, req
+        self.waiting = True
+        self.last = req.arrival_time
+        self.closed = False
+        metrics.waiting.inc()
+
+    def observe(self, delta: TokenDelta) -> TokenDelta:
+        now, m = time.time(), self.m
+        if delta.token_ids:
+            if self.waiting:
+                self.waiting = False
+                m.waiting.dec()
+                m.running.inc()
+                m.ttft.observe(now - self.req.arrival_time)
+            else:
+                m.itl.observe((now - self.last) / len(delta.token_ids))
+            self.last = now
+            m.generation_tokens.inc(len(delta.token_ids))
+        if delta.finished:
+            m.e2e.observe(now - self.req.arrival_time)
+            m.finished(delta.finish_reason or "stop")
+        return delta
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            (self.m.waiting if self.waiting else self.m.running).dec()
