@@ -116,6 +116,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or not self._aborts.empty()
 
+    def has_work(self) -> bool:
+        """Whether step() would do anything now (a reserved request waiting for its
+        KV gives it nothing to do)."""
+        return self.scheduler.has_schedulable() or not self._aborts.empty()
+
     @property
     def stats(self):
         return self.scheduler.stats

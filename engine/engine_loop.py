@@ -47,7 +47,7 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self._run_calls()
-                if self.engine.has_unfinished():
+                if self.engine.has_work():  # never spin: it would starve the KV threads
                     outputs = self.engine.step(self.export)
                     if outputs:
                         self.on_step(outputs)

@@ -85,6 +85,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def has_schedulable(self) -> bool:
+        """Work a step could do now; requests waiting for their KV are not."""
+        return bool(self.waiting or self.running)
+
     # ---- one step ---------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
