@@ -1,0 +1,2 @@
+"""The goodput load-test harness behind `pdserve bench`: workloads, arrival
+processes, per-request metrics and SLO goodput."""

@@ -1,0 +1,121 @@
+"""Per-request latency metrics, SLO goodput and the sweep's crossing point.
+
+TTFT = first token - send; TPOT = (e2e - TTFT) / (output tokens - 1); every gap
+between consecutive tokens is an inter-token latency (a chunk of k tokens counts as k
+tokens arriving together). A request counts toward goodput only if it finished and
+met every limit given; failures and rejections are counted, never dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestRecord:
+    send_time: float
+    num_prompt_tokens: int = 0
+    token_times: list[float] = field(default_factory=list)  # one entry per output token
+    end_time: float | None = None
+    error: str | None = None
+    rejected: bool = False  # overload (429 / RESOURCE_EXHAUSTED)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.rejected and self.end_time is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.send_time if self.token_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.end_time is None else self.end_time - self.send_time
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.num_output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.num_output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    @classmethod
+    def parse(cls, specs: list[str]) -> "SLO":
+        """['ttft:200', 'tpot:50', 'e2el:5000'] (milliseconds), as vllm bench serve."""
+        limits = {}
+        for spec in specs:
+            name, _, value = spec.partition(":")
+            if name not in ("ttft", "tpot", "e2el") or not value:
+                raise ValueError(f"--goodput takes ttft:MS tpot:MS e2el:MS, got {spec!r}")
+            limits[f"{name}_ms"] = float(value)
+        return cls(**limits)
+
+    def met(self, r: RequestRecord) -> bool:
+        if not r.ok:
+            return False
+        checks = [(self.ttft_ms, r.ttft), (self.tpot_ms, r.tpot), (self.e2el_ms, r.e2e)]
+        # A one-token request has no TPOT: nothing to violate.
+        return all(limit is None or value is None or value * 1e3 <= limit
+                   for limit, value in checks)
+
+
+def _stats(values: list[float], scale: float = 1e3) -> dict:
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    arr = np.asarray(values) * scale
+    return {"mean": float(arr.mean()),
+            **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
+
+
+def summarize(records: list[RequestRecord], duration_s: float, slo: SLO,
+              num_workers: int = 1) -> dict:
+    done = [r for r in records if r.ok]
+    good = sum(slo.met(r) for r in records)
+    return {
+        "requests": len(records), "completed": len(done),
+        "failed": sum(1 for r in records if r.error is not None),
+        "rejected": sum(1 for r in records if r.rejected),
+        "duration_s": duration_s,
+        "request_throughput": len(done) / duration_s,
+        "output_throughput": sum(r.num_output_tokens for r in done) / duration_s,
+        "input_throughput": sum(r.num_prompt_tokens for r in done) / duration_s,
+        "ttft_ms": _stats([r.ttft for r in done if r.ttft is not None]),
+        "tpot_ms": _stats([r.tpot for r in done if r.tpot is not None]),
+        "itl_ms": _stats([gap for r in done for gap in r.itls]),
+        "e2el_ms": _stats([r.e2e for r in done]),
+        "goodput": good / duration_s,
+        "goodput_per_worker": good / duration_s / num_workers,
+        "slo_attainment": good / len(records) if records else None,
+    }
+
+
+def crossing(rates: list[float], attainments: list[float], target: float = 0.9) -> float | None:
+    """The highest rate with attainment >= target: the last measured rate that meets it,
+    interpolated linearly toward the first one after it that does not."""
+    points = sorted(zip(rates, attainments))
+    best = None
+    for (r0, a0), (r1, a1) in zip(points, points[1:] + [(None, None)]):
+        if a0 < target:
+            break
+        best = r0
+        if r1 is not None and a1 < target:
+            best = r0 + (a0 - target) / (a0 - a1) * (r1 - r0)
+            break
+    return best
