@@ -1,4 +1,4 @@
-"""The `pdserve` command line: serve, demo, make-tiny-model."""
+"""The `pdserve` command line: serve, demo, bench, make-tiny-model."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +31,36 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--num-prompts", type=int, default=8)
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="load-test a server and report goodput")
+    bench.add_argument("--backend", choices=["grpc", "openai"], default="grpc")
+    bench.add_argument("--target", required=True,
+                       help="host:port (grpc) or base URL http://host:port (openai)")
+    bench.add_argument("--model", default=None, help="model name for an OpenAI server")
+    bench.add_argument("--workload", default="random",
+                       help="random | sharegpt-like | azure-conv | azure-code | "
+                       "prefix-shared | file")
+    bench.add_argument("--dataset-path", default=None, help="JSONL for --workload file")
+    bench.add_argument("--num-prompts", type=int, default=100)
+    bench.add_argument("--scale", type=float, default=1.0,
+                       help="shrink every length (fit a small model's context)")
+    bench.add_argument("--input-len", type=int, default=1024)
+    bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--range-ratio", type=float, default=0.0)
+    bench.add_argument("--prefix-share", type=float, default=0.5)
+    bench.add_argument("--vocab-size", type=int, default=None,
+                       help="for random prompts on non-pdserve servers (grpc asks the server)")
+    bench.add_argument("--request-rate", type=float, default=float("inf"))
+    bench.add_argument("--burstiness", type=float, default=1.0)
+    bench.add_argument("--max-concurrency", type=int, default=0)
+    bench.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
+                       help="SLOs, e.g. ttft:200 tpot:50 e2el:5000")
+    bench.add_argument("--num-workers", type=int, default=1,
+                       help="divide goodput by this (requests per second per worker)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out-dir", default="bench-results")
+    bench.add_argument("--name", default="bench")
+    bench.set_defaults(func=_bench)
 
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight HF model + tokenizer")
     tiny.add_argument("dir")
@@ -179,6 +209,40 @@ def _offline_demo(args) -> int:
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     print(f"{len(outputs)} requests, {prompt_tokens} prompt + {generated} output tokens "
           f"in {elapsed:.2f}s: {generated / elapsed:.0f} output tok/s")
+    return 0
+
+
+def _bench(args) -> int:
+    import asyncio
+
+    from benchmarks.harness import driver, report
+    from benchmarks.harness.metrics import SLO, summarize
+    from benchmarks.harness.workloads import make_workload
+
+    slo = SLO.parse(args.goodput)
+    vocab = args.vocab_size
+    if vocab is None:
+        if args.backend == "grpc":
+            from pdserve.client import Client
+            with Client(args.target) as client:
+                vocab = client.model_info().vocab_size
+        else:
+            vocab = 1000
+    requests = make_workload(args.workload, args.num_prompts, vocab, args.seed, args.scale,
+                             args.input_len, args.output_len, args.range_ratio,
+                             args.prefix_share, path=args.dataset_path)
+    cfg = driver.RunConfig(args.backend, args.target, args.model, args.request_rate,
+                           args.burstiness, args.max_concurrency, args.seed)
+    records, duration = asyncio.run(driver.run(requests, cfg))
+    summary = summarize(records, duration, slo, args.num_workers)
+    slo_text = "" if not args.goodput else f" [{' '.join(args.goodput)}]"
+    print(report.text_block(summary, slo_text))
+    meta = {k: getattr(args, k) for k in ("backend", "target", "workload", "num_prompts",
+                                          "scale", "request_rate", "burstiness",
+                                          "max_concurrency", "goodput", "seed")}
+    meta["request_rate"] = str(meta["request_rate"])
+    for path in report.write(args.out_dir, args.name, summary, meta):
+        print(f"wrote {path}")
     return 0
 
 

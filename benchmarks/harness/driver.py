@@ -1,0 +1,142 @@
+"""Drives a server with a workload and records every request's token arrival times.
+
+Backends: pdserve's gRPC API (the SDK's AsyncClient, retries off so overload counts
+as a rejection) or any OpenAI-compatible HTTP server (/v1/completions, streaming).
+Requests go out at their arrival times, optionally capped at --max-concurrency.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import httpx
+from tqdm import tqdm
+
+from benchmarks.harness.arrivals import arrival_times, trace_times
+from benchmarks.harness.metrics import RequestRecord
+from benchmarks.harness.workloads import BenchRequest
+
+BACKENDS = ("grpc", "openai")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    backend: str  # "grpc" | "openai"
+    target: str  # host:port for grpc, base URL (http://host:port) for openai
+    model: str | None = None  # the model name an OpenAI server expects
+    request_rate: float = float("inf")
+    burstiness: float = 1.0
+    max_concurrency: int = 0  # 0 = no cap
+    seed: int = 0
+    timeout_s: float = 600.0  # per request
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}")
+        if self.max_concurrency < 0:
+            raise ValueError("max_concurrency must be >= 0")
+
+
+async def run(requests: list[BenchRequest], cfg: RunConfig) -> tuple[list[RequestRecord], float]:
+    """Sends every request; returns their records and the wall time of the run."""
+    if requests and all(r.timestamp is not None for r in requests):
+        offsets = trace_times([r.timestamp for r in requests])
+    else:
+        offsets = arrival_times(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+    cap = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    bar = tqdm(total=len(requests), desc="bench", unit="req", disable=not cfg.progress)
+    async with _backend(cfg) as send:
+        start = time.perf_counter()
+
+        async def one(req: BenchRequest, offset: float) -> RequestRecord:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            if cap is not None:
+                async with cap:
+                    record = await send(req)
+            else:
+                record = await send(req)
+            bar.update(1)
+            return record
+
+        records = await asyncio.gather(*[one(r, o) for r, o in zip(requests, offsets)])
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(records), duration
+
+
+class _backend:
+    """An async context giving `send(request) -> RequestRecord` for the backend."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+
+    async def __aenter__(self):
+        if self.cfg.backend == "grpc":
+            from pdserve.client import AsyncClient
+            self._client = AsyncClient(self.cfg.target, timeout=self.cfg.timeout_s,
+                                       max_retries=0)
+            return self._send_grpc
+        self._client = httpx.AsyncClient(base_url=self.cfg.target, timeout=self.cfg.timeout_s,
+                                         limits=httpx.Limits(max_connections=None))
+        return self._send_openai
+
+    async def __aexit__(self, *exc):
+        if self.cfg.backend == "grpc":
+            await self._client.close()
+        else:
+            await self._client.aclose()
+
+    async def _send_grpc(self, req: BenchRequest) -> RequestRecord:
+        from pdserve.client import OverloadedError
+        record = RequestRecord(time.perf_counter())
+        try:
+            async for chunk in self._client.generate_stream(req.prompt, max_tokens=req.max_tokens,
+                                                            temperature=0, ignore_eos=True):
+                now = time.perf_counter()
+                record.token_times += [now] * len(chunk.token_ids)
+                if chunk.usage is not None:
+                    record.num_prompt_tokens = chunk.usage.prompt_tokens
+            record.end_time = time.perf_counter()
+        except OverloadedError:
+            record.rejected = True
+        except Exception as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+        return record
+
+    async def _send_openai(self, req: BenchRequest) -> RequestRecord:
+        body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
+                "stream": True, "ignore_eos": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}}
+        if self.cfg.model:
+            body["model"] = self.cfg.model
+        record = RequestRecord(time.perf_counter())
+        try:
+            async with self._client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code == 429:
+                    record.rejected = True
+                    return record
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")
+                    record.error = f"HTTP {response.status_code}: {text[:200]}"
+                    return record
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    _take_sse_chunk(record, json.loads(line[6:]), time.perf_counter())
+            record.end_time = time.perf_counter()
+        except Exception as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+        return record
+
+
+def _take_sse_chunk(record: RequestRecord, chunk: dict, now: float) -> None:
+    if chunk.get("usage"):
+        record.num_prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+    for choice in chunk.get("choices", []):
+        # Servers without token ids in chunks: one non-empty text chunk ~ one token.
+        ids = choice.get("token_ids")
+        n = len(ids) if ids is not None else (1 if choice.get("text") else 0)
+        record.token_times += [now] * n
