@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="SLOs, e.g. ttft:200 tpot:50 e2el:5000")
     bench.add_argument("--num-workers", type=int, default=1,
                        help="divide goodput by this (requests per second per worker)")
+    bench.add_argument("--sweep", type=float, nargs="+", default=None, metavar="RATE",
+                       help="run at each request rate; report the highest rate per worker "
+                       "with >= 90%% SLO attainment")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out-dir", default="bench-results")
     bench.add_argument("--name", default="bench")
@@ -233,15 +236,25 @@ def _bench(args) -> int:
                              args.prefix_share, path=args.dataset_path)
     cfg = driver.RunConfig(args.backend, args.target, args.model, args.request_rate,
                            args.burstiness, args.max_concurrency, args.seed)
-    records, duration = asyncio.run(driver.run(requests, cfg))
-    summary = summarize(records, duration, slo, args.num_workers)
     slo_text = "" if not args.goodput else f" [{' '.join(args.goodput)}]"
-    print(report.text_block(summary, slo_text))
     meta = {k: getattr(args, k) for k in ("backend", "target", "workload", "num_prompts",
                                           "scale", "request_rate", "burstiness",
-                                          "max_concurrency", "goodput", "seed")}
+                                          "max_concurrency", "goodput", "seed", "num_workers")}
     meta["request_rate"] = str(meta["request_rate"])
-    for path in report.write(args.out_dir, args.name, summary, meta):
+    if args.sweep:
+        from benchmarks.harness.sweep import sweep
+        result = asyncio.run(sweep(requests, cfg, args.sweep, slo, args.num_workers))
+        for row in result["rows"]:
+            print(f"rate {row['rate']:g} req/s")
+            print(report.text_block(row, slo_text))
+        print(report.sweep_markdown(result))
+        paths = report.write_sweep(args.out_dir, args.name, result, meta)
+    else:
+        records, duration = asyncio.run(driver.run(requests, cfg))
+        summary = summarize(records, duration, slo, args.num_workers)
+        print(report.text_block(summary, slo_text))
+        paths = report.write(args.out_dir, args.name, summary, meta)
+    for path in paths:
         print(f"wrote {path}")
     return 0
 

@@ -1,5 +1,5 @@
 """Results as people read them: a text block in the shape of `vllm bench serve`'s,
-plus JSON and a Markdown table."""
+JSON, a Markdown table, and for sweeps a PNG plot."""
 from __future__ import annotations
 
 import json
@@ -51,6 +51,57 @@ def markdown(s: dict) -> str:
               s["output_throughput"], s["ttft_ms"]["p50"], s["ttft_ms"]["p99"],
               s["tpot_ms"]["p50"], s["tpot_ms"]["p99"]]
     return head + "| " + " | ".join(cell(v) for v in values) + " |\n"
+
+
+def sweep_markdown(result: dict) -> str:
+    rows = result["rows"]
+    head = ("| rate req/s | attainment | goodput req/s | TTFT p50 ms | TTFT p99 ms | "
+            "TPOT p50 ms | TPOT p99 ms | rejected |\n|---|---|---|---|---|---|---|---|\n")
+
+    def cell(v):
+        return "n/a" if v is None else f"{v:.2f}"
+
+    body = "".join(
+        f"| {cell(r['rate'])} | {cell(r['slo_attainment'])} | {cell(r['goodput'])} | "
+        f"{cell(r['ttft_ms']['p50'])} | {cell(r['ttft_ms']['p99'])} | "
+        f"{cell(r['tpot_ms']['p50'])} | {cell(r['tpot_ms']['p99'])} | {r['rejected']} |\n"
+        for r in rows)
+    best = result["max_rate_per_worker"]
+    return head + body + (f"\nHighest rate per worker with >= {result['target_attainment']:.0%} "
+                          f"attainment: {cell(best)} req/s\n")
+
+
+def plot_sweep(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    rates = [r["rate"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(rates, [r["slo_attainment"] for r in rows], marker="o")
+    axes[0].axhline(result["target_attainment"], linestyle="--", color="grey")
+    if result["max_rate"] is not None:
+        axes[0].axvline(result["max_rate"], linestyle=":", color="red")
+    axes[0].set(title="SLO attainment", xlabel="request rate (req/s)", ylim=(0, 1.05))
+    for ax, key, title in ((axes[1], "ttft_ms", "TTFT (ms)"), (axes[2], "tpot_ms", "TPOT (ms)")):
+        for p in ("p50", "p90", "p99"):
+            ax.plot(rates, [r[key][p] for r in rows], marker="o", label=p)
+        ax.set(title=title, xlabel="request rate (req/s)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_sweep(out_dir: str | Path, name: str, result: dict, meta: dict) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.json", out / f"{name}.md", out / f"{name}.png"]
+    paths[0].write_text(json.dumps({**meta, **result}, indent=2))
+    paths[1].write_text(sweep_markdown(result))
+    plot_sweep(result, paths[2])
+    return paths
 
 
 def write(out_dir: str | Path, name: str, summary: dict, meta: dict) -> list[Path]:
