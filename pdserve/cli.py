@@ -32,11 +32,22 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.set_defaults(func=_demo)
 
-    bench = sub.add_parser("bench", help="load-test a server and report goodput")
+    bench = sub.add_parser("bench", help="load-test a server and report goodput; "
+                           "`bench compare` runs disaggregated vs colocated")
+    bench.add_argument("what", nargs="?", choices=["run", "compare"], default="run")
     bench.add_argument("--backend", choices=["grpc", "openai"], default="grpc")
-    bench.add_argument("--target", required=True,
+    bench.add_argument("--target", default=None,
                        help="host:port (grpc) or base URL http://host:port (openai)")
-    bench.add_argument("--model", default=None, help="model name for an OpenAI server")
+    bench.add_argument("--model", default=None, help="model name for an OpenAI server; "
+                       "for compare, the model to serve (a local HF directory or tiny)")
+    bench.add_argument("--prefill-workers", type=int, default=1, help="compare: P")
+    bench.add_argument("--decode-workers", type=int, default=1, help="compare: D")
+    bench.add_argument("--slo-scale", type=float, default=None,
+                       help="compare: SLOs = k x isolated prefill (TTFT) and decode step (TPOT)")
+    bench.add_argument("--tpot-slo-scale", type=float, default=None,
+                       help="compare: a separate k for TPOT (a TPOT-tight SLO)")
+    bench.add_argument("--engine-threads", type=int, default=1, help="compare: per worker")
+    bench.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
     bench.add_argument("--workload", default="random",
                        help="random | sharegpt-like | azure-conv | azure-code | "
                        "prefix-shared | file")
@@ -216,12 +227,16 @@ def _offline_demo(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.what == "compare":
+        return _bench_compare(args)
     import asyncio
 
     from benchmarks.harness import driver, report
     from benchmarks.harness.metrics import SLO, summarize
     from benchmarks.harness.workloads import make_workload
 
+    if not args.target:
+        raise SystemExit("pdserve bench: --target is required (or use `bench compare`)")
     slo = SLO.parse(args.goodput)
     vocab = args.vocab_size
     if vocab is None:
@@ -231,9 +246,6 @@ def _bench(args) -> int:
                 vocab = client.model_info().vocab_size
         else:
             vocab = 1000
-    requests = make_workload(args.workload, args.num_prompts, vocab, args.seed, args.scale,
-                             args.input_len, args.output_len, args.range_ratio,
-                             args.prefix_share, path=args.dataset_path)
     cfg = driver.RunConfig(args.backend, args.target, args.model, args.request_rate,
                            args.burstiness, args.max_concurrency, args.seed)
     slo_text = "" if not args.goodput else f" [{' '.join(args.goodput)}]"
@@ -243,19 +255,88 @@ def _bench(args) -> int:
     meta["request_rate"] = str(meta["request_rate"])
     if args.sweep:
         from benchmarks.harness.sweep import sweep
-        result = asyncio.run(sweep(requests, cfg, args.sweep, slo, args.num_workers))
+        result = asyncio.run(sweep(_workload_per_run(args, vocab), cfg, args.sweep, slo,
+                                   args.num_workers))
         for row in result["rows"]:
             print(f"rate {row['rate']:g} req/s")
             print(report.text_block(row, slo_text))
         print(report.sweep_markdown(result))
         paths = report.write_sweep(args.out_dir, args.name, result, meta)
     else:
+        requests = make_workload(args.workload, args.num_prompts, vocab, args.seed, args.scale,
+                                 args.input_len, args.output_len, args.range_ratio,
+                                 args.prefix_share, path=args.dataset_path)
         records, duration = asyncio.run(driver.run(requests, cfg))
         summary = summarize(records, duration, slo, args.num_workers)
         print(report.text_block(summary, slo_text))
         paths = report.write(args.out_dir, args.name, summary, meta)
     for path in paths:
         print(f"wrote {path}")
+    return 0
+
+
+def _workload_per_run(args, vocab: int):
+    """Run i of a sweep draws its prompts with seed + 1 + i (i = -1 is the warm-up)."""
+    from benchmarks.harness.workloads import make_workload
+
+    def workload(i: int):
+        return make_workload(args.workload, args.num_prompts, vocab, args.seed + 1 + i,
+                             args.scale, args.input_len, args.output_len, args.range_ratio,
+                             args.prefix_share, path=args.dataset_path)
+    return workload
+
+
+def _bench_compare(args) -> int:
+    import json
+    from pathlib import Path
+
+    from benchmarks.harness import compare, report
+    from benchmarks.harness.metrics import SLO
+    from engine.config import EngineConfig
+    from engine.model_config import ModelConfig
+    from engine.model_path import resolve_model_path
+
+    if not args.sweep:
+        raise SystemExit("pdserve bench compare: give the rates with --sweep RATE ...")
+    model = args.model or "tiny"
+    model_dir = resolve_model_path(model)
+    config = EngineConfig.from_kwargs(str(model_dir), num_threads=args.engine_threads,
+                                      kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    workload = _workload_per_run(args, vocab)
+    isolated = compare.measure_isolated(config, workload(0))
+    if args.slo_scale is not None:
+        slo = compare.slo_for(isolated, args.slo_scale, args.tpot_slo_scale or args.slo_scale)
+    else:
+        slo = SLO.parse(args.goodput)
+    print(f"isolated: prefill of the median prompt {isolated.prefill_s * 1e3:.1f} ms, "
+          f"decode step {isolated.decode_step_s * 1e3:.2f} ms -> SLO ttft "
+          f"{slo.ttft_ms} ms, tpot {slo.tpot_ms} ms", flush=True)
+    results = {}
+    for mode in ("disaggregated", "colocated"):
+        results[mode] = compare.run_mode(mode, config, args.prefill_workers,
+                                         args.decode_workers, workload, args.sweep, slo,
+                                         args.burstiness, args.seed)
+        print(f"--- {mode} ({results[mode]['workers']} workers)")
+        print(report.sweep_markdown(results[mode]), flush=True)
+    headline = compare.ratio(results["disaggregated"], results["colocated"])
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for mode, result in results.items():
+        report.plot_sweep(result, out / f"{args.name}-{mode}.png")
+    (out / f"{args.name}.json").write_text(json.dumps({
+        "model": model, "workload": args.workload, "scale": args.scale,
+        "num_prompts": args.num_prompts, "rates": args.sweep,
+        "prefill_workers": args.prefill_workers, "decode_workers": args.decode_workers,
+        "isolated_prefill_ms": isolated.prefill_s * 1e3,
+        "isolated_decode_step_ms": isolated.decode_step_s * 1e3,
+        "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "e2el_ms": slo.e2el_ms},
+        "results": results, "goodput_ratio": headline}, indent=2))
+    (out / f"{args.name}.md").write_text("\n".join(
+        f"## {mode}\n\n{report.sweep_markdown(r)}" for mode, r in results.items())
+        + f"\ngoodput per worker, disaggregated / colocated: {headline}\n")
+    shown = "n/a (a mode never reached 90% attainment)" if headline is None else f"{headline:.2f}"
+    print(f"goodput per worker at >= 90% SLO attainment, disaggregated / colocated: {shown}")
     return 0
 
 

@@ -3,6 +3,7 @@ worker that still holds the SLO attainment target (linearly interpolated)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 from benchmarks.harness import driver
 from benchmarks.harness.metrics import SLO, crossing, summarize
@@ -11,11 +12,19 @@ from benchmarks.harness.workloads import BenchRequest
 TARGET_ATTAINMENT = 0.9
 
 
-async def sweep(requests: list[BenchRequest], cfg: driver.RunConfig, rates: list[float],
-                slo: SLO, num_workers: int = 1) -> dict:
+WARMUP_REQUESTS = 4
+
+
+async def sweep(workload: Callable[[int], list[BenchRequest]], cfg: driver.RunConfig,
+                rates: list[float], slo: SLO, num_workers: int = 1) -> dict:
+    """`workload(i)` gives the requests of run i: each rate gets prompts of its own, so
+    a later rate never rides the prefix cache an earlier one filled. A short burst from
+    workload(-1) warms the servers up first and is not counted."""
+    await driver.run(workload(-1)[:WARMUP_REQUESTS], replace(cfg, request_rate=float("inf"),
+                                                             progress=False))
     rows = []
-    for rate in sorted(rates):
-        records, duration = await driver.run(requests, replace(cfg, request_rate=rate))
+    for i, rate in enumerate(sorted(rates)):
+        records, duration = await driver.run(workload(i), replace(cfg, request_rate=rate))
         rows.append({"rate": rate, **summarize(records, duration, slo, num_workers)})
     best = crossing([r["rate"] for r in rows], [r["slo_attainment"] for r in rows],
                     TARGET_ATTAINMENT)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from pdserve.cli import main
 from pdserve.client import Client
 
@@ -56,3 +58,21 @@ def test_serve_drains_in_flight_requests_on_sigterm(llama_dir):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_bench_compare_runs_both_modes_and_reports_the_ratio(llama_dir, tmp_path):
+    import json
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--model", str(llama_dir),
+         "--workload", "azure-conv", "--scale", "0.02", "--num-prompts", "6", "--sweep", "20",
+         "--slo-scale", "50", "--out-dir", str(tmp_path), "--name", "cmp"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "disaggregated / colocated:" in done.stdout
+    result = json.loads((tmp_path / "cmp.json").read_text())
+    assert set(result["results"]) == {"disaggregated", "colocated"}
+    assert result["results"]["colocated"]["workers"] == 2
+    for mode in ("disaggregated", "colocated"):
+        assert result["results"][mode]["rows"][0]["completed"] == 6
+        assert (tmp_path / f"cmp-{mode}.png").exists()
+    assert result["slo"]["ttft_ms"] == pytest.approx(50 * result["isolated_prefill_ms"])
