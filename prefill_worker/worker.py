@@ -99,7 +99,15 @@ class PrefillWorker:
             started.append(entry.handle)
         if not started:
             return None
-        return lambda layer: [self.sender.send_layer(h, layer) for h in started]
+
+        def send(layer: int) -> None:
+            for handle in started:
+                try:
+                    self.sender.send_layer(handle, layer)
+                except Exception as exc:  # one lost peer fails its request, not the step
+                    self._resolve(handle.request_id, error=exc)
+
+        return send
 
     def _on_step(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -1,0 +1,85 @@
+"""A prefill worker survives a decode worker that dies: the affected request fails
+with a typed error and the next one, to a live receiver, is served."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.worker_messages import PrefillJob, Reservation
+from kv_transfer import KVTransferError, TransferConfig
+from prefill_worker.worker import PrefillWorker
+from tests.kv_transfer.harness import CacheSpec, Worker
+
+# The test Llama's KV layout: 3 layers, 2 KV heads of 16.
+SPEC = CacheSpec(num_layers=3, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=16)
+
+
+def test_dead_receiver_fails_one_request_and_the_worker_keeps_serving(llama_dir):
+    dead = Worker("receiver", "dead", SPEC)
+    live = Worker("receiver", "live", SPEC)
+    worker = PrefillWorker("p", EngineConfig.from_kwargs(
+        str(llama_dir), kv_cache_memory_bytes=16 << 20), TransferConfig(timeout_s=10))
+    try:
+        worker.connect([dead.address, live.address])
+        prompt = list(range(10, 150))  # 9 blocks
+        params = SamplingParams(max_tokens=5, temperature=0)
+        blocks = list(range(9))
+        dead.call("expect", "doomed", blocks)
+        dead.kill()
+        time.sleep(0.2)
+        doomed = worker.prefill(PrefillJob("doomed", prompt, params,
+                                           Reservation("doomed", dead.address, blocks, 0),
+                                           time.time()))
+        with pytest.raises(KVTransferError):
+            doomed.result(timeout=30)
+        assert worker.loop.error is None  # the engine loop survived
+        live.call("expect", "fine", blocks)
+        fine = worker.prefill(PrefillJob("fine", prompt, params,
+                                         Reservation("fine", live.address, blocks, 0),
+                                         time.time())).result(timeout=30)
+        live.call("wait", "fine")
+        assert fine.kv_bytes_sent > 0
+        stats = worker.stats()
+        assert stats["free_blocks"] == stats["num_blocks"]
+    finally:
+        worker.shutdown()
+        dead.stop()
+        live.stop()
+
+
+def test_a_send_failing_mid_forward_fails_only_that_request(llama_dir):
+    from kv_transfer import PeerLostError
+    live = Worker("receiver", "live", SPEC)
+    worker = PrefillWorker("p", EngineConfig.from_kwargs(
+        str(llama_dir), kv_cache_memory_bytes=16 << 20), TransferConfig(timeout_s=10))
+    real_send = worker.sender.send_layer
+
+    def flaky(handle, layer):  # the peer of "broken" vanishes after layer 0
+        if handle.request_id == "broken" and layer == 1:
+            handle.closed = True
+            raise PeerLostError("broken", "send failed: connection reset")
+        real_send(handle, layer)
+
+    worker.sender.send_layer = flaky
+    try:
+        worker.connect([live.address])
+        params = SamplingParams(max_tokens=5, temperature=0)
+        prompts = {"broken": list(range(10, 60)), "intact": list(range(60, 110))}
+        futures = {}
+        for i, (rid, prompt) in enumerate(prompts.items()):
+            blocks = list(range(i * 4, i * 4 + 4))
+            live.call("expect", rid, blocks)
+            futures[rid] = worker.prefill(PrefillJob(rid, prompt, params,
+                                                     Reservation(rid, live.address, blocks, 0),
+                                                     time.time()))
+        with pytest.raises(PeerLostError):
+            futures["broken"].result(timeout=30)
+        assert futures["intact"].result(timeout=30).kv_bytes_sent > 0
+        live.call("wait", "intact")
+        assert worker.loop.error is None
+    finally:
+        worker.shutdown()
+        live.stop()
