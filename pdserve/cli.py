@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -9,6 +10,9 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Every command that uses Ray calls ray.init itself; a stray call on a handle after
+    # shutdown must fail, not quietly start a second local cluster.
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -1,10 +1,17 @@
 """Shared fixtures: small HF-format models built locally (no downloads)."""
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from engine.tiny_model import TinySpec, make_tiny_model, train_tokenizer
+# Ray reads this at import. Without it, a call on a Ray handle after ray.shutdown()
+# (a stream reader thread finishing late) silently starts a new local cluster that no
+# fixture owns; when it goes away, Ray exits the whole pytest process with code 1.
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine.tiny_model import TinySpec, make_tiny_model, train_tokenizer  # noqa: E402
 
 # Two architectures the oracle tests cover: Llama with GQA, and Qwen2-style with
 # q/k/v bias, tied embeddings and a single KV head (MQA).
