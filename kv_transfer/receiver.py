@@ -99,16 +99,6 @@ class KVReceiver:
         if incoming.error is not None:
             raise incoming.error
 
-    def poll(self, request_id: str) -> bool:
-        """True once every layer landed; raises (and forgets) on failure."""
-        incoming = self._by_request[request_id]
-        if not incoming.done.is_set():
-            return False
-        self._forget(incoming)
-        if incoming.error is not None:
-            raise incoming.error
-        return True
-
     def abort(self, request_id: str) -> None:
         incoming = self._by_request.get(request_id)
         if incoming is not None:
@@ -175,7 +165,8 @@ class KVReceiver:
                         incoming.request_id, f"sender connection lost: {exc}"), None)
                 return
             buffer, buffers[layer] = buffers[layer], None
-            self.bytes_received += buffer.numel()
+            with self._lock:  # several transfers' collectors count at once
+                self.bytes_received += buffer.numel()
             try:
                 if incoming is None or incoming.done.is_set():
                     continue  # drained and dropped

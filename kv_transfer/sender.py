@@ -50,8 +50,9 @@ class SendHandle:
     status_work: object  # its posted receive
     layers_sent: int = 0
     bytes_sent: int = 0
-    works: list = field(default_factory=list)  # in-flight sends (each owns its tensor)
-    pooled: list = field(default_factory=list)  # (work, buffer): back to the pool once sent
+    # In-flight sends as (Work, pooled buffer or None). A Work owns its tensor until it
+    # completes; pooled buffers then go back to the pool.
+    inflight: list = field(default_factory=list)
     closed: bool = False
 
 
@@ -126,8 +127,7 @@ class KVSender:
         handle.bytes_sent += data.numel()
         handle.layers_sent += 1
         self._recycle(handle)
-        self._send(handle, [message], P.data_tag(handle.seq))
-        handle.pooled.append((handle.works[-1], message))
+        self._send(handle, [message], P.data_tag(handle.seq), pooled=message)
 
     def finish(self, handle: SendHandle, timeout: float | None = None) -> SendHandle:
         """Wait until the receiver confirms every layer landed; typed error otherwise."""
@@ -186,9 +186,10 @@ class KVSender:
     # ---- internals ----------------------------------------------------------------
 
     def _send(self, handle: SendHandle, messages: list[torch.Tensor],
-              tag: int = CONTROL_TAG) -> None:
+              tag: int = CONTROL_TAG, pooled: torch.Tensor | None = None) -> None:
         try:
-            handle.works.extend(handle.peer.channel.send(messages, tag))
+            works = handle.peer.channel.send(messages, tag)
+            handle.inflight.extend((w, pooled) for w in works)
         except Exception as exc:
             self._drop_peer(handle.peer)
             self._close(handle)
@@ -210,27 +211,24 @@ class KVSender:
     def _settle(self, handle: SendHandle, deadline: float) -> None:
         """Wait for in-flight sends: a Work owns its tensor, and dropping it early
         would free bytes gloo is still sending."""
-        while handle.works:
-            handle.works[0].wait(_remaining(deadline))
-            handle.works.pop(0)
+        for work, _ in handle.inflight:
+            work.wait(_remaining(deadline))
         self._recycle(handle)
 
     def _recycle(self, handle: SendHandle) -> None:
         """Sent buffers go back to the pool; in-flight ones stay with their Work."""
-        in_flight = []
-        for work, buffer in handle.pooled:
-            if work.is_completed():
+        still = []
+        for work, buffer in handle.inflight:
+            if not work.is_completed():
+                still.append((work, buffer))
+            elif buffer is not None:
                 self._pool.put(buffer)
-            else:
-                in_flight.append((work, buffer))
-        handle.pooled = in_flight
-        handle.works = [w for w in handle.works if not w.is_completed()]
+        handle.inflight = still
 
     def _close(self, handle: SendHandle) -> None:
         # Only after the sends settled, or once the pair is dropped (nothing in flight).
         handle.closed = True
-        handle.works.clear()
-        handle.pooled.clear()
+        handle.inflight.clear()
 
     def connect(self, address: str) -> None:
         """Open the pair ahead of the first transfer (the rendezvous takes about a

@@ -57,7 +57,6 @@ class Router:
         self.prefill = {w.worker_id: w for w in prefill}
         self.decode = {w.worker_id: w for w in decode}
         self._inflight: dict[str, DecodeHandle] = {}
-        self._reservations: dict[str, Reservation] = {}
         self._prefilling: dict[str, PrefillHandle] = {}
         self._aborted: set[str] = set()
         self.metrics = RouterMetrics(model.name)
@@ -89,7 +88,10 @@ class Router:
             raise OverloadedError("the router is at max_inflight", self.config.retry_after_s)
         track = _Tracker(self.metrics, req)
         try:
-            decode = await (self._reserve(req) if self.prefill else self._place(req))
+            if self.prefill:
+                decode, reservation = await self._reserve(req)
+            else:
+                decode = await self._place(req)
         except BaseException:
             track.close()
             raise
@@ -102,7 +104,7 @@ class Router:
         try:
             try:
                 if self.prefill:
-                    result = await self._prefill(req, decode)
+                    result = await self._prefill(req, reservation)
                     first_token = result.first_token
                     starting = asyncio.ensure_future(asyncio.wait_for(
                         decode.actor.start.remote(req.request_id, first_token),
@@ -136,7 +138,6 @@ class Router:
                 starting.cancel()
             decode.streams.pop(req.request_id, None)
             self._inflight.pop(req.request_id, None)
-            self._reservations.pop(req.request_id, None)
             self._aborted.discard(req.request_id)
             decode.inflight -= 1
             if not finished:  # cancelled or failed: free the blocks on both sides
@@ -193,7 +194,7 @@ class Router:
 
     # ---- steps ------------------------------------------------------------------
 
-    async def _reserve(self, req: Accepted) -> DecodeHandle:
+    async def _reserve(self, req: Accepted) -> tuple[DecodeHandle, Reservation]:
         needed = -(-(len(req.prompt_token_ids) + 1) // self.model.block_size)
         order = decode_order([w.load() for w in self.decode.values()], needed)
         for worker_id in order:
@@ -207,8 +208,7 @@ class Router:
                 reservation = None
             if reservation is not None:
                 self._inflight[req.request_id] = worker
-                self._reservations[req.request_id] = reservation
-                return worker
+                return worker, reservation
             worker.inflight -= 1
             asyncio.get_running_loop().create_task(worker.refresh())
         raise OverloadedError("no decode worker has room for this request's KV",
@@ -224,15 +224,15 @@ class Router:
         self._inflight[req.request_id] = worker
         return worker
 
-    async def _prefill(self, req: Accepted, decode: DecodeHandle) -> PrefillResult:
+    async def _prefill(self, req: Accepted, target: Reservation) -> PrefillResult:
         worker_id = prefill_choice([w.load() for w in self.prefill.values()])
         if worker_id is None:
             raise OverloadedError("no prefill worker", self.config.retry_after_s)
         worker = self.prefill[worker_id]
         worker.queued += 1
         self._prefilling[req.request_id] = worker
-        job = PrefillJob(req.request_id, req.prompt_token_ids, req.params,
-                         self._reservations.pop(req.request_id), req.arrival_time)
+        job = PrefillJob(req.request_id, req.prompt_token_ids, req.params, target,
+                         req.arrival_time)
         try:
             result = await asyncio.wait_for(worker.actor.prefill.remote(job),
                                             self.config.prefill_timeout_s)
