@@ -3,19 +3,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BACKENDS = ("auto", "gloo", "nccl")
+BACKENDS = ("auto", "gloo")
+# NCCL is not offered: it ignores send/recv tags (matching is by issue order), and this
+# protocol multiplexes interleaved transfers on one pair by tag. Until the data plane
+# is serialized per pair for it, CUDA caches move through host memory over gloo.
 
 
 @dataclass(frozen=True)
 class TransferConfig:
     timeout_s: float = 30.0  # a transfer not complete by then fails on both sides
     connect_timeout_s: float = 30.0  # store connection and pair rendezvous
-    backend: str = "auto"  # auto: gloo for CPU caches or one shared GPU, nccl across GPUs
+    backend: str = "auto"  # auto = gloo (CUDA caches staged through host memory)
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError("timeout_s must be > 0")
         if not self.connect_timeout_s > 0:
             raise ValueError("connect_timeout_s must be > 0")
+        if self.backend == "nccl":
+            raise ValueError("backend 'nccl' is not supported yet: NCCL ignores send/recv "
+                             "tags, and kv_transfer multiplexes interleaved transfers by "
+                             "tag; use 'gloo' (CUDA caches are staged through host memory)")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}")

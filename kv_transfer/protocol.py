@@ -1,7 +1,10 @@
 """The wire protocol of one sender -> receiver pair.
 
-Control (tag 0, one ordered stream): a header int64[4] = [BEGIN, seq, 0, nbytes],
-then the handshake (json of `Handshake`) as a uint8 payload of nbytes.
+Control (tag 0, one ordered stream): a BEGIN is one message of exactly CONTROL_BYTES,
+int64[4] = [BEGIN, seq, inline_nbytes, extension_nbytes] followed by the handshake
+(json of `Handshake`). The receiver keeps the next control receive posted, so a
+BEGIN never waits for a round trip; a handshake too long for the message (tens of
+thousands of blocks) sends its tail as one more control message of extension_nbytes.
 Data (tag `data_tag(seq)`): exactly num_layers payloads, layer 0 first, each the
 transfer's blocks of one layer, [2, n, block, Hkv, D] bytes, then an int64 trailer:
 LAYER_DATA, or LAYER_ABORT for scratch padding. On BEGIN the receiver posts all of
@@ -14,7 +17,7 @@ pair for the others.
 Status (receiver -> sender, tag `ack_tag(seq)`): exactly one int64[1] per BEGIN,
 OK, REFUSED, ABORTED or TIMED_OUT. The sender posts its receive before BEGIN.
 
-Control: the receiver's TCPStore. `layout` and `device` describe the receiver; a new
+Control: the receiver's TCPStore. `layout` describes the receiver; a new
 pair registers under `join/<n>`; a failure's message waits under `reason/<pair>/<seq>`.
 """
 from __future__ import annotations
@@ -28,6 +31,8 @@ from kv_transfer.layout import KVLayout
 
 BEGIN = 1
 HEADER_LEN = 4
+HEADER_BYTES = 8 * HEADER_LEN
+CONTROL_BYTES = 16 << 10
 LAYER_DATA, LAYER_ABORT = 1, 0
 TRAILER_BYTES = 8
 OK, REFUSED, ABORTED, TIMED_OUT = 0, 1, 2, 3
@@ -42,7 +47,6 @@ def ack_tag(seq: int) -> int:
     return 1 + _TAG_SPACE + seq % _TAG_SPACE
 
 LAYOUT_KEY = "layout"
-DEVICE_KEY = "device"
 JOIN_COUNTER = "joins"
 
 
@@ -54,8 +58,24 @@ def reason_key(pair: str, seq: int) -> str:
     return f"reason/{pair}/{seq}"
 
 
-def header(kind: int, seq: int, layer: int = 0, nbytes: int = 0) -> torch.Tensor:
-    return torch.tensor([kind, seq, layer, nbytes], dtype=torch.int64)
+def begin_messages(seq: int, hs: "Handshake") -> list[torch.Tensor]:
+    """The BEGIN control message, plus the handshake's tail when it does not fit."""
+    body = hs.encode()
+    inline = min(len(body), CONTROL_BYTES - HEADER_BYTES)
+    message = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
+    message[:HEADER_BYTES] = torch.tensor([BEGIN, seq, inline, len(body) - inline],
+                                          dtype=torch.int64).view(torch.uint8)
+    message[HEADER_BYTES:HEADER_BYTES + inline] = torch.frombuffer(body[:inline], dtype=torch.uint8)
+    tail = body[inline:]
+    return [message] + ([torch.frombuffer(tail, dtype=torch.uint8)] if tail else [])
+
+
+def parse_begin(message: torch.Tensor) -> tuple[int, int, bytes, int]:
+    """(kind, seq, inline handshake bytes, extension nbytes) of a control message."""
+    raw = bytes(message.numpy())
+    kind, seq, inline, extension = torch.frombuffer(bytearray(raw[:HEADER_BYTES]),
+                                                    dtype=torch.int64).tolist()
+    return kind, seq, raw[HEADER_BYTES:HEADER_BYTES + inline], extension
 
 
 @dataclass(frozen=True)
@@ -65,12 +85,15 @@ class Handshake:
     num_cached_blocks: int  # leading blocks of the request the receiver already holds
     layout: dict
 
-    def encode(self) -> torch.Tensor:
-        return torch.frombuffer(bytearray(json.dumps(asdict(self)).encode()), dtype=torch.uint8)
+    def encode(self) -> bytearray:
+        # Not asdict(): it deep-copies every block id, a measurable cost per transfer.
+        return bytearray(json.dumps({"request_id": self.request_id, "block_ids": self.block_ids,
+                                     "num_cached_blocks": self.num_cached_blocks,
+                                     "layout": self.layout}).encode())
 
     @classmethod
-    def decode(cls, payload: torch.Tensor) -> "Handshake":
-        return cls(**json.loads(bytes(payload.numpy()).decode()))
+    def decode(cls, raw: bytes) -> "Handshake":
+        return cls(**json.loads(raw.decode()))
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -85,7 +108,7 @@ class Handshake:
 class JoinRecord:
     sender_id: str
     pair: str  # store prefix and name of the pair, unique per sender incarnation
-    backend: str  # "gloo" | "nccl"
+    backend: str  # "gloo" (the field leaves room for a GPU-to-GPU data plane)
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

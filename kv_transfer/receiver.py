@@ -8,6 +8,7 @@ blocks back to their owner and waiters get a typed error.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import threading
 import time
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from kv_transfer import protocol as P
 from kv_transfer.buffer_pool import BufferPool
-from kv_transfer.channel import RECEIVER_RANK, PairChannel, device_descriptor
+from kv_transfer.channel import CONTROL_TAG, RECEIVER_RANK, PairChannel
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import (KVTransferError, PeerLostError, TransferAborted,
                                 TransferRefused, TransferTimeout)
@@ -59,7 +60,6 @@ class KVReceiver:
                                    timeout=datetime.timedelta(seconds=config.connect_timeout_s))
         self.address = f"{host}:{self.store.port}"
         self.store.set(P.LAYOUT_KEY, json.dumps(self.layout.to_dict()))
-        self.store.set(P.DEVICE_KEY, json.dumps(device_descriptor(self.device)))
         self.bytes_received = 0
         self._staging = BufferPool()  # layer receive buffers, reused once scattered
         self._lock = threading.Lock()
@@ -132,21 +132,30 @@ class KVReceiver:
 
     def _serve_pair(self, record: P.JoinRecord) -> None:
         try:
-            channel = PairChannel(self.store, record.pair, RECEIVER_RANK, record.backend,
-                                  self.device, self.config.connect_timeout_s)
+            channel = PairChannel(self.store, record.pair, RECEIVER_RANK,
+                                  self.config.connect_timeout_s)
         except Exception:
             return  # the sender gave up before the rendezvous finished
         self._pairs[record.pair] = channel
-        head = torch.empty(P.HEADER_LEN, dtype=torch.int64, device=channel.wire_device)
+        # Two control buffers: the next BEGIN's receive is posted before this one is
+        # handled, so a sender never waits on this thread to accept its handshake.
+        control = [torch.empty(P.CONTROL_BYTES, dtype=torch.uint8) for _ in range(2)]
         try:
-            while not self._closed.is_set():
-                channel.recv(head)
-                kind, seq, _, nbytes = head.tolist()
+            posted = channel.post_recv(control[0], CONTROL_TAG)
+            for turn in itertools.count():
+                if self._closed.is_set():
+                    break
+                posted.wait()
+                message = control[turn % 2]
+                kind, seq, body, extension = P.parse_begin(message)
                 if kind != P.BEGIN:
                     raise RuntimeError(f"unknown control message {kind}")
-                payload = torch.empty(nbytes, dtype=torch.uint8, device=channel.wire_device)
-                channel.recv(payload)
-                self._begin(channel, seq, P.Handshake.decode(payload.cpu()))
+                if extension:
+                    tail = torch.empty(extension, dtype=torch.uint8)
+                    channel.recv(tail)
+                    body += bytes(tail.numpy())
+                posted = channel.post_recv(control[(turn + 1) % 2], CONTROL_TAG)
+                self._begin(channel, seq, P.Handshake.decode(body))
         except Exception as exc:  # the sender died or closed the pair
             self._pair_lost(record.pair, exc)
         finally:

@@ -22,8 +22,7 @@ import torch.distributed as dist
 
 from kv_transfer import protocol as P
 from kv_transfer.buffer_pool import BufferPool
-from kv_transfer.channel import (CONTROL_TAG, SENDER_RANK, PairChannel, choose_backend,
-                                 device_descriptor)
+from kv_transfer.channel import CONTROL_TAG, SENDER_RANK, PairChannel
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import (KVTransferError, LayoutMismatchError, PeerLostError,
                                 TransferAborted, TransferRefused, TransferTimeout)
@@ -62,6 +61,7 @@ class KVSender:
         self.sender_id = sender_id
         self.kv_caches = kv_caches
         self.layout = KVLayout.of(kv_caches)
+        self._layout_dict = self.layout.to_dict()
         self.config = config
         self.device = kv_caches[0].device
         self._incarnation = uuid.uuid4().hex[:8]
@@ -88,8 +88,7 @@ class KVSender:
             self._seq += 1
             seq = self._seq
         hs = P.Handshake(request_id, list(dst_block_ids[num_cached_blocks:]), num_cached_blocks,
-                         self.layout.to_dict())
-        payload = hs.encode()
+                         self._layout_dict)
         status = torch.full((1,), -1, dtype=torch.int64)
         try:
             status_work = peer.channel.post_recv(status, P.ack_tag(seq))
@@ -99,7 +98,7 @@ class KVSender:
         handle = SendHandle(request_id, peer, seq,
                             torch.tensor(src_block_ids[num_cached_blocks:], device=self.device),
                             time.monotonic(), status, status_work)
-        self._send(handle, [P.header(P.BEGIN, seq, 0, payload.numel()), payload])
+        self._send(handle, P.begin_messages(seq, hs))
         return handle
 
     def send_layer(self, handle: SendHandle, layer: int) -> None:
@@ -250,21 +249,18 @@ class KVSender:
         try:
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
             theirs = KVLayout(**json.loads(store.get(P.LAYOUT_KEY)))
-            device = json.loads(store.get(P.DEVICE_KEY))
         except Exception as exc:
             raise PeerLostError(None, f"cannot reach receiver at {address}: {exc}") from None
         diffs = self.layout.differences(theirs)
         if diffs:
             raise LayoutMismatchError(None, f"receiver at {address} has another KV layout: "
                                       + "; ".join(diffs))
-        backend = choose_backend(self.config.backend, device_descriptor(self.device), device)
         self._connections += 1  # a reconnect must not meet the old pair's store keys
         pair = f"{self.sender_id}-{self._incarnation}-{self._connections}"
         index = store.add(P.JOIN_COUNTER, 1)
-        store.set(P.join_key(index), P.JoinRecord(self.sender_id, pair, backend).encode())
+        store.set(P.join_key(index), P.JoinRecord(self.sender_id, pair, "gloo").encode())
         try:
-            channel = PairChannel(store, pair, SENDER_RANK, backend, self.device,
-                                  self.config.connect_timeout_s)
+            channel = PairChannel(store, pair, SENDER_RANK, self.config.connect_timeout_s)
         except Exception as exc:
             raise PeerLostError(None, f"pair rendezvous with {address} failed: {exc}") from None
         return _Peer(store, channel)

@@ -1,12 +1,14 @@
 """kv_transfer between real processes over real torch.distributed (gloo) pairs."""
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 import torch
 
-from kv_transfer import KVLayout
+from kv_transfer import KVLayout, TransferConfig
+from kv_transfer import protocol as P
 from tests.kv_transfer.harness import CacheSpec, RemoteError, Worker, sender_cache
 
 SPEC = CacheSpec()
@@ -207,3 +209,30 @@ def test_nothing_arrives_within_the_timeout():
         assert receiver.call("released") == ["never"]
     finally:
         receiver.stop()
+
+
+def test_a_handshake_longer_than_one_control_message_and_the_next_transfer():
+    # ~3,000 block ids do not fit the fixed BEGIN message: the tail goes as an
+    # extension, and the control stream stays in step for the transfer after it.
+    spec = CacheSpec(num_layers=2, num_blocks=4096, block_size=1, num_kv_heads=1, head_dim=8)
+    receiver, sender = Worker("receiver", "r", spec), Worker("sender", "s", spec, seed=5)
+    try:
+        order = torch.randperm(spec.num_blocks, generator=torch.Generator().manual_seed(0))
+        src, dst = order[:3000].tolist(), order[1000:4000].tolist()
+        assert len(json.dumps(dst)) > P.CONTROL_BYTES
+        receiver.call("expect", "long", dst)
+        sender.call("transfer", [("long", receiver.address, src, dst)])
+        receiver.call("wait", "long")
+        assert_landed(receiver, sender, src, dst)
+        receiver.call("expect", "short", [7, 3])
+        sender.call("transfer", [("short", receiver.address, [1, 2], [7, 3])])
+        receiver.call("wait", "short")
+        assert_landed(receiver, sender, [1, 2], [7, 3])
+    finally:
+        receiver.stop()
+        sender.stop()
+
+
+def test_nccl_is_refused_until_its_data_plane_is_ordered():
+    with pytest.raises(ValueError, match="NCCL ignores send/recv tags"):
+        TransferConfig(backend="nccl")
