@@ -30,6 +30,7 @@ class DecodeWorker:
         engine = LLMEngine(engine_config)
         self.receiver = KVReceiver(engine.runner.kv_caches, transfer, on_release=engine.abort)
         self._waits = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-wait")
+        self._reserving = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reserve")
         self.loop = EngineLoop(engine, on_step=self._on_step)
 
     @property
@@ -38,7 +39,9 @@ class DecodeWorker:
 
     def reserve(self, request_id: str, prompt_token_ids: list[int],
                 params: SamplingParams, arrival_time: float | None = None) -> Future:
-        """Resolves to a Reservation, or None when the KV pool has no room."""
+        """Resolves to a Reservation, or None when the KV pool has no room. Runs beside
+        the decode step in flight rather than after it: waiting for the step boundary
+        would add up to a whole decode step to the request's TTFT."""
         def reserve(engine: LLMEngine) -> Reservation | None:
             request = engine.reserve_remote(request_id, prompt_token_ids, params, arrival_time)
             if request is None:
@@ -47,7 +50,7 @@ class DecodeWorker:
             self.receiver.expect(request_id, request.block_ids[cached:], cached)
             return Reservation(request_id, self.address, list(request.block_ids), cached)
 
-        return self.loop.call(reserve)
+        return self._reserving.submit(self.loop.call_concurrent, reserve)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                arrival_time: float | None = None) -> Future:
@@ -85,6 +88,7 @@ class DecodeWorker:
     def shutdown(self) -> None:
         self.loop.stop()
         self._waits.shutdown(wait=False)
+        self._reserving.shutdown(wait=False)
         self.receiver.close()
 
     def _on_step(self, outputs: list[RequestOutput]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -127,23 +128,29 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------
 
-    def step(self, export: KVExport | None = None) -> list[RequestOutput]:
+    def step(self, export: KVExport | None = None,
+             state_lock: AbstractContextManager = nullcontext()) -> list[RequestOutput]:
         """One engine step. `export` (prefill role) sees the step's schedule before the
-        forward pass and may return a hook called as each layer's KV is written."""
-        outputs = self._apply_aborts()
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return outputs
-        now = time.time()
-        for request in out.requests:
-            metrics = self._tracked[request.request_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+        forward pass and may return a hook called as each layer's KV is written.
+        `state_lock` is held while the scheduler and block manager change (schedule,
+        update) and released for the forward pass, which reads only the scheduled
+        requests: another thread holding it may reserve blocks meanwhile."""
+        with state_lock:
+            outputs = self._apply_aborts()
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                return outputs
+            now = time.time()
+            for request in out.requests:
+                metrics = self._tracked[request.request_id].metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
         result = self.runner.execute(out, export(out) if export is not None else None)
-        self.scheduler.update(out, result)
-        now = time.time()
-        for rid in result.sampled_token_ids:
-            outputs.append(self._emit(self._tracked[rid], now))
+        with state_lock:
+            self.scheduler.update(out, result)
+            now = time.time()
+            for rid in result.sampled_token_ids:
+                outputs.append(self._emit(self._tracked[rid], now))
         return outputs
 
     def score(self, token_ids: list[int]) -> torch.Tensor:

@@ -1,5 +1,7 @@
-"""An LLMEngine on its own thread. Other threads never touch the engine: they submit
-calls, run between steps, and receive every step's outputs as one batch."""
+"""An LLMEngine on its own thread. Other threads submit calls, which run between
+steps, and receive every step's outputs as one batch. The one exception,
+call_concurrent, runs a call on the caller's thread while a forward pass may be in
+flight, under the lock the loop holds whenever scheduler state changes."""
 from __future__ import annotations
 
 import queue
@@ -24,6 +26,7 @@ class EngineLoop:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._state_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -38,6 +41,16 @@ class EngineLoop:
         self._wake.set()
         return future
 
+    def call_concurrent(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs fn(engine) now on this thread, waiting only for a schedule or update in
+        progress, not for the forward pass. Only for calls that touch scheduler and
+        block-manager state and none of the running batch (reserving blocks for a
+        remote prefill): a decode step takes tens of ms, a reservation microseconds."""
+        if self.error is not None:
+            raise RuntimeError(f"engine loop stopped: {self.error!r}")
+        with self._state_lock:
+            return fn(self.engine)
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
@@ -46,9 +59,10 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._run_calls()
+                with self._state_lock:
+                    self._run_calls()
                 if self.engine.has_work():  # never spin: it would starve the KV threads
-                    outputs = self.engine.step(self.export)
+                    outputs = self.engine.step(self.export, self._state_lock)
                     if outputs:
                         self.on_step(outputs)
                 else:
@@ -56,7 +70,8 @@ class EngineLoop:
                     self._wake.clear()
         except BaseException as exc:  # a bug in a step: fail loudly, never hang callers
             self.error = exc
-            self._run_calls()
+            with self._state_lock:
+                self._run_calls()
             raise
 
     def _run_calls(self) -> None:
