@@ -125,13 +125,18 @@ def _error(err: grpc.RpcError) -> PdserveError:
     return kind(code, message)
 
 
-def _backoff(attempt: int, base_s: float, err: OverloadedError) -> float:
-    return max(err.retry_after_s or 0.0, base_s * (2 ** attempt))
-
-
 class _Settings:
     def __init__(self, timeout: float | None, max_retries: int, backoff_s: float):
         self.timeout, self.max_retries, self.backoff_s = timeout, max_retries, backoff_s
+
+
+def _retry_delay(err: grpc.RpcError, received: bool, attempt: int, s: _Settings) -> float:
+    """Seconds to wait before retrying a failed Generate; raises the typed error when
+    it must not be retried (only an overload before any token is, up to max_retries)."""
+    error = _error(err)
+    if received or not isinstance(error, OverloadedError) or attempt == s.max_retries:
+        raise error from None
+    return max(error.retry_after_s or 0.0, s.backoff_s * (2 ** attempt))
 
 
 class Client:
@@ -162,10 +167,7 @@ class Client:
                     yield _chunk(response)
                 return
             except grpc.RpcError as err:
-                error = _error(err)
-                if received or not isinstance(error, OverloadedError) or attempt == s.max_retries:
-                    raise error from None
-                time.sleep(_backoff(attempt, s.backoff_s, error))
+                time.sleep(_retry_delay(err, received, attempt, s))
 
     def abort(self, request_id: str, timeout: float | None = None) -> bool:
         try:
@@ -220,10 +222,7 @@ class AsyncClient:
                     yield _chunk(response)
                 return
             except grpc.RpcError as err:
-                error = _error(err)
-                if received or not isinstance(error, OverloadedError) or attempt == s.max_retries:
-                    raise error from None
-                await asyncio.sleep(_backoff(attempt, s.backoff_s, error))
+                await asyncio.sleep(_retry_delay(err, received, attempt, s))
             finally:
                 call.cancel()  # no-op when complete; a consumer that stops early cancels
 

@@ -3,12 +3,14 @@ Llama) shared by the cluster tests."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
 
 from engine.config import EngineConfig
 from kv_transfer import TransferConfig
+from pdserve.client import Client
 from router.launch import PoolSpec, launch
 from router.server import RouterServer
 
@@ -29,6 +31,13 @@ def server(ray_local, llama_dir):
     srv = RouterServer(router)
     yield srv
     srv.stop()
+
+
+def generate_concurrently(srv: RouterServer, prompts: list[list[int]], max_tokens: int):
+    """Greedy completions of all prompts at once through the SDK, one thread each."""
+    with Client(srv.grpc_target) as client, ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: client.generate(p, max_tokens=max_tokens, temperature=0,
+                                                       ignore_eos=True), prompts))
 
 
 def wait_all_blocks_free(srv: RouterServer, timeout_s: float = 30.0) -> None:

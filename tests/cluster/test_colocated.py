@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from pdserve.client import AsyncClient, Client
-from tests.cluster.conftest import wait_all_blocks_free
+from pdserve.client import AsyncClient
+from tests.cluster.conftest import generate_concurrently, wait_all_blocks_free
 from tests.engine.test_hf_oracle import Oracle
 
 
@@ -19,9 +18,7 @@ def test_colocated_runs_two_engine_workers_and_matches_hf(colocated_server, llam
     oracle = Oracle(llama_dir)
     rng = random.Random(41)
     prompts = [[rng.randrange(4, 2000) for _ in range(n)] for n in (6, 33, 70, 140, 21, 90)]
-    with Client(colocated_server.grpc_target) as client, ThreadPoolExecutor(6) as pool:
-        outs = list(pool.map(lambda p: client.generate(p, max_tokens=9, temperature=0,
-                                                       ignore_eos=True), prompts))
+    outs = generate_concurrently(colocated_server, prompts, 9)
     for prompt, out in zip(prompts, outs):
         expected, _ = oracle.generate(prompt, 9)
         assert out.token_ids == expected

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import grpc
@@ -15,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.client import AsyncClient, Client, InvalidArgumentError, OverloadedError
-from tests.cluster.conftest import wait_all_blocks_free
+from tests.cluster.conftest import generate_concurrently, wait_all_blocks_free
 from tests.engine.test_hf_oracle import Oracle
 
 
@@ -25,9 +24,7 @@ def test_concurrent_requests_through_the_sdk_match_hf(server, llama_dir):
     shared = [rng.randrange(4, 2000) for _ in range(40)]
     prompts = [(shared if i % 3 == 0 else []) + [rng.randrange(4, 2000) for _ in range(n)]
                for i, n in enumerate([3, 12, 50, 90, 140, 25, 7, 64])]
-    with Client(server.grpc_target) as client, ThreadPoolExecutor(8) as pool:
-        outs = list(pool.map(lambda p: client.generate(p, max_tokens=10, temperature=0,
-                                                       ignore_eos=True), prompts))
+    outs = generate_concurrently(server, prompts, 10)
     for prompt, out in zip(prompts, outs):
         expected, _ = oracle.generate(prompt, 10)
         assert out.token_ids == expected
