@@ -204,7 +204,6 @@ class LLMEngine:
         if request.is_finished:
             metrics.finished_time = now
             self._tracked.pop(request.request_id, None)
-            self.runner.sampler.forget(request.request_id)
         return RequestOutput(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids), text=tracked.detokenizer.text,

@@ -13,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from pdserve import LLM, SamplingParams
 from pdserve.client import AsyncClient, Client, InvalidArgumentError, OverloadedError
 from tests.cluster.conftest import generate_concurrently, wait_all_blocks_free
 from tests.engine.test_hf_oracle import Oracle
@@ -31,6 +32,19 @@ def test_concurrent_requests_through_the_sdk_match_hf(server, llama_dir):
         assert out.finish_reason == "length"
         assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == 10
         assert out.ttft_s is not None and out.e2e_s >= out.ttft_s
+
+
+def test_seeded_sampling_equals_one_engine(server, llama_dir):
+    # P samples token 0 and D the rest; a seed still gives what one engine gives.
+    prompts = [list(range(10, 30)), list(range(200, 290))]
+    sampling = dict(max_tokens=12, temperature=1.0, top_p=0.95, seed=11, ignore_eos=True)
+    offline = LLM(str(llama_dir), kv_cache_memory_bytes=16 << 20)
+    expected = [o.token_ids for o in offline.generate(prompts, SamplingParams(**sampling))]
+    greedy = [o.token_ids for o in offline.generate(prompts, SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True))]
+    assert expected != greedy
+    with Client(server.grpc_target) as client:
+        assert [client.generate(p, **sampling).token_ids for p in prompts] == expected
 
 
 def test_text_prompt_and_stream(server):

@@ -1,5 +1,7 @@
 import pytest
+import torch
 
+from engine.sampler import Sampler
 from pdserve import LLM, SamplingParams
 
 
@@ -19,6 +21,27 @@ def test_seeded_sampling_is_reproducible(llm):
         max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=99))]
     assert first == second
     assert first != other
+
+
+def test_a_seeded_token_depends_only_on_seed_and_index():
+    # What lets a prefill worker sample token 0 and a decode worker the rest.
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.0, seed=7)]
+    one = Sampler(seed=0)
+    run = [one.sample(logits, params, [k])[0][0] for k in range(12)]
+    fresh = [Sampler(seed=k).sample(logits, params, [k])[0][0] for k in range(12)]
+    assert run == fresh
+    assert len(set(run)) > 1  # the index changes the draw
+    other = [Sampler(seed=0).sample(logits, [SamplingParams(temperature=1.0, seed=8)], [k])[0][0]
+             for k in range(12)]
+    assert other != run
+
+
+def test_seeded_sampling_ignores_batch_companions(llm):
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1], params)[0].token_ids
+    batched = llm.generate([[9, 8, 7], PROMPTS[1], list(range(100, 160))], params)[1].token_ids
+    assert alone == batched
 
 
 def test_top_k_1_equals_greedy(llm):
