@@ -15,11 +15,25 @@ class Detokenizer:
         self.prefix_offset = max(len(prompt_token_ids) - _CONTEXT_TOKENS, 0)
         self.read_offset = len(prompt_token_ids)
         self.stop = stop
-        self.text = ""
+        # A streamed delta never shows the start of a stop string that may complete
+        # later: the last (longest stop - 1) characters wait, as in vLLM.
+        self.holdback = max(map(len, stop)) - 1 if stop else 0
+        self.text = ""  # decoded so far (trimmed before a matched stop string)
+        self.emitted = 0  # of which this many characters have been handed out
+
+    @property
+    def emitted_text(self) -> str:
+        return self.text[:self.emitted]
+
+    def flush(self) -> str:
+        """The request finished: hand out what was held back."""
+        rest, self.emitted = self.text[self.emitted:], len(self.text)
+        return rest
 
     def append(self, new_token_ids: list[int]) -> tuple[str, str | None]:
-        """Adds tokens; returns (new text, the stop string matched or None). On a stop
-        match the text is trimmed before the stop string and nothing after it shows."""
+        """Adds tokens; returns (text to hand out now, the stop string matched or None).
+        On a stop match the text is trimmed before the stop string and nothing after it
+        shows."""
         self.token_ids.extend(new_token_ids)
         decode = self.tokenizer.decode
         prefix = decode(self.token_ids[self.prefix_offset:self.read_offset])
@@ -37,5 +51,7 @@ class Detokenizer:
         if matches:
             at, stop = min(matches)
             self.text = self.text[:at]
-            return self.text[before:], stop
-        return delta, None
+            return self.flush(), stop
+        end = max(len(self.text) - self.holdback, self.emitted)
+        out, self.emitted = self.text[self.emitted:end], end
+        return out, None

@@ -204,9 +204,10 @@ class LLMEngine:
         if request.is_finished:
             metrics.finished_time = now
             self._tracked.pop(request.request_id, None)
+            new_text += tracked.detokenizer.flush()
         return RequestOutput(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids), text=tracked.detokenizer.text,
+            token_ids=list(request.output_token_ids), text=tracked.detokenizer.emitted_text,
             new_token_ids=new_ids, new_text=new_text, finished=request.is_finished,
             metrics=metrics,
             finish_reason=request.finish_reason.value if request.finish_reason else None,

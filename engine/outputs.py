@@ -25,7 +25,8 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]  # every output token so far
-    text: str  # every output character so far (stop string trimmed)
+    text: str  # every character handed out so far (stop string trimmed; a tail that
+    #           may begin a stop string waits until it cannot, or the request ends)
     new_token_ids: list[int]  # produced by this step
     new_text: str
     finished: bool

@@ -110,3 +110,36 @@ def test_earliest_of_several_stop_strings_wins(llm):
     out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0,
                                                   stop=[late, early], ignore_eos=True))[0]
     assert out.text == full.text[:4] and out.stop_reason == early
+
+
+def _stream(llm, prompt, params) -> list[str]:
+    """The new_text of every step of one request, through the engine's step loop."""
+    engine = llm.engine
+    engine.add_request("stream", prompt, params)
+    deltas = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            deltas.append(out.new_text)
+            final = out
+    assert final.finished and "".join(deltas) == final.text
+    return deltas
+
+
+def test_streamed_text_never_shows_part_of_a_stop_string(llm):
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    deltas = _stream(llm, PROMPTS[1], greedy)
+    full = "".join(deltas)
+    # A stop string that starts in one step's text and ends in a later step's.
+    ends = [len("".join(deltas[:i + 1])) for i in range(len(deltas))]
+    boundary = next(e for e in ends[2:] if full[e - 1:e + 2] not in full[:e - 1] and e + 2 <= len(full))
+    stop = full[boundary - 1:boundary + 2]
+    deltas = _stream(llm, PROMPTS[1], SamplingParams(max_tokens=24, temperature=0,
+                                                     ignore_eos=True, stop=[stop]))
+    final = full[:full.index(stop)]
+    assert "".join(deltas) == final
+    for i in range(len(deltas)):  # every streamed prefix is a prefix of the final text
+        assert final.startswith("".join(deltas[:i + 1]))
+    # Without a stop string nothing is held back; with one, the held tail comes at the end.
+    held = _stream(llm, PROMPTS[1], SamplingParams(max_tokens=24, temperature=0,
+                                                   ignore_eos=True, stop=["\x00\x01\x02"]))
+    assert "".join(held) == full and held[-1].endswith(full[-2:])
