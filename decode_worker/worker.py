@@ -29,7 +29,6 @@ class DecodeWorker:
         self.on_batch = on_batch
         engine = LLMEngine(engine_config)
         self.receiver = KVReceiver(engine.runner.kv_caches, transfer, on_release=engine.abort)
-        self._waits = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-wait")
         self._reserving = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reserve")
         self.loop = EngineLoop(engine, on_step=self._on_step)
 
@@ -59,17 +58,27 @@ class DecodeWorker:
             request_id, prompt_token_ids, params, arrival_time) and None)
 
     def start(self, request_id: str, first_token: int) -> Future:
-        """The prefill worker sent the KV and sampled `first_token`: confirm the KV is
-        here, then decode. Resolves once the request joined the batch."""
+        """The prefill worker sent the KV and sampled `first_token`: once the KV is
+        confirmed here, the request joins the batch at the next step boundary. Resolves
+        then, or with the transfer's typed error. No thread waits: many starts arriving
+        together all join at the same boundary."""
+        started: Future = Future()
+
         def join(engine: LLMEngine) -> None:
             # Published on the engine thread, so it precedes the request's next step.
             self._on_step([engine.admit_remote(request_id, first_token)])
 
-        def admit() -> None:
-            self.receiver.wait(request_id)  # typed error if the transfer failed
-            self.loop.call(join).result()
+        def landed(transfer: Future) -> None:
+            if transfer.exception() is not None:
+                started.set_exception(transfer.exception())
+            else:
+                _chain(self.loop.call(join), started)
 
-        return self._waits.submit(admit)
+        try:
+            self.receiver.landed(request_id).add_done_callback(landed)
+        except KeyError as exc:
+            started.set_exception(exc)
+        return started
 
     def abort(self, request_id: str) -> None:
         self.receiver.abort(request_id)
@@ -87,7 +96,6 @@ class DecodeWorker:
 
     def shutdown(self) -> None:
         self.loop.stop()
-        self._waits.shutdown(wait=False)
         self._reserving.shutdown(wait=False)
         self.receiver.close()
 
@@ -100,3 +108,8 @@ class DecodeWorker:
                        o.finished, o.finish_reason, len(o.prompt_token_ids),
                        o.num_cached_tokens, len(o.token_ids))
             for o in outputs]))
+
+
+def _chain(source: Future, target: Future) -> None:
+    source.add_done_callback(lambda f: target.set_exception(f.exception())
+                             if f.exception() is not None else target.set_result(f.result()))

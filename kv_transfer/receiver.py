@@ -12,6 +12,8 @@ import itertools
 import json
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -43,8 +45,7 @@ class _Incoming:
     # Held across each scatter: once a failure releases the blocks to their owner,
     # no late layer may write into them.
     lock: threading.Lock = field(default_factory=threading.Lock)
-    error: KVTransferError | None = None
-    done: threading.Event = field(default_factory=threading.Event)
+    done: Future = field(default_factory=Future)  # None, or the typed error
 
 
 class KVReceiver:
@@ -85,19 +86,21 @@ class KVReceiver:
                 time.monotonic() + self.config.timeout_s,
                 index=torch.tensor(block_ids, dtype=torch.long, device=self.device))
 
+    def landed(self, request_id: str) -> Future:
+        """Resolves once every layer landed, or with the transfer's typed error (at the
+        latest by the deadline set at expect). Either way the request is forgotten."""
+        return self._watch(request_id).done
+
     def wait(self, request_id: str, timeout: float | None = None) -> None:
         """Block until every layer landed; raises the transfer's typed error. Either
         way the request is forgotten afterwards."""
-        incoming = self._by_request.get(request_id)
-        if incoming is None:
-            raise KeyError(f"request {request_id} is not expected")
-        incoming.done.wait(self.config.timeout_s if timeout is None else timeout)
-        if not incoming.done.is_set():
+        incoming = self._watch(request_id)
+        try:
+            incoming.done.result(self.config.timeout_s if timeout is None else timeout)
+        except FutureTimeout:
             self._fail(incoming, TransferTimeout(request_id, "not complete within the wait"),
                        P.TIMED_OUT)
-        self._forget(incoming)
-        if incoming.error is not None:
-            raise incoming.error
+            incoming.done.result()
 
     def abort(self, request_id: str) -> None:
         incoming = self._by_request.get(request_id)
@@ -177,7 +180,7 @@ class KVReceiver:
             with self._lock:  # several transfers' collectors count at once
                 self.bytes_received += buffer.numel()
             try:
-                if incoming is None or incoming.done.is_set():
+                if incoming is None or incoming.done.done():
                     continue  # drained and dropped
                 data, trailer = buffer[:-P.TRAILER_BYTES], buffer[-P.TRAILER_BYTES:]
                 if int(trailer.cpu().clone().view(torch.int64)[0]) != P.LAYER_DATA:
@@ -226,7 +229,7 @@ class KVReceiver:
         if diffs:
             return "KV layout mismatch: " + "; ".join(diffs)
         incoming = self._by_request.get(hs.request_id)
-        if incoming is None or incoming.done.is_set():
+        if incoming is None or incoming.done.done():
             return f"request {hs.request_id} is not expected here (no reserved blocks)"
         if incoming.pair is not None:
             return f"request {hs.request_id} is already being received"
@@ -252,7 +255,7 @@ class KVReceiver:
         while not self._closed.wait(_POLL_S):
             now = time.monotonic()
             for incoming in list(self._by_request.values()):
-                if not incoming.done.is_set() and now > incoming.deadline:
+                if not incoming.done.done() and now > incoming.deadline:
                     self._fail(incoming, TransferTimeout(
                         incoming.request_id,
                         f"{incoming.layers_landed}/{self.layout.num_layers} layers landed "
@@ -265,15 +268,19 @@ class KVReceiver:
             if incoming.settled:
                 return
             incoming.settled = True
-            incoming.error = error
         self._finish(incoming, error, status)
         if self.on_release is not None:
             self.on_release(incoming.request_id)
 
     def _finish(self, incoming: _Incoming, error, status: int | None) -> None:
+        # The owner first, then the sender: once a sender hears OK, the landing is
+        # already visible here.
+        if error is None:
+            incoming.done.set_result(None)
+        else:
+            incoming.done.set_exception(error)
         if status is not None and incoming.pair is not None:
             self._send_status(incoming.pair, incoming.seq, status, str(error) if error else "")
-        incoming.done.set()
 
     def _send_status(self, pair: str, seq: int, status: int, message: str) -> None:
         """The one status reply a BEGIN gets; a failure's message goes to the store."""
@@ -287,6 +294,13 @@ class KVReceiver:
             work.wait(datetime.timedelta(seconds=self.config.connect_timeout_s))
         except Exception:
             pass  # the sender went away; nothing is owed to it any more
+
+    def _watch(self, request_id: str) -> _Incoming:
+        incoming = self._by_request.get(request_id)
+        if incoming is None:
+            raise KeyError(f"request {request_id} is not expected")
+        incoming.done.add_done_callback(lambda _: self._forget(incoming))
+        return incoming
 
     def _forget(self, incoming: _Incoming) -> None:
         with self._lock:
