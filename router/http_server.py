@@ -107,8 +107,8 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/ready")
     async def ready():
-        if not router.decode or not router.prefill:
-            return _error(503, "no workers", kind="service_unavailable")
+        if not router.ready:
+            return _error(503, "a worker pool is empty", kind="service_unavailable")
         return {"status": "ready"}
 
     @app.get("/metrics")

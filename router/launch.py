@@ -80,4 +80,4 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
                   [PrefillHandle(f"prefill-{i}", a) for i, a in enumerate(prefill)],
                   [DecodeHandle(f"decode-{i}", a, s["num_blocks"], s["free_blocks"])
                    for i, (a, s) in enumerate(zip(decode, decode_stats))],
-                  router_config)
+                  router_config, colocated=pools.mode == "colocated")

@@ -50,8 +50,10 @@ class Accepted:
 
 class Router:
     def __init__(self, tokenizer: Tokenizer, model: ModelInfo, prefill: list[PrefillHandle],
-                 decode: list[DecodeHandle], config: RouterConfig = RouterConfig()):
+                 decode: list[DecodeHandle], config: RouterConfig = RouterConfig(),
+                 colocated: bool = False):
         self.tokenizer = tokenizer
+        self.colocated = colocated  # engine workers only (in `decode`), no prefill pool
         self.model = model
         self.config = config
         self.prefill = {w.worker_id: w for w in prefill}
@@ -61,6 +63,11 @@ class Router:
         self._aborted: set[str] = set()
         self.metrics = RouterMetrics(model.name)
         self._ids = itertools.count()
+
+    @property
+    def ready(self) -> bool:
+        """Whether every pool the mode needs has a worker."""
+        return bool(self.decode) and (self.colocated or bool(self.prefill))
 
     async def start(self) -> None:
         for worker in self.decode.values():

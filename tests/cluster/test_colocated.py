@@ -26,6 +26,7 @@ def test_colocated_runs_two_engine_workers_and_matches_hf(colocated_server, llam
                       json={"prompt": prompts[2], "max_tokens": 9, "temperature": 0,
                             "ignore_eos": True, "return_token_ids": True}, timeout=60)
     assert http.json()["choices"][0]["token_ids"] == oracle.generate(prompts[2], 9)[0]
+    assert httpx.get(f"{colocated_server.http_url}/ready").status_code == 200
 
 
 def test_colocated_cancel_frees_blocks(colocated_server):
