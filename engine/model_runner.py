@@ -47,7 +47,8 @@ class ModelRunner:
             return result
         ids = [r.request_id for r in samplers]
         tokens, logprobs = self.sampler.sample(logits, [r.sampling_params for r in samplers],
-                                               [len(r.output_token_ids) for r in samplers])
+                                               [r.prompt_token_ids for r in samplers],
+                                               [r.output_token_ids for r in samplers])
         result.sampled_token_ids = dict(zip(ids, tokens))
         result.logprobs = {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None}
         return result

@@ -1,4 +1,7 @@
-"""Turn logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+"""Turn logits into tokens: penalties, greedy, temperature, min-p, top-k, top-p,
+per-request seeds. The order is vLLM's: penalties on the raw logits (greedy sees them
+too), then temperature, then the truncations. Logprobs are of the raw logits, as
+vLLM reports by default.
 
 A seeded request's k-th output token is drawn from a generator seeded by (seed, k), so
 it does not depend on where it is sampled: the prefill worker samples token 0 and a
@@ -7,6 +10,8 @@ are the same as one engine sampling them all."""
 from __future__ import annotations
 
 import torch
+
+from collections.abc import Sequence
 
 from engine.sampling_params import SamplingParams
 
@@ -27,13 +32,21 @@ class Sampler:
         self._seeded = torch.Generator()
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               output_index: list[int]) -> tuple[list[int], list[float | None]]:
+               prompts: list[Sequence[int]], outputs: list[Sequence[int]]
+               ) -> tuple[list[int], list[float | None]]:
         """logits: [N, vocab] float32 -> one token (and its logprob if asked) per row;
-        output_index[i] is how many output tokens row i's request has already."""
+        prompts[i] and outputs[i] are row i's prompt and its output tokens so far."""
+        raw = logits
+        penalized = [i for i, p in enumerate(params) if p.penalized]
+        if penalized:
+            logits = logits.clone()
+            for i in penalized:
+                _penalize(logits[i], params[i], prompts[i], outputs[i])
         tokens = logits.argmax(dim=-1).tolist()
         for i, p in enumerate(params):
             if not p.greedy:
-                tokens[i] = self._sample_one(logits[i], p, output_index[i])
+                tokens[i] = self._sample_one(logits[i], p, len(outputs[i]))
+        logits = raw
         logprobs: list[float | None] = [None] * len(params)
         wanted = [i for i, p in enumerate(params) if p.logprobs]
         if wanted:
@@ -46,6 +59,9 @@ class Sampler:
 
     def _sample_one(self, logits: torch.Tensor, p: SamplingParams, output_index: int) -> int:
         logits = logits.cpu() / p.temperature
+        if p.min_p > 0:
+            probs = logits.softmax(-1)
+            logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         if p.top_k and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -61,3 +77,16 @@ class Sampler:
         else:
             generator = self._seeded.manual_seed(token_seed(p.seed, output_index))
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _penalize(row: torch.Tensor, p: SamplingParams, prompt: Sequence[int],
+              output: Sequence[int]) -> None:
+    """In place on one row of logits."""
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), device=row.device)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / p.repetition_penalty,
+                                values * p.repetition_penalty)
+    if output and (p.frequency_penalty or p.presence_penalty):
+        ids, counts = torch.tensor(list(output), device=row.device).unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty

@@ -12,6 +12,10 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off (-1 accepted as off too, as in vLLM)
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
+    presence_penalty: float = 0.0  # minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # HF-style, over prompt and output tokens
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -34,6 +38,14 @@ class SamplingParams:
                  f"must be >= 1, or 0 / -1 for off, got {self.top_k!r}")
         _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
                  f"must be in (0, 1], got {self.top_p!r}")
+        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+                 f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_is_number(value) and -2 <= value <= 2, name,
+                     f"must be in [-2, 2], got {value!r}")
+        _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+                 "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
         _require(self.seed is None or _is_int(self.seed), "seed",
                  f"must be an integer, got {self.seed!r}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
@@ -45,6 +57,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
 
 def _is_int(v) -> bool:

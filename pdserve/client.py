@@ -23,7 +23,8 @@ from pdserve.v1 import generate_pb2_grpc as pb_grpc
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
            pb.FINISH_REASON_ABORT: "abort"}
-_SAMPLING = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids",
+_SAMPLING = {"max_tokens", "temperature", "top_k", "top_p", "min_p", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
              "ignore_eos", "logprobs", "priority"}
 
 

@@ -21,7 +21,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
 def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
     """proto -> SamplingParams; unset optional fields keep their defaults."""
     kwargs = {name: getattr(msg, name) for name in
-              ("max_tokens", "temperature", "top_k", "top_p", "seed") if msg.HasField(name)}
+              ("max_tokens", "temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty",
+               "frequency_penalty", "repetition_penalty") if msg.HasField(name)}
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos, logprobs=msg.logprobs,
                           priority=msg.priority, **kwargs)

@@ -34,6 +34,10 @@ class _Sampling(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -43,14 +47,26 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     priority: int = 0
+    # Known fields this server does not implement: refused when set, never ignored.
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
 
     def params(self, logprobs: bool) -> SamplingParams:
         if self.n != 1:
             raise InvalidRequestError("n", "only n=1 is supported")
+        if self.best_of not in (None, 1):
+            raise InvalidRequestError("best_of", "only best_of=1 is supported")
+        if self.logit_bias:
+            raise InvalidRequestError("logit_bias", "logit_bias is not supported")
+        if self.min_tokens:
+            raise InvalidRequestError("min_tokens", "min_tokens is not supported")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             max_tokens=16 if self.max_tokens is None else self.max_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, seed=self.seed,
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs, priority=self.priority)
 

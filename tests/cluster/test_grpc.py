@@ -9,6 +9,7 @@ import threading
 from dataclasses import replace
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -35,9 +36,12 @@ def test_concurrent_requests_through_the_sdk_match_hf(server, llama_dir):
 
 
 def test_seeded_sampling_equals_one_engine(server, llama_dir):
-    # P samples token 0 and D the rest; a seed still gives what one engine gives.
+    # P samples token 0 and D the rest; a seed still gives what one engine gives, and
+    # so do penalties over prompt and output tokens.
     prompts = [list(range(10, 30)), list(range(200, 290))]
-    sampling = dict(max_tokens=12, temperature=1.0, top_p=0.95, seed=11, ignore_eos=True)
+    sampling = dict(max_tokens=12, temperature=1.0, top_p=0.95, seed=11, ignore_eos=True,
+                    min_p=0.01, repetition_penalty=1.2, frequency_penalty=0.3,
+                    presence_penalty=0.2)
     offline = LLM(str(llama_dir), kv_cache_memory_bytes=16 << 20)
     expected = [o.token_ids for o in offline.generate(prompts, SamplingParams(**sampling))]
     greedy = [o.token_ids for o in offline.generate(prompts, SamplingParams(
@@ -45,6 +49,9 @@ def test_seeded_sampling_equals_one_engine(server, llama_dir):
     assert expected != greedy
     with Client(server.grpc_target) as client:
         assert [client.generate(p, **sampling).token_ids for p in prompts] == expected
+    http = httpx.post(f"{server.http_url}/v1/completions", timeout=60, json={
+        "prompt": prompts[1], "return_token_ids": True, **sampling})
+    assert http.json()["choices"][0]["token_ids"] == expected[1]
 
 
 def test_text_prompt_and_stream(server):
@@ -63,6 +70,8 @@ def test_text_prompt_and_stream(server):
     ([1, 2, 3], {"max_tokens": 0}, "max_tokens"),
     ([1, 2, 3], {"temperature": -1.0}, "temperature"),
     ([1, 2, 3], {"top_p": 1.5}, "top_p"),
+    ([1, 2, 3], {"frequency_penalty": -2.5}, "frequency_penalty"),
+    ([1, 2, 3], {"min_p": 2.0}, "min_p"),
     (list(range(1, 500)), {"max_tokens": 100}, "max_tokens"),
 ])
 def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(server, prompt, sampling,

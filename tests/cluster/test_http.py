@@ -78,6 +78,11 @@ def test_models_lists_max_model_len(client):
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": list(range(1, 500)), "max_tokens": 100}, "max_tokens"),
     ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "hi", "min_p": "x"}, "min_p"),
     ({"prompt": "hi", "model": "gpt-4"}, "model"),
 ])
 def test_bad_input_is_400_naming_the_field(server, body, param):

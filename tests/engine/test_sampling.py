@@ -28,12 +28,12 @@ def test_a_seeded_token_depends_only_on_seed_and_index():
     logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=1.0, seed=7)]
     one = Sampler(seed=0)
-    run = [one.sample(logits, params, [k])[0][0] for k in range(12)]
-    fresh = [Sampler(seed=k).sample(logits, params, [k])[0][0] for k in range(12)]
+    run = [one.sample(logits, params, [[1]], [[2] * k])[0][0] for k in range(12)]
+    fresh = [Sampler(seed=k).sample(logits, params, [[1]], [[2] * k])[0][0] for k in range(12)]
     assert run == fresh
     assert len(set(run)) > 1  # the index changes the draw
-    other = [Sampler(seed=0).sample(logits, [SamplingParams(temperature=1.0, seed=8)], [k])[0][0]
-             for k in range(12)]
+    other = [Sampler(seed=0).sample(logits, [SamplingParams(temperature=1.0, seed=8)], [[1]],
+                                    [[2] * k])[0][0] for k in range(12)]
     assert other != run
 
 
@@ -143,3 +143,51 @@ def test_streamed_text_never_shows_part_of_a_stop_string(llm):
     held = _stream(llm, PROMPTS[1], SamplingParams(max_tokens=24, temperature=0,
                                                    ignore_eos=True, stop=["\x00\x01\x02"]))
     assert "".join(held) == full and held[-1].endswith(full[-2:])
+
+
+def test_repetition_penalty_matches_hf(llm, llama_dir):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 100, 101]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                               repetition_penalty=1.5, eos_token_id=None, pad_token_id=0)
+    got = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                              repetition_penalty=1.5))[0].token_ids
+    plain = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0,
+                                                ignore_eos=True))[0].token_ids
+    assert got == expected[0, len(prompt):].tolist()
+    assert got != plain
+
+
+def test_frequency_and_presence_penalties_follow_the_output_counts(llm):
+    prompt = PROMPTS[0]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                            frequency_penalty=1.5, presence_penalty=0.5, logprobs=True)
+    out = llm.generate(prompt, params)[0]
+    for k, token in enumerate(out.token_ids):
+        logits = llm.engine.score(prompt + out.token_ids[:k]).clone()
+        raw = logits.log_softmax(-1)[token].item()
+        for t in set(out.token_ids[:k]):
+            logits[t] -= 1.5 * out.token_ids[:k].count(t) + 0.5
+        assert token == int(logits.argmax())
+        assert out.logprobs[k] == pytest.approx(raw, abs=1e-5)  # of the raw logits
+    plain = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0,
+                                                ignore_eos=True))[0].token_ids
+    assert len(set(out.token_ids)) > len(set(plain))
+
+
+def test_min_p_1_keeps_only_the_top_token(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    top = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=1.5, min_p=1.0,
+                                               ignore_eos=True))
+    assert [o.token_ids for o in top] == [o.token_ids for o in greedy]
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -3),
+                                          ("repetition_penalty", 0), ("min_p", 1.5)])
+def test_penalty_ranges_are_checked(field, value):
+    from engine.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**{field: value})
+    assert err.value.field == field
