@@ -104,10 +104,17 @@ class DecodeWorker:
             return
         self.on_batch(StepBatch(self.worker_id, [
             TokenDelta(o.request_id, o.new_token_ids, o.new_text,
-                       o.logprobs[-len(o.new_token_ids):] if o.logprobs and o.new_token_ids else [],
+                       _last(o.logprobs, len(o.new_token_ids)),
                        o.finished, o.finish_reason, len(o.prompt_token_ids),
-                       o.num_cached_tokens, len(o.token_ids))
+                       o.num_cached_tokens, len(o.token_ids),
+                       _last(o.top_logprobs, len(o.new_token_ids)))
             for o in outputs]))
+
+
+def _last(items: list, n: int) -> list:
+    """The entries of this step's n new tokens (the first token, sampled by the
+    prefill worker, has none here)."""
+    return items[-n:] if items and n else []
 
 
 def _chain(source: Future, target: Future) -> None:

@@ -212,6 +212,7 @@ class LLMEngine:
             metrics=metrics,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason, logprobs=list(request.output_logprobs),
+            top_logprobs=list(request.output_top_logprobs),
             num_cached_tokens=request.num_cached_tokens)
 
     def _apply_aborts(self) -> list[RequestOutput]:

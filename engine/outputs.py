@@ -34,4 +34,5 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # {token: logprob}
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache

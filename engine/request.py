@@ -36,6 +36,7 @@ class Request:
     max_model_len: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
@@ -93,11 +94,14 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def append_output(self, token_id: int, logprob: float | None = None) -> None:
+    def append_output(self, token_id: int, logprob: float | None = None,
+                      top_logprobs: dict[int, float] | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.num_tokens += 1
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
 
     def check_stop(self) -> FinishReason | None:
         """Stop conditions that need no text: eos, stop tokens, max_tokens, context."""

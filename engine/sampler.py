@@ -33,9 +33,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                prompts: list[Sequence[int]], outputs: list[Sequence[int]]
-               ) -> tuple[list[int], list[float | None]]:
-        """logits: [N, vocab] float32 -> one token (and its logprob if asked) per row;
-        prompts[i] and outputs[i] are row i's prompt and its output tokens so far."""
+               ) -> tuple[list[int], list[float | None], list[dict[int, float] | None]]:
+        """logits: [N, vocab] float32 -> per row one token, its logprob and the top
+        logprobs {token: logprob} (None where not asked); prompts[i] and outputs[i] are
+        row i's prompt and its output tokens so far."""
         raw = logits
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:
@@ -46,16 +47,19 @@ class Sampler:
         for i, p in enumerate(params):
             if not p.greedy:
                 tokens[i] = self._sample_one(logits[i], p, len(outputs[i]))
-        logits = raw
         logprobs: list[float | None] = [None] * len(params)
+        tops: list[dict[int, float] | None] = [None] * len(params)
         wanted = [i for i, p in enumerate(params) if p.logprobs]
         if wanted:
-            rows = torch.log_softmax(logits[wanted], dim=-1)
-            chosen = torch.tensor([tokens[i] for i in wanted], device=logits.device)
+            rows = torch.log_softmax(raw[wanted], dim=-1)
+            chosen = torch.tensor([tokens[i] for i in wanted], device=raw.device)
             values = rows.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-            for i, value in zip(wanted, values):
+            for j, (i, value) in enumerate(zip(wanted, values)):
                 logprobs[i] = value
-        return tokens, logprobs
+                if params[i].top_logprobs:
+                    top = rows[j].topk(params[i].top_logprobs)
+                    tops[i] = dict(zip(top.indices.tolist(), top.values.tolist()))
+        return tokens, logprobs, tops
 
     def _sample_one(self, logits: torch.Tensor, p: SamplingParams, output_index: int) -> int:
         logits = logits.cpu() / p.temperature

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,6 +23,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False  # return the logprob of each chosen token
+    top_logprobs: int = 0  # and of this many most likely tokens at each position
     priority: int = 0  # lower runs first under the "priority" policy
 
     def __post_init__(self) -> None:
@@ -53,6 +56,10 @@ class SamplingParams:
         _require(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids",
                  "must be integers")
         _require(_is_int(self.priority), "priority", "must be an integer")
+        _require(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+                 "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.top_logprobs:
+            object.__setattr__(self, "logprobs", True)
 
     @property
     def greedy(self) -> bool:

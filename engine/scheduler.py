@@ -126,7 +126,8 @@ class Scheduler:
             if computed != request.num_tokens:
                 continue  # a partial prefill chunk samples nothing
             rid = request.request_id
-            request.append_output(sampled[rid], logprobs.get(rid) if logprobs else None)
+            request.append_output(sampled[rid], logprobs.get(rid) if logprobs else None,
+                                  result.top_logprobs.get(rid))
             generated += 1
             reason = request.check_stop()
             if reason is not None:

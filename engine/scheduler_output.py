@@ -27,6 +27,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     # request id -> logprob of that token; only requests that asked for logprobs.
     logprobs: dict[str, float] = field(default_factory=dict)
+    # request id -> {token: logprob} of the most likely tokens; those that asked.
+    top_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 no tensors, no Ray; KV bytes only ever travel through kv_transfer."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 
@@ -30,6 +30,7 @@ class PrefillResult:
     request_id: str
     first_token: int
     first_logprob: float | None
+    first_top_logprobs: dict[int, float] | None
     kv_bytes_sent: int
     prefill_seconds: float  # first scheduled -> KV confirmed on the decode worker
 
@@ -45,14 +46,15 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
-
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # {token: logprob}
 
     def merged(self, later: "TokenDelta") -> "TokenDelta":
         """This delta followed by `later`, as one (for a consumer that fell behind)."""
         return TokenDelta(self.request_id, self.token_ids + later.token_ids,
                           self.text + later.text, self.logprobs + later.logprobs,
                           later.finished, later.finish_reason, later.num_prompt_tokens,
-                          later.num_cached_tokens, later.num_output_tokens)
+                          later.num_cached_tokens, later.num_output_tokens,
+                          self.top_logprobs + later.top_logprobs)
 
 
 @dataclass(frozen=True)

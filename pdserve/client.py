@@ -25,7 +25,7 @@ _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
            pb.FINISH_REASON_ABORT: "abort"}
 _SAMPLING = {"max_tokens", "temperature", "top_k", "top_p", "min_p", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
-             "ignore_eos", "logprobs", "priority"}
+             "ignore_eos", "logprobs", "top_logprobs", "priority"}
 
 
 class PdserveError(Exception):
@@ -67,6 +67,7 @@ class CompletionChunk:
     logprobs: list[float]
     finish_reason: str | None
     usage: Usage | None
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # {token: logprob}
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Completion:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # {token: logprob}
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
     ttft_s: float | None = None  # measured by the client
@@ -87,6 +89,7 @@ class Completion:
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
+        self.top_logprobs += chunk.top_logprobs
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
             self.e2e_s = time.perf_counter() - started
@@ -109,7 +112,8 @@ def _chunk(r: pb.GenerateResponse) -> CompletionChunk:
     usage = (Usage(r.usage.prompt_tokens, r.usage.completion_tokens,
                    r.usage.cached_prompt_tokens) if r.HasField("usage") else None)
     return CompletionChunk(r.request_id, list(r.token_ids), r.text, list(r.logprobs),
-                           _FINISH.get(r.finish_reason), usage)
+                           _FINISH.get(r.finish_reason), usage,
+                           [dict(zip(t.token_ids, t.logprobs)) for t in r.top_logprobs])
 
 
 def _error(err: grpc.RpcError) -> PdserveError:

@@ -129,6 +129,7 @@ class PrefillWorker:
         started = out.metrics.first_scheduled_time or out.metrics.arrival_time
         self._resolve(out.request_id, result=PrefillResult(
             out.request_id, out.token_ids[0], out.logprobs[0] if out.logprobs else None,
+            out.top_logprobs[0] if out.top_logprobs else None,
             handle.bytes_sent, time.time() - started))
 
     def _resolve(self, request_id: str, result=None, error=None) -> None:

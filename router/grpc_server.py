@@ -25,6 +25,7 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
                "frequency_penalty", "repetition_penalty") if msg.HasField(name)}
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos, logprobs=msg.logprobs,
+                          top_logprobs=msg.top_logprobs,
                           priority=msg.priority, **kwargs)
 
 
@@ -50,7 +51,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                 completion += len(delta.token_ids)
                 response = pb.GenerateResponse(
                     request_id=accepted.request_id, token_ids=delta.token_ids, text=delta.text,
-                    logprobs=delta.logprobs, finish_reason=_FINISH[delta.finish_reason])
+                    logprobs=delta.logprobs, finish_reason=_FINISH[delta.finish_reason],
+                    top_logprobs=[pb.TopLogprobs(token_ids=list(top), logprobs=list(top.values()))
+                                  for top in delta.top_logprobs])
                 if delta.finished:
                     response.usage.CopyFrom(pb.Usage(
                         prompt_tokens=len(accepted.prompt_token_ids),

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from engine.worker_messages import TokenDelta
 from router.errors import OverloadedError, WorkerError
 from router.router import Accepted, Router
@@ -52,7 +52,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
 
-    def params(self, logprobs: bool) -> SamplingParams:
+    def params(self, logprobs: bool, top_logprobs: int = 0) -> SamplingParams:
         if self.n != 1:
             raise InvalidRequestError("n", "only n=1 is supported")
         if self.best_of not in (None, 1):
@@ -68,12 +68,13 @@ class _Sampling(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed,
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, logprobs=logprobs, priority=self.priority)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
+            priority=self.priority)
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str]
-    logprobs: int | None = None
+    logprobs: int | None = None  # the chosen token's and this many top logprobs
     echo: bool = False
 
 
@@ -86,6 +87,7 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 def _error(status: int, message: str, param: str | None = None,
@@ -149,7 +151,10 @@ def create_app(router: Router) -> FastAPI:
                 raise InvalidRequestError("prompt", "batched prompts are not supported; "
                                           "send one request per prompt")
             prompt = prompt[0]
-        accepted = router.accept(prompt, body.params(body.logprobs is not None))
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        accepted = router.accept(prompt, body.params(body.logprobs is not None,
+                                                     body.logprobs or 0))
         shape = _CompletionShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)
 
@@ -163,7 +168,9 @@ def create_app(router: Router) -> FastAPI:
         text = router.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
         # The template writes the special tokens itself.
         ids = router.tokenizer.encode(text, add_special_tokens=False)
-        accepted = router.accept(ids, body.params(body.logprobs))
+        if body.top_logprobs and not body.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs=true")
+        accepted = router.accept(ids, body.params(body.logprobs, body.top_logprobs or 0))
         shape = _ChatShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)
 
@@ -213,6 +220,10 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+def _token_text(router: Router):
+    return lambda token: router.tokenizer.decode([token], skip_special_tokens=False)
+
+
 def _usage(accepted: Accepted, deltas: list[TokenDelta]) -> dict:
     completion = sum(len(d.token_ids) for d in deltas)
     cached = max((d.num_cached_tokens for d in deltas), default=0)
@@ -234,11 +245,17 @@ class _CompletionShape:
                   "finish_reason": deltas[-1].finish_reason if deltas else None,
                   "logprobs": None}
         if self.body.logprobs is not None:
+            text = _token_text(self.router)
+            lps = [lp for d in deltas for lp in d.logprobs]
+            tops = [top for d in deltas for top in d.top_logprobs]
             choice["logprobs"] = {
-                "tokens": [self.router.tokenizer.decode([t], skip_special_tokens=False)
-                           for t in ids],
-                "token_logprobs": [lp for d in deltas for lp in d.logprobs],
-                "top_logprobs": None, "text_offset": None}
+                "tokens": [text(t) for t in ids],
+                "token_logprobs": lps,
+                # As vLLM: the chosen token's too, so up to logprobs + 1 entries.
+                "top_logprobs": [{text(u): v for u, v in {**top, t: lp}.items()}
+                                 for t, lp, top in zip(ids, lps, tops)]
+                if self.body.logprobs else None,
+                "text_offset": None}
         if self.body.return_token_ids:
             choice["token_ids"] = ids
         return choice
@@ -268,9 +285,13 @@ class _ChatShape:
             return None
         ids = [t for d in deltas for t in d.token_ids]
         lps = [lp for d in deltas for lp in d.logprobs]
-        decode = self.router.tokenizer.decode
-        return {"content": [{"token": decode([t], skip_special_tokens=False), "logprob": lp,
-                             "bytes": None, "top_logprobs": []} for t, lp in zip(ids, lps)]}
+        tops = [top for d in deltas for top in d.top_logprobs] or [{}] * len(ids)
+        text = _token_text(self.router)
+        return {"content": [
+            {"token": text(t), "logprob": lp, "bytes": None,
+             "top_logprobs": [{"token": text(u), "logprob": v, "bytes": None}
+                              for u, v in top.items()]}
+            for t, lp, top in zip(ids, lps, tops)]}
 
     def _extra(self, choice: dict, deltas: list[TokenDelta]) -> dict:
         if self.body.return_token_ids:

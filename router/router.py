@@ -128,8 +128,10 @@ class Router:
                 return
             if first_token is not None:
                 logprobs = [result.first_logprob] if result.first_logprob is not None else []
+                tops = [result.first_top_logprobs] if result.first_top_logprobs else []
                 yield track.observe(TokenDelta(req.request_id, [first_token], "", logprobs,
-                                               False, None, len(req.prompt_token_ids), 0, 1))
+                                               False, None, len(req.prompt_token_ids), 0, 1,
+                                               tops))
             while True:
                 item = await self._next_delta(queue, starting)
                 if first_token is not None and item.token_ids:

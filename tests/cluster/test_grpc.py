@@ -35,7 +35,7 @@ def test_concurrent_requests_through_the_sdk_match_hf(server, llama_dir):
         assert out.ttft_s is not None and out.e2e_s >= out.ttft_s
 
 
-def test_seeded_sampling_equals_one_engine(server, llama_dir):
+def test_sampling_through_prefill_and_decode_equals_one_engine(server, llama_dir):
     # P samples token 0 and D the rest; a seed still gives what one engine gives, and
     # so do penalties over prompt and output tokens.
     prompts = [list(range(10, 30)), list(range(200, 290))]
@@ -49,6 +49,13 @@ def test_seeded_sampling_equals_one_engine(server, llama_dir):
     assert expected != greedy
     with Client(server.grpc_target) as client:
         assert [client.generate(p, **sampling).token_ids for p in prompts] == expected
+        tops = client.generate(prompts[0], max_tokens=4, temperature=0, ignore_eos=True,
+                               top_logprobs=3)
+    want = offline.generate(prompts[0], SamplingParams(max_tokens=4, temperature=0,
+                                                       ignore_eos=True, top_logprobs=3))[0]
+    assert len(tops.top_logprobs) == len(tops.logprobs) == 4
+    for got, exp in zip(tops.top_logprobs, want.top_logprobs):
+        assert list(got) == list(exp) and list(got.values()) == pytest.approx(list(exp.values()))
     http = httpx.post(f"{server.http_url}/v1/completions", timeout=60, json={
         "prompt": prompts[1], "return_token_ids": True, **sampling})
     assert http.json()["choices"][0]["token_ids"] == expected[1]

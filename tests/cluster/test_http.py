@@ -62,6 +62,28 @@ def test_chat_completion_and_stream(client):
         out.choices[0].message.content
 
 
+def test_logprobs_with_top_alternatives(client):
+    # Token 1 is the prefill worker's, the rest the decode worker's: all carry their tops.
+    out = client.completions.create(model="test-llama", prompt="Tell me", max_tokens=4,
+                                    temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == pytest.approx(logprob) and logprob == max(top.values())
+        assert 2 <= len(top) <= 3  # the 2 most likely, and the chosen token
+    messages = [{"role": "user", "content": "Say something"}]
+    chat = client.chat.completions.create(model="test-llama", messages=messages, max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.top_logprobs[1].logprob <= entry.logprob
+
+
 def test_models_lists_max_model_len(client):
     models = client.models.list().data
     assert [m.id for m in models] == ["test-llama"]
@@ -83,6 +105,7 @@ def test_models_lists_max_model_len(client):
     ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
     ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "hi", "min_p": "x"}, "min_p"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "model": "gpt-4"}, "model"),
 ])
 def test_bad_input_is_400_naming_the_field(server, body, param):

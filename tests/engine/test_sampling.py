@@ -185,9 +185,21 @@ def test_min_p_1_keeps_only_the_top_token(llm):
 
 
 @pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -3),
-                                          ("repetition_penalty", 0), ("min_p", 1.5)])
+                                          ("repetition_penalty", 0), ("min_p", 1.5),
+                                          ("top_logprobs", 21)])
 def test_penalty_ranges_are_checked(field, value):
     from engine.errors import InvalidRequestError
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**{field: value})
     assert err.value.field == field
+
+
+def test_top_logprobs_are_the_most_likely_tokens(llm):
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                                  top_logprobs=3))[0]
+    assert len(out.logprobs) == len(out.top_logprobs) == 5  # top_logprobs implies logprobs
+    for k, top in enumerate(out.top_logprobs):
+        expected = llm.engine.score(PROMPTS[1] + out.token_ids[:k]).log_softmax(-1).topk(3)
+        assert list(top) == expected.indices.tolist()
+        assert list(top.values()) == pytest.approx(expected.values.tolist(), abs=1e-5)
+        assert next(iter(top)) == out.token_ids[k]  # greedy picks the most likely
