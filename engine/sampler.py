@@ -9,9 +9,9 @@ decode worker the rest, a preempted request recomputes, batches differ, and the 
 are the same as one engine sampling them all."""
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Sequence
+
+import torch
 
 from engine.sampling_params import SamplingParams
 
