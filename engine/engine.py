@@ -204,6 +204,7 @@ class LLMEngine:
         if request.is_finished:
             metrics.finished_time = now
             self._tracked.pop(request.request_id, None)
+            self.runner.sampler.forget(request.request_id)
             new_text += tracked.detokenizer.flush()
         return RequestOutput(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,

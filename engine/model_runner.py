@@ -46,9 +46,7 @@ class ModelRunner:
         if not samplers:
             return result
         ids = [r.request_id for r in samplers]
-        tokens, logprobs, tops = self.sampler.sample(logits, [r.sampling_params for r in samplers],
-                                               [r.prompt_token_ids for r in samplers],
-                                               [r.output_token_ids for r in samplers])
+        tokens, logprobs, tops = self.sampler.sample(logits, samplers)
         result.sampled_token_ids = dict(zip(ids, tokens))
         result.logprobs = {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None}
         result.top_logprobs = {rid: top for rid, top in zip(ids, tops) if top is not None}

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from engine.request import Request
 from engine.sampler import Sampler
 from pdserve import LLM, SamplingParams
 
@@ -26,14 +27,17 @@ def test_seeded_sampling_is_reproducible(llm):
 def test_a_seeded_token_depends_only_on_seed_and_index():
     # What lets a prefill worker sample token 0 and a decode worker the rest.
     logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(0))
-    params = [SamplingParams(temperature=1.0, seed=7)]
+
+    def at(k: int, seed: int = 7) -> Request:  # a request with k output tokens
+        return Request("r", [1], SamplingParams(temperature=1.0, seed=seed), 0.0,
+                       output_token_ids=[2] * k)
+
     one = Sampler(seed=0)
-    run = [one.sample(logits, params, [[1]], [[2] * k])[0][0] for k in range(12)]
-    fresh = [Sampler(seed=k).sample(logits, params, [[1]], [[2] * k])[0][0] for k in range(12)]
+    run = [one.sample(logits, [at(k)])[0][0] for k in range(12)]
+    fresh = [Sampler(seed=k).sample(logits, [at(k)])[0][0] for k in range(12)]
     assert run == fresh
     assert len(set(run)) > 1  # the index changes the draw
-    other = [Sampler(seed=0).sample(logits, [SamplingParams(temperature=1.0, seed=8)], [[1]],
-                                    [[2] * k])[0][0] for k in range(12)]
+    other = [Sampler(seed=0).sample(logits, [at(k, seed=8)])[0][0] for k in range(12)]
     assert other != run
 
 
