@@ -163,13 +163,13 @@ def create_app(router: Router) -> FastAPI:
         _check_model(body.model, model.name)
         if not router.tokenizer.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template")
+        if body.top_logprobs and not body.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs=true")
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         text = router.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
         # The template writes the special tokens itself.
         ids = router.tokenizer.encode(text, add_special_tokens=False)
-        if body.top_logprobs and not body.logprobs:
-            raise InvalidRequestError("top_logprobs", "needs logprobs=true")
         accepted = router.accept(ids, body.params(body.logprobs, body.top_logprobs or 0))
         shape = _ChatShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)

@@ -82,6 +82,10 @@ def test_logprobs_with_top_alternatives(client):
         assert entry.top_logprobs[0].token == entry.token
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
         assert entry.top_logprobs[1].logprob <= entry.logprob
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="test-llama", messages=messages, max_tokens=3,
+                                       top_logprobs=2)
+    assert err.value.body["param"] == "top_logprobs"
 
 
 def test_models_lists_max_model_len(client):
