@@ -33,6 +33,7 @@ test: $(VENV)/.dev
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/engine_throughput.py
 	$(BIN)/python benchmarks/kv_transfer.py
+	$(BIN)/python benchmarks/serving_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -8,7 +8,11 @@ sides, so the prefix cache never helps), greedy, ignore_eos.
   added TTFT p50 = median over rounds of
                    p50(TTFT through gRPC) - p50(TTFT in-process)       target <= 2 ms
   throughput ratio = output tok/s through gRPC / in-process            target >= 0.95
-Also: the added TTFT of one request alone (no batching effects), median of --singles.
+Also: the added TTFT of one request alone (no batching effects), median of --singles,
+and the floor under it on this machine, measured bare in the same run: one Ray actor
+call (router -> worker, one way), one item of a Ray streaming generator (worker ->
+router) and one gRPC round trip (the Health check). A request's first token crosses
+each once.
 A batch's TTFT p50 is the end of the engine step that finishes the median prompt, so
 a round moves by whole steps when requests reach the engine over several step
 boundaries instead of all before the first; rounds are reported one by one for that.
@@ -31,7 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import grpc  # noqa: E402
 import ray  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
@@ -104,6 +110,48 @@ async def through_grpc(target: str, warmup, rounds) -> list[dict]:
     return results
 
 
+@ray.remote(num_cpus=0)
+class _Probe:
+    """The Ray hops a request's first token takes, bare."""
+
+    async def call(self, sent: float) -> float:
+        return time.time() - sent
+
+    async def stream(self, n: int, gap_s: float):
+        for _ in range(n):
+            await asyncio.sleep(gap_s)
+            yield time.time()
+
+
+async def ray_floor(n: int = 50, gap_s: float = 0.01) -> dict:
+    """Median one-way latency of an actor call and of a streamed item, from an event
+    loop thread as the router's are. Both clocks are this machine's."""
+    probe = _Probe.remote()
+    calls, items = [], []
+    for _ in range(n):
+        calls.append(await probe.call.remote(time.time()))
+        await asyncio.sleep(gap_s)
+    async for ref in probe.stream.remote(n, gap_s):
+        items.append(time.time() - await ref)
+    ray.kill(probe)
+    skip = n // 10  # the first ones warm up
+    return {"ray_call_ms": statistics.median(calls[skip:]) * 1e3,
+            "ray_stream_item_ms": statistics.median(items[skip:]) * 1e3}
+
+
+async def grpc_floor(target: str, n: int = 50, gap_s: float = 0.01) -> float:
+    """Median round trip of a unary gRPC call (Health.Check) to the router's server."""
+    rtts = []
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            rtts.append(time.perf_counter() - t0)
+            await asyncio.sleep(gap_s)
+    return statistics.median(rtts[n // 10:]) * 1e3
+
+
 def _round(ttfts: list[float], tokens: int, seconds: float) -> dict:
     return {"ttft_p50_s": statistics.median(ttfts), "output_tokens": tokens,
             "seconds": seconds}
@@ -153,6 +201,10 @@ def main() -> int:
         result["grpc"] = _summary(asyncio.run(through_grpc(server.grpc_target, warmup, rounds)))
         result["grpc"]["single_ttft_ms"] = statistics.median(
             asyncio.run(single_ttfts_grpc(server.grpc_target, singles))) * 1e3
+        floor = asyncio.run_coroutine_threadsafe(ray_floor(), server.loop).result(120)
+        floor["grpc_round_trip_ms"] = asyncio.run(grpc_floor(server.grpc_target))
+        floor["total_ms"] = sum(floor.values())
+        result["floor"] = floor
         server.stop()
     finally:
         ray.shutdown()
@@ -173,6 +225,10 @@ def main() -> int:
     print(json.dumps(result, indent=2))
     print(f"added TTFT p50 through router + gRPC: {result['added_ttft_p50_ms']:.2f} ms, median "
           f"of rounds {[round(a, 1) for a in added]} (target <= 2)")
+    floor = result["floor"]
+    print(f"floor of the path on this machine: Ray call {floor['ray_call_ms']:.2f} + Ray stream "
+          f"item {floor['ray_stream_item_ms']:.2f} + gRPC round trip "
+          f"{floor['grpc_round_trip_ms']:.2f} = {floor['total_ms']:.2f} ms")
     print(f"added TTFT of one request alone: {result['added_single_ttft_ms']:.2f} ms")
     print(f"output throughput ratio gRPC / in-process: {result['throughput_ratio']:.3f} "
           f"(target >= 0.95)")
