@@ -63,6 +63,7 @@ class Router:
         self._aborted: set[str] = set()
         self.metrics = RouterMetrics(model.name)
         self._ids = itertools.count()
+        self._refreshing: asyncio.Task | None = None
 
     @property
     def ready(self) -> bool:
@@ -187,9 +188,11 @@ class Router:
             queue.put_nowait(TokenDelta(request_id, [], "", [], True, "abort"))
         return True
 
-    async def refresh_stats(self, timeout_s: float = 2.0) -> None:
-        """Worker-side gauges (KV usage, preemptions) for /metrics."""
+    async def refresh_stats(self) -> None:
+        """Worker-side free KV (for the policy) and gauges (KV usage, preemptions) for
+        /metrics."""
         workers = list(self.decode.values())
+        timeout_s = self.config.control_timeout_s
         results = await asyncio.gather(*[asyncio.wait_for(w.actor.stats.remote(), timeout_s)
                                          for w in workers], return_exceptions=True)
         stats = [r for r in results if isinstance(r, dict)]
@@ -219,7 +222,7 @@ class Router:
                 self._inflight[req.request_id] = worker
                 return worker, reservation
             worker.inflight -= 1
-            asyncio.get_running_loop().create_task(worker.refresh())
+            self._refresh_soon()  # its free-KV count was stale
         raise OverloadedError("no decode worker has room for this request's KV",
                               self.config.retry_after_s)
 
@@ -254,12 +257,19 @@ class Router:
             self._prefilling.pop(req.request_id, None)
         return result
 
+    def _refresh_soon(self) -> None:
+        """One stats refresh in the background, however many refusals ask for it."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.get_running_loop().create_task(self.refresh_stats())
+
     async def _abort_on_workers(self, request_id: str, decode: DecodeHandle) -> None:
         calls = [decode.actor.abort.remote(request_id)]
         prefill = self._prefilling.get(request_id)
         if prefill is not None:
             calls.append(prefill.actor.abort.remote(request_id))
-        await asyncio.gather(*calls, return_exceptions=True)
+        # A hung worker must not hold the caller's stream open.
+        await asyncio.gather(*[asyncio.wait_for(c, self.config.control_timeout_s) for c in calls],
+                             return_exceptions=True)
 
 
 class _Tracker:

@@ -54,7 +54,3 @@ class DecodeHandle:
             log.error("decode worker %s stream ended: %s", self.worker_id, exc)
             for queue in list(self.streams.values()):
                 queue.put_nowait(WorkerError(f"decode worker {self.worker_id} failed: {exc}"))
-
-    async def refresh(self) -> None:
-        stats = await self.actor.stats.remote()
-        self.free_blocks = stats["free_blocks"]
