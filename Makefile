@@ -17,11 +17,11 @@ $(VENV)/.torch: | $(BIN)/python
 	touch $@
 
 $(VENV)/.runtime: pyproject.toml $(VENV)/.torch
-	$(PIP) install -e .
+	$(PIP) install -e ".[bench]"
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.torch
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,bench]"
 	touch $@ $(VENV)/.runtime
 
 demo: $(VENV)/.runtime

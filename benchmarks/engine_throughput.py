@@ -21,15 +21,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.block_manager import BlockManager  # noqa: E402
-from engine.config import SchedulerConfig  # noqa: E402
-from engine.model_path import resolve_model_path  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from engine.scheduler_output import ModelRunnerOutput  # noqa: E402
-from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve import LLM, SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.model_path import resolve_model_path
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import ModelRunnerOutput
 
 
 def workload(num: int, vocab: int, seed: int, prompt_range, output_range):

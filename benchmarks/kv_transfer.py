@@ -30,9 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kv_transfer import KVReceiver, KVSender, TransferConfig  # noqa: E402
+from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig
 
 MIB = 1 << 20
 LAYERS, BLOCK, HEADS, DIM = 6, 16, 2, 64  # the tiny model's KV layout
@@ -151,8 +149,8 @@ def efficiency(receiver: Receiver, sizes_mib: list[int], repeats: int, num_block
 
 
 def overlap(receiver: Receiver, prompt_len: int, repeats: int, config: TransferConfig) -> dict:
-    from engine.request import Request
     from pdserve import LLM, SamplingParams
+    from pdserve.engine.request import Request
 
     llm = LLM("tiny", kv_cache_memory_bytes=512 << 20)
     engine = llm.engine

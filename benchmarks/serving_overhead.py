@@ -33,18 +33,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import grpc
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import grpc  # noqa: E402
-import ray  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.client import AsyncClient  # noqa: E402
-from router.launch import PoolSpec, launch  # noqa: E402
-from router.server import RouterServer  # noqa: E402
+from pdserve.client import AsyncClient
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.config import PoolSpec
+from pdserve.router.launch import launch
+from pdserve.router.server import RouterServer
 
 
 def workload(n: int, vocab: int, seed: int, prompt_range, max_tokens: int):
@@ -196,7 +195,8 @@ def main() -> int:
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        router = launch(config, PoolSpec(0, 1, mode="colocated", num_cpus=args.threads))
+        router = launch(config, PoolSpec(0, 1, mode="colocated",
+                                         num_cpus_per_worker=args.threads))
         server = RouterServer(router)
         result["grpc"] = _summary(asyncio.run(through_grpc(server.grpc_target, warmup, rounds)))
         result["grpc"]["single_ttft_ms"] = statistics.median(

@@ -6,11 +6,11 @@ import asyncio
 
 import ray
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.worker_messages import Reservation, StepBatch
-from kv_transfer import TransferConfig
-from decode_worker.worker import DecodeWorker
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.worker_messages import Reservation, StepBatch
+from pdserve.kv_transfer import TransferConfig
 
 
 @ray.remote

@@ -12,13 +12,13 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.engine_loop import EngineLoop
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.worker_messages import Reservation, StepBatch, TokenDelta
-from kv_transfer import KVReceiver, TransferConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.worker_messages import Reservation, StepBatch, TokenDelta
+from pdserve.kv_transfer import KVReceiver, TransferConfig
 
 
 class DecodeWorker:

@@ -10,7 +10,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from engine.request import Request
+from pdserve.engine.request import Request
 
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:

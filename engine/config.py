@@ -1,18 +1,25 @@
 """Frozen, validated engine configuration. Built once, passed in through constructors."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
+
+from pdserve.engine.options import option
 
 POLICIES = ("fcfs", "priority")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256  # 0 = unbounded
-    max_num_batched_tokens: int = 2048  # shared by decodes and prefill chunks
-    long_prefill_token_threshold: int = 0  # per-request chunk cap; 0 = no cap
-    prioritize_prefill: bool = False
-    policy: str = "fcfs"
+    max_num_seqs: int = option(256, "the most requests in one step; 0 = unbounded")
+    max_num_batched_tokens: int = option(2048, "tokens per step, shared by decodes and "
+                                         "prefill chunks")
+    long_prefill_token_threshold: int = option(0, "chunked prefill: the most prompt tokens "
+                                               "one request computes per step; 0 = no cap")
+    prioritize_prefill: bool = option(False, "spend the token budget on prefill chunks "
+                                      "and new prompts before decodes")
+    policy: str = option("fcfs", "fcfs, or priority (lower SamplingParams.priority first)",
+                         choices=POLICIES)
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 0, "max_num_seqs", "must be >= 0")
@@ -24,10 +31,12 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = None  # None: a share of free memory
-    num_kv_blocks: int | None = None  # overrides the memory budget (tests, simulator)
+    block_size: int = option(16, "tokens per KV block")
+    enable_prefix_caching: bool = option(True, "reuse the KV of full blocks that share a "
+                                         "prefix (chained block hashes)")
+    kv_cache_memory_bytes: int | None = option(None, "KV cache budget in bytes; unset: a "
+                                               "share of free memory")
+    num_kv_blocks: int | None = option(None, "KV blocks, overriding the memory budget")
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1, "block_size", "must be >= 1")
@@ -40,18 +49,21 @@ class CacheConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    device: str = "cpu"
-    dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads on cpu; None: torch's default
-    gpu_memory_utilization: float = 0.9
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+    dtype: str | None = option(None, "unset: float32 on cpu, bfloat16 on cuda",
+                               choices=DTYPES)
+    max_model_len: int | None = option(None, "context length; unset: the model's "
+                                       "max_position_embeddings")
+    seed: int = option(0, "seeds unseeded sampling")
+    num_threads: int | None = option(None, "torch intra-op threads on cpu; unset: torch's "
+                                     "default")
+    gpu_memory_utilization: float = option(0.9, "share of GPU memory the worker may use")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
         _check(self.device.split(":")[0] in ("cpu", "cuda"), "device", "must be cpu or cuda[:N]")
-        _check(self.dtype in (None, "float32", "bfloat16", "float16"), "dtype",
+        _check(self.dtype in (None, *DTYPES), "dtype",
                "must be float32, bfloat16 or float16")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
                "must be >= 1")
@@ -65,12 +77,18 @@ class EngineConfig:
         return "float32" if self.device == "cpu" else "bfloat16"
 
     @classmethod
+    def flat_fields(cls) -> list[Field]:
+        """The engine arguments as vLLM spells them: one flat list (CLI flags, LLM kwargs)."""
+        own = [f for f in fields(cls) if f.name not in ("model", "scheduler", "cache")]
+        return own + list(fields(SchedulerConfig)) + list(fields(CacheConfig))
+
+    @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
         """Flat vLLM-style engine args (max_num_seqs=..., block_size=...) to nested config."""
         sched_keys = {f.name for f in fields(SchedulerConfig)}
         cache_keys = {f.name for f in fields(CacheConfig)}
         own_keys = {f.name for f in fields(cls)} - {"scheduler", "cache", "model"}
-        unknown = set(kwargs) - sched_keys - cache_keys - own_keys
+        unknown = set(kwargs) - {f.name for f in cls.flat_fields()}
         if unknown:
             raise TypeError(f"unknown engine argument(s): {sorted(unknown)}")
         return cls(

@@ -1,7 +1,7 @@
 """Incremental detokenization and stop-string matching for one request."""
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 
 # Tokens of prompt context decoded with the first output tokens, so that spacing and
 # multi-byte characters at the boundary come out as a full decode would give them.

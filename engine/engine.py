@@ -16,24 +16,23 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.cpu_memory import keep_freed_memory
-from engine.detokenizer import Detokenizer
-from engine.errors import InvalidRequestError
-from engine.kv_cache import default_budget_bytes, num_blocks_for_budget
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.outputs import RequestMetrics, RequestOutput
-from engine.request import FinishReason, Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import SchedulerOutput
-from engine.model.llama import LayerHook
-from engine.model_path import resolve_model_path
-from engine.tokenizer import Tokenizer
-from engine.validation import check_length, prompt_token_ids
-
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_memory import keep_freed_memory
+from pdserve.engine.detokenizer import Detokenizer
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.kv_cache import default_budget_bytes, num_blocks_for_budget
+from pdserve.engine.model.llama import LayerHook
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_path import resolve_model_path
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import RequestMetrics, RequestOutput
+from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.validation import check_length, prompt_token_ids
 
 # Prefill role: given a step's schedule, a hook for the forward pass (or None).
 KVExport = Callable[[SchedulerOutput], Optional[LayerHook]]

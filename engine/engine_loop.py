@@ -9,8 +9,8 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
-from engine.engine import KVExport, LLMEngine
-from engine.outputs import RequestOutput
+from pdserve.engine.engine import KVExport, LLMEngine
+from pdserve.engine.outputs import RequestOutput
 
 T = TypeVar("T")
 _IDLE_WAIT_S = 0.05

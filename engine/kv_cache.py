@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from engine.config import EngineConfig
-from engine.model_config import ModelConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_config import ModelConfig
 
 CPU_DEFAULT_BYTES = 2 << 30
 

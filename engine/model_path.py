@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.tiny_model import tiny_model_dir
+from pdserve.engine.tiny_model import tiny_model_dir
 
 TINY_NAME = "tiny"
 

@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment, TorchAttention
-from engine.config import EngineConfig
-from engine.kv_cache import allocate_kv_cache
-from engine.model.llama import LayerHook
-from engine.model.loader import load_model
-from engine.model.rope import RotaryEmbedding
-from engine.model_config import ModelConfig
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment, TorchAttention
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import allocate_kv_cache
+from pdserve.engine.model.llama import LayerHook
+from pdserve.engine.model.loader import load_model
+from pdserve.engine.model.rope import RotaryEmbedding
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Decodes are attended in groups of similar context length, so padding stays small.

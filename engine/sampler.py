@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

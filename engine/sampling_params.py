@@ -3,28 +3,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequestError
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.options import option
 
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off (-1 accepted as off too, as in vLLM)
-    top_p: float = 1.0
-    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
-    presence_penalty: float = 0.0  # minus this for every token already in the output
-    frequency_penalty: float = 0.0  # minus this times the token's count in the output
-    repetition_penalty: float = 1.0  # HF-style, over prompt and output tokens
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: bool = False  # return the logprob of each chosen token
-    top_logprobs: int = 0  # and of this many most likely tokens at each position
-    priority: int = 0  # lower runs first under the "priority" policy
+    max_tokens: int = option(16, "the most tokens to generate")
+    temperature: float = option(1.0, "0 = greedy")
+    top_k: int = option(0, "sample from the k most likely tokens; 0 (or -1) = off")
+    top_p: float = option(1.0, "sample from the smallest set of tokens whose probability "
+                          "reaches top_p")
+    min_p: float = option(0.0, "drop tokens below min_p x the top token's probability")
+    presence_penalty: float = option(0.0, "minus this for every token already in the output")
+    frequency_penalty: float = option(0.0, "minus this times the token's count in the output")
+    repetition_penalty: float = option(1.0, "HF-style, over prompt and output tokens; "
+                                       "1 = off")
+    seed: int | None = option(None, "seeds this request's sampling; the k-th token is "
+                              "drawn from (seed, k) wherever it is sampled")
+    stop: tuple[str, ...] = option((), "strings that end the output (not included)")
+    stop_token_ids: tuple[int, ...] = option((), "token ids that end the output")
+    ignore_eos: bool = option(False, "keep generating past the end-of-sequence token")
+    logprobs: bool = option(False, "return the logprob of each chosen token")
+    top_logprobs: int = option(0, "and of this many most likely tokens at each position")
+    priority: int = option(0, "lower runs first under the `priority` scheduling policy")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

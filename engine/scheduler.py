@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import itertools
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.request import FinishReason, Request, RequestStatus
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.request import FinishReason, Request, RequestStatus
+from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 
 
 class Scheduler:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import Request
+from pdserve.engine.request import Request
 
 
 @dataclass

@@ -2,8 +2,8 @@
 with the same field-named error before any state changes."""
 from __future__ import annotations
 
-from engine.errors import InvalidRequestError
-from engine.tokenizer import Tokenizer
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.tokenizer import Tokenizer
 
 
 def prompt_token_ids(prompt, tokenizer: Tokenizer, vocab_size: int) -> list[int]:

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 
 BEGIN = 1
 HEADER_LEN = 4

@@ -20,13 +20,18 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from kv_transfer import protocol as P
-from kv_transfer.buffer_pool import BufferPool
-from kv_transfer.channel import CONTROL_TAG, RECEIVER_RANK, PairChannel
-from kv_transfer.config import TransferConfig
-from kv_transfer.errors import (KVTransferError, PeerLostError, TransferAborted,
-                                TransferRefused, TransferTimeout)
-from kv_transfer.layout import KVLayout
+from pdserve.kv_transfer import protocol as P
+from pdserve.kv_transfer.buffer_pool import BufferPool
+from pdserve.kv_transfer.channel import CONTROL_TAG, RECEIVER_RANK, PairChannel
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.errors import (
+    KVTransferError,
+    PeerLostError,
+    TransferAborted,
+    TransferRefused,
+    TransferTimeout,
+)
+from pdserve.kv_transfer.layout import KVLayout
 
 _POLL_S = 0.05
 

@@ -20,13 +20,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from kv_transfer import protocol as P
-from kv_transfer.buffer_pool import BufferPool
-from kv_transfer.channel import CONTROL_TAG, SENDER_RANK, PairChannel
-from kv_transfer.config import TransferConfig
-from kv_transfer.errors import (KVTransferError, LayoutMismatchError, PeerLostError,
-                                TransferAborted, TransferRefused, TransferTimeout)
-from kv_transfer.layout import KVLayout
+from pdserve.kv_transfer import protocol as P
+from pdserve.kv_transfer.buffer_pool import BufferPool
+from pdserve.kv_transfer.channel import CONTROL_TAG, SENDER_RANK, PairChannel
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.errors import (
+    KVTransferError,
+    LayoutMismatchError,
+    PeerLostError,
+    TransferAborted,
+    TransferRefused,
+    TransferTimeout,
+)
+from pdserve.kv_transfer.layout import KVLayout
 
 _STATUS_ERRORS = {P.REFUSED: TransferRefused, P.ABORTED: TransferAborted,
                   P.TIMED_OUT: TransferTimeout}

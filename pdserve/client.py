@@ -4,11 +4,12 @@
     out = client.generate("Hello", max_tokens=32, temperature=0)
     for chunk in client.generate_stream([1, 2, 3], max_tokens=8): ...
 
-Deadlines come from `timeout=` (per call, else the client's default). Only
-RESOURCE_EXHAUSTED (overload) is retried, with exponential backoff that honours the
-server's retry-after, and only before any token has arrived. Failures raise typed
-exceptions: InvalidArgumentError, OverloadedError, DeadlineExceededError,
-UnavailableError, all PdserveError.
+Sampling settings are SamplingParams' fields, as keyword arguments or as
+`sampling_params=SamplingParams(...)`. Deadlines come from `timeout=` (per call, else
+the client's default). Only RESOURCE_EXHAUSTED (overload) is retried, with exponential
+backoff that honours the server's retry-after, and only before any token has arrived.
+Failures raise typed exceptions: InvalidArgumentError, OverloadedError,
+DeadlineExceededError, UnavailableError, all PdserveError. Imports neither torch nor Ray.
 """
 from __future__ import annotations
 
@@ -18,14 +19,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
+from pdserve.v1.sampling import to_proto
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
            pb.FINISH_REASON_ABORT: "abort"}
-_SAMPLING = {"max_tokens", "temperature", "top_k", "top_p", "min_p", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
-             "ignore_eos", "logprobs", "top_logprobs", "priority"}
 
 
 class PdserveError(Exception):
@@ -97,11 +97,9 @@ class Completion:
             self.usage = chunk.usage
 
 
-def _request(prompt, request_id: str, sampling: dict) -> pb.GenerateRequest:
-    unknown = set(sampling) - _SAMPLING
-    if unknown:
-        raise TypeError(f"unknown sampling argument(s): {sorted(unknown)}")
-    params = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+def _request(prompt, request_id: str, sampling_params: SamplingParams | None,
+             sampling: dict) -> pb.GenerateRequest:
+    params = to_proto(sampling_params, **sampling)
     if isinstance(prompt, str):
         return pb.GenerateRequest(request_id=request_id, text=prompt, sampling_params=params)
     return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=list(prompt)),
@@ -152,17 +150,17 @@ class Client:
         self._settings = _Settings(timeout, max_retries, backoff_s)
 
     def generate(self, prompt, *, timeout: float | None = None, request_id: str = "",
-                 **sampling) -> Completion:
+                 sampling_params: SamplingParams | None = None, **sampling) -> Completion:
         started = time.perf_counter()
         completion = Completion()
         for chunk in self.generate_stream(prompt, timeout=timeout, request_id=request_id,
-                                          **sampling):
+                                          sampling_params=sampling_params, **sampling):
             completion.add(chunk, started)
         return completion
 
     def generate_stream(self, prompt, *, timeout: float | None = None, request_id: str = "",
-                        **sampling):
-        request = _request(prompt, request_id, sampling)
+                        sampling_params: SamplingParams | None = None, **sampling):
+        request = _request(prompt, request_id, sampling_params, sampling)
         s = self._settings
         for attempt in range(s.max_retries + 1):
             received = False
@@ -206,17 +204,18 @@ class AsyncClient:
         self._settings = _Settings(timeout, max_retries, backoff_s)
 
     async def generate(self, prompt, *, timeout: float | None = None, request_id: str = "",
-                       **sampling) -> Completion:
+                       sampling_params: SamplingParams | None = None, **sampling) -> Completion:
         started = time.perf_counter()
         completion = Completion()
         async for chunk in self.generate_stream(prompt, timeout=timeout, request_id=request_id,
-                                                **sampling):
+                                                sampling_params=sampling_params, **sampling):
             completion.add(chunk, started)
         return completion
 
     async def generate_stream(self, prompt, *, timeout: float | None = None,
-                              request_id: str = "", **sampling):
-        request = _request(prompt, request_id, sampling)
+                              request_id: str = "", sampling_params: SamplingParams | None = None,
+                              **sampling):
+        request = _request(prompt, request_id, sampling_params, sampling)
         s = self._settings
         for attempt in range(s.max_retries + 1):
             received = False

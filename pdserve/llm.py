@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import itertools
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -5,10 +5,10 @@ import asyncio
 
 import ray
 
-from engine.config import EngineConfig
-from engine.worker_messages import PrefillJob, PrefillResult
-from kv_transfer import TransferConfig
-from prefill_worker.worker import PrefillWorker
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.worker_messages import PrefillJob, PrefillResult
+from pdserve.kv_transfer import TransferConfig
+from pdserve.prefill_worker.worker import PrefillWorker
 
 
 @ray.remote

@@ -12,13 +12,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.engine_loop import EngineLoop
-from engine.outputs import RequestOutput
-from engine.scheduler_output import SchedulerOutput
-from engine.worker_messages import PrefillJob, PrefillResult
-from kv_transfer import KVSender, SendHandle, TransferConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.engine.worker_messages import PrefillJob, PrefillResult
+from pdserve.kv_transfer import KVSender, SendHandle, TransferConfig
 
 
 @dataclass

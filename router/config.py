@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.options import option
+
+MODES = ("disaggregated", "colocated")
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -20,3 +24,32 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.max_inflight < 0:
             raise ValueError("max_inflight must be >= 0")
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    prefill_workers: int = option(1, "prefill workers (colocated: engine workers too)")
+    decode_workers: int = option(1, "decode workers (colocated: engine workers too)")
+    mode: str = option("disaggregated", "disaggregated: prefill and decode pools; "
+                       "colocated: every worker runs whole requests", choices=MODES)
+    num_cpus_per_worker: float = option(1.0, "Ray CPUs per worker actor")
+    num_gpus_per_worker: float = option(0.0, "Ray GPUs per worker actor (1 on GPU machines)")
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        if self.mode == "disaggregated" and (self.prefill_workers < 1 or self.decode_workers < 1):
+            raise ValueError("disaggregated mode needs at least one prefill and one decode worker")
+        if self.prefill_workers < 0 or self.decode_workers < 0 or self.num_engine < 1:
+            raise ValueError("colocated mode needs at least one engine worker")
+
+    @property
+    def num_prefill(self) -> int:
+        return self.prefill_workers if self.mode == "disaggregated" else 0
+
+    @property
+    def num_engine(self) -> int:
+        """Decode workers, or in colocated mode every engine worker."""
+        if self.mode == "disaggregated":
+            return self.decode_workers
+        return self.prefill_workers + self.decode_workers

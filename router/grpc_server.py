@@ -6,27 +6,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.router.errors import OverloadedError, WorkerError
+from pdserve.router.router import Router
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
-from router.errors import OverloadedError, WorkerError
-from router.router import Router
+from pdserve.v1.sampling import from_proto
 
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
            "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
-
-
-def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
-    """proto -> SamplingParams; unset optional fields keep their defaults."""
-    kwargs = {name: getattr(msg, name) for name in
-              ("max_tokens", "temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty",
-               "frequency_penalty", "repetition_penalty") if msg.HasField(name)}
-    return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
-                          ignore_eos=msg.ignore_eos, logprobs=msg.logprobs,
-                          top_logprobs=msg.top_logprobs,
-                          priority=msg.priority, **kwargs)
 
 
 class GenerateServicer(pb_grpc.GenerateServiceServicer):
@@ -41,7 +30,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                 prompt = list(request.token_ids.ids)
             else:
                 raise InvalidRequestError("prompt", "set text or token_ids")
-            accepted = self.router.accept(prompt, sampling_params(request.sampling_params),
+            accepted = self.router.accept(prompt, from_proto(request.sampling_params),
                                           request.request_id)
         except InvalidRequestError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

@@ -12,82 +12,14 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from engine.worker_messages import TokenDelta
-from router.errors import OverloadedError, WorkerError
-from router.router import Accepted, Router
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.worker_messages import TokenDelta
+from pdserve.router.errors import OverloadedError, WorkerError
+from pdserve.router.openai_protocol import ChatRequest, CompletionRequest
+from pdserve.router.router import Accepted, Router
 
 _DISCONNECT_POLL_S = 0.1
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI fields we do not use are accepted
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    return_token_ids: bool = False
-    priority: int = 0
-    # Known fields this server does not implement: refused when set, never ignored.
-    best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int = 0
-
-    def params(self, logprobs: bool, top_logprobs: int = 0) -> SamplingParams:
-        if self.n != 1:
-            raise InvalidRequestError("n", "only n=1 is supported")
-        if self.best_of not in (None, 1):
-            raise InvalidRequestError("best_of", "only best_of=1 is supported")
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias", "logit_bias is not supported")
-        if self.min_tokens:
-            raise InvalidRequestError("min_tokens", "min_tokens is not supported")
-        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(
-            max_tokens=16 if self.max_tokens is None else self.max_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed,
-            stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
-            priority=self.priority)
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
-    logprobs: int | None = None  # the chosen token's and this many top logprobs
-    echo: bool = False
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
 
 
 def _error(status: int, message: str, param: str | None = None,
@@ -145,16 +77,14 @@ def create_app(router: Router) -> FastAPI:
         _check_model(body.model, model.name)
         if body.echo:
             raise InvalidRequestError("echo", "echo is not supported")
+        params = body.sampling_params()
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise InvalidRequestError("prompt", "batched prompts are not supported; "
                                           "send one request per prompt")
             prompt = prompt[0]
-        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
-        accepted = router.accept(prompt, body.params(body.logprobs is not None,
-                                                     body.logprobs or 0))
+        accepted = router.accept(prompt, params)
         shape = _CompletionShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)
 
@@ -163,14 +93,11 @@ def create_app(router: Router) -> FastAPI:
         _check_model(body.model, model.name)
         if not router.tokenizer.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template")
-        if body.top_logprobs and not body.logprobs:
-            raise InvalidRequestError("top_logprobs", "needs logprobs=true")
-        if body.max_completion_tokens is not None:
-            body.max_tokens = body.max_completion_tokens
+        params = body.sampling_params()
         text = router.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
         # The template writes the special tokens itself.
         ids = router.tokenizer.encode(text, add_special_tokens=False)
-        accepted = router.accept(ids, body.params(body.logprobs, body.top_logprobs or 0))
+        accepted = router.accept(ids, params)
         shape = _ChatShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)
 

@@ -19,16 +19,16 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from engine.validation import check_length, prompt_token_ids
-from engine.worker_messages import PrefillJob, PrefillResult, Reservation, TokenDelta
-from router.config import RouterConfig
-from router.errors import OverloadedError, WorkerError
-from router.metrics import RouterMetrics
-from router.policy import decode_order, prefill_choice
-from router.workers import DecodeHandle, PrefillHandle
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.validation import check_length, prompt_token_ids
+from pdserve.engine.worker_messages import PrefillJob, PrefillResult, Reservation, TokenDelta
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import OverloadedError, WorkerError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import decode_order, prefill_choice
+from pdserve.router.workers import DecodeHandle, PrefillHandle
 
 
 @dataclass(frozen=True)

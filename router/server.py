@@ -7,9 +7,9 @@ import threading
 
 import uvicorn
 
-from router.grpc_server import start_grpc_server
-from router.http_server import create_app
-from router.router import Router
+from pdserve.router.grpc_server import start_grpc_server
+from pdserve.router.http_server import create_app
+from pdserve.router.router import Router
 
 
 class RouterServer:

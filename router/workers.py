@@ -7,8 +7,8 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from router.errors import WorkerError
-from router.policy import DecodeLoad, PrefillLoad
+from pdserve.router.errors import WorkerError
+from pdserve.router.policy import DecodeLoad, PrefillLoad
 
 log = logging.getLogger(__name__)
 

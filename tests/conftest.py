@@ -11,7 +11,7 @@ os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine.tiny_model import TinySpec, make_tiny_model, train_tokenizer  # noqa: E402
+from pdserve.engine.tiny_model import TinySpec, make_tiny_model, train_tokenizer  # noqa: E402
 
 # Two architectures the oracle tests cover: Llama with GQA, and Qwen2-style with
 # q/k/v bias, tied embeddings and a single KV head (MQA).

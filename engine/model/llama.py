@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.model.rope import RotaryEmbedding, RotaryTables
-from engine.model_config import ModelConfig
+from pdserve.engine.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.model.rope import RotaryEmbedding, RotaryTables
+from pdserve.engine.model_config import ModelConfig
 
 LayerHook = Callable[[int], None]  # called with the layer index once its KV is written
 

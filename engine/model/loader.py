@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model.llama import LlamaForCausalLM
-from engine.model_config import ModelConfig
+from pdserve.engine.model.llama import LlamaForCausalLM
+from pdserve.engine.model_config import ModelConfig
 
 # HF name -> (our parameter name, shard index inside the fused parameter)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}

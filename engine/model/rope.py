@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from engine.model_config import ModelConfig, RopeScaling
+from pdserve.engine.model_config import ModelConfig, RopeScaling
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:

@@ -8,11 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import ray
 
-from engine.config import EngineConfig
-from kv_transfer import TransferConfig
 from pdserve.client import Client
-from router.launch import PoolSpec, launch
-from router.server import RouterServer
+from pdserve.engine.config import EngineConfig
+from pdserve.kv_transfer import TransferConfig
+from pdserve.router.config import PoolSpec
+from pdserve.router.launch import launch
+from pdserve.router.server import RouterServer
 
 
 @pytest.fixture(scope="package")

@@ -12,7 +12,7 @@ from pdserve.cli import main
 @pytest.mark.parametrize("backend", ["grpc", "openai"])
 def test_bench_against_the_cluster_writes_every_output(server, tmp_path, capsys, backend):
     target = server.grpc_target if backend == "grpc" else server.http_url
-    args = ["bench", "--backend", backend, "--target", target, "--workload", "azure-conv",
+    args = ["bench", "run", "--backend", backend, "--target", target, "--workload", "azure-conv",
             "--scale", "0.05", "--num-prompts", "12", "--request-rate", "20",
             "--goodput", "ttft:5000", "tpot:1000", "--out-dir", str(tmp_path),
             "--name", backend, "--seed", "3"]
@@ -29,7 +29,7 @@ def test_bench_against_the_cluster_writes_every_output(server, tmp_path, capsys,
 
 
 def test_sweep_writes_rows_table_and_plot(server, tmp_path, capsys):
-    assert main(["bench", "--target", server.grpc_target, "--workload", "sharegpt-like",
+    assert main(["bench", "run", "--target", server.grpc_target, "--workload", "sharegpt-like",
                  "--scale", "0.1", "--num-prompts", "10", "--sweep", "4", "40",
                  "--goodput", "ttft:2000", "--num-workers", "2", "--out-dir", str(tmp_path),
                  "--name", "sweep"]) == 0

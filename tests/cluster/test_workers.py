@@ -11,12 +11,12 @@ from collections import defaultdict
 import pytest
 import ray
 
-from decode_worker.actor import DecodeWorkerActor
-from engine.config import EngineConfig
-from engine.worker_messages import PrefillJob
-from kv_transfer import TransferConfig
 from pdserve import SamplingParams
-from prefill_worker.actor import PrefillWorkerActor
+from pdserve.decode_worker.actor import DecodeWorkerActor
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.worker_messages import PrefillJob
+from pdserve.kv_transfer import TransferConfig
+from pdserve.prefill_worker.actor import PrefillWorkerActor
 from tests.engine.test_hf_oracle import Oracle
 
 TRANSFER = TransferConfig(timeout_s=30)

@@ -1,8 +1,8 @@
 """Bad input raises InvalidRequestError naming the field; the engine keeps serving."""
 import pytest
 
-from engine.errors import InvalidRequestError
 from pdserve import LLM, SamplingParams
+from pdserve.engine.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")

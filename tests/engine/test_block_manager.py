@@ -1,6 +1,6 @@
-from engine.block_manager import BlockManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def req(rid: str, tokens: list[int]) -> Request:

@@ -5,10 +5,10 @@ import threading
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.engine_loop import EngineLoop
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture

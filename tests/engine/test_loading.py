@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.model_config import ModelConfig
 from pdserve import LLM
 from pdserve.cli import main as cli_main
+from pdserve.engine.model_config import ModelConfig
 
 
 def hf_next_logits(model_dir, tokens):

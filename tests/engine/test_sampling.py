@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from engine.request import Request
-from engine.sampler import Sampler
 from pdserve import LLM, SamplingParams
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,7 @@ def test_min_p_1_keeps_only_the_top_token(llm):
                                           ("repetition_penalty", 0), ("min_p", 1.5),
                                           ("top_logprobs", 21)])
 def test_penalty_ranges_are_checked(field, value):
-    from engine.errors import InvalidRequestError
+    from pdserve.engine.errors import InvalidRequestError
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**{field: value})
     assert err.value.field == field

@@ -2,12 +2,12 @@
 samples token 7 for every request that reached the end of its known tokens."""
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.request import FinishReason, Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import ModelRunnerOutput
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import ModelRunnerOutput
 
 
 def make(num_blocks=10_000, block_size=16, prefix=True, **cfg) -> Scheduler:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transfer import KVReceiver, KVSender, TransferConfig
+from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig
 
 
 @dataclass(frozen=True)

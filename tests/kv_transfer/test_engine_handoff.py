@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from engine.engine import LLMEngine
-from kv_transfer import KVReceiver, KVSender, TransferConfig
 from pdserve import SamplingParams
+from pdserve.engine.engine import LLMEngine
+from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig
 from tests.engine.test_hf_oracle import Oracle
 
 KV_BYTES = 32 << 20

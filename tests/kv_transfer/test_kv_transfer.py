@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from kv_transfer import KVLayout, TransferConfig
-from kv_transfer import protocol as P
+from pdserve.kv_transfer import KVLayout, TransferConfig
+from pdserve.kv_transfer import protocol as P
 from tests.kv_transfer.harness import CacheSpec, RemoteError, Worker, sender_cache
 
 SPEC = CacheSpec()
@@ -197,7 +197,7 @@ def test_receiver_abort_mid_transfer_reaches_the_sender(pair):
 
 
 def test_nothing_arrives_within_the_timeout():
-    from kv_transfer import TransferConfig
+    from pdserve.kv_transfer import TransferConfig
     receiver = Worker("receiver", "r", config=TransferConfig(timeout_s=1.0))
     try:
         receiver.call("expect", "never", [1, 2])

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.worker_messages import PrefillJob, Reservation
-from kv_transfer import KVTransferError, TransferConfig
-from prefill_worker.worker import PrefillWorker
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.worker_messages import PrefillJob, Reservation
+from pdserve.kv_transfer import KVTransferError, TransferConfig
+from pdserve.prefill_worker.worker import PrefillWorker
 from tests.kv_transfer.harness import CacheSpec, Worker
 
 # The test Llama's KV layout: 3 layers, 2 KV heads of 16.
@@ -51,7 +51,7 @@ def test_dead_receiver_fails_one_request_and_the_worker_keeps_serving(llama_dir)
 
 
 def test_a_send_failing_mid_forward_fails_only_that_request(llama_dir):
-    from kv_transfer import PeerLostError
+    from pdserve.kv_transfer import PeerLostError
     live = Worker("receiver", "live", SPEC)
     worker = PrefillWorker("p", EngineConfig.from_kwargs(
         str(llama_dir), kv_cache_memory_bytes=16 << 20), TransferConfig(timeout_s=10))

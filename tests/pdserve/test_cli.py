@@ -22,7 +22,7 @@ def test_offline_demo_reports_throughput(llama_dir, capsys):
 
 
 def test_cluster_demo_goes_through_grpc_and_http(llama_dir):
-    done = subprocess.run([sys.executable, "-m", "pdserve.cli", "demo", "--model",
+    done = subprocess.run([sys.executable, "-m", "pdserve", "demo", "--model",
                            str(llama_dir), "--num-prompts", "4", "--max-tokens", "5"],
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -32,7 +32,7 @@ def test_cluster_demo_goes_through_grpc_and_http(llama_dir):
 
 def test_serve_drains_in_flight_requests_on_sigterm(llama_dir):
     process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(llama_dir),
+        [sys.executable, "-m", "pdserve", "serve", "--model", str(llama_dir),
          "--grpc-port", "0", "--http-port", "0", "--max-model-len", "512",
          "--kv-cache-memory-bytes", str(32 << 20), "--drain-timeout", "30"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -63,7 +63,7 @@ def test_serve_drains_in_flight_requests_on_sigterm(llama_dir):
 def test_bench_compare_runs_both_modes_and_reports_the_ratio(llama_dir, tmp_path):
     import json
     done = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--model", str(llama_dir),
+        [sys.executable, "-m", "pdserve", "bench", "compare", "--model", str(llama_dir),
          "--workload", "azure-conv", "--scale", "0.02", "--num-prompts", "6", "--sweep", "20",
          "--slo-scale", "50", "--out-dir", str(tmp_path), "--name", "cmp"],
         capture_output=True, text=True, timeout=300)

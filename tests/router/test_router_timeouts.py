@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from engine.sampling_params import SamplingParams
-from router.config import RouterConfig
-from router.router import ModelInfo, Router
-from router.workers import DecodeHandle
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.config import RouterConfig
+from pdserve.router.router import ModelInfo, Router
+from pdserve.router.workers import DecodeHandle
 
 
 class _Method:

@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from decode_worker.worker import DecodeWorker
-from engine.config import EngineConfig
-from kv_transfer import KVSender, TransferConfig
 from pdserve import SamplingParams
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.engine.config import EngineConfig
+from pdserve.kv_transfer import KVSender, TransferConfig
 
 
 def test_starts_arriving_together_join_at_one_step_boundary(llama_dir):

@@ -7,9 +7,9 @@ import asyncio
 import grpc
 import pytest
 
-from benchmarks.harness.driver import RunConfig, run
-from benchmarks.harness.metrics import SLO, summarize
-from benchmarks.harness.workloads import BenchRequest
+from pdserve.bench.driver import RunConfig, run
+from pdserve.bench.metrics import SLO, summarize
+from pdserve.bench.workloads import BenchRequest
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
 

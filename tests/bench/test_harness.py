@@ -7,9 +7,9 @@ import statistics
 
 import pytest
 
-from benchmarks.harness.arrivals import arrival_times, trace_times
-from benchmarks.harness.metrics import SLO, RequestRecord, crossing, summarize
-from benchmarks.harness.workloads import PROFILES, make_workload
+from pdserve.bench.arrivals import arrival_times, trace_times
+from pdserve.bench.metrics import SLO, RequestRecord, crossing, summarize
+from pdserve.bench.workloads import PROFILES, make_workload
 
 
 def record(send, token_times, end=None, prompt=10, **kw) -> RequestRecord:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pdserve.bench import require_extra
+
 _RULE = 50
 
 
@@ -72,7 +74,7 @@ def sweep_markdown(result: dict) -> str:
 
 
 def plot_sweep(result: dict, path: Path) -> None:
-    import matplotlib
+    matplotlib = require_extra("matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -15,13 +15,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from benchmarks.harness import driver
-from benchmarks.harness.metrics import SLO
-from benchmarks.harness.sweep import sweep
-from benchmarks.harness.workloads import BenchRequest
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.bench import driver
+from pdserve.bench.metrics import SLO
+from pdserve.bench.sweep import sweep
+from pdserve.bench.workloads import BenchRequest
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,9 @@ def run_mode(mode: str, config: EngineConfig, prefill_workers: int, decode_worke
              burstiness: float, seed: int) -> dict:
     import ray
 
-    from router.launch import PoolSpec, launch
-    from router.server import RouterServer
+    from pdserve.router.config import PoolSpec
+    from pdserve.router.launch import launch
+    from pdserve.router.server import RouterServer
 
     workers = prefill_workers + decode_workers
     ray.init(num_cpus=max(4, workers + 2), include_dashboard=False, log_to_driver=False)

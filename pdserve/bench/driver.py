@@ -11,12 +11,12 @@ import json
 import time
 from dataclasses import dataclass
 
-import httpx
 from tqdm import tqdm
 
-from benchmarks.harness.arrivals import arrival_times, trace_times
-from benchmarks.harness.metrics import RequestRecord
-from benchmarks.harness.workloads import BenchRequest
+from pdserve.bench import require_extra
+from pdserve.bench.arrivals import arrival_times, trace_times
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.workloads import BenchRequest
 
 BACKENDS = ("grpc", "openai")
 
@@ -79,6 +79,7 @@ class _backend:
             self._client = AsyncClient(self.cfg.target, timeout=self.cfg.timeout_s,
                                        max_retries=0)
             return self._send_grpc
+        httpx = require_extra("httpx")
         self._client = httpx.AsyncClient(base_url=self.cfg.target, timeout=self.cfg.timeout_s,
                                          limits=httpx.Limits(max_connections=None))
         return self._send_openai

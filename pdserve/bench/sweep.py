@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from benchmarks.harness import driver
-from benchmarks.harness.metrics import SLO, crossing, summarize
-from benchmarks.harness.workloads import BenchRequest
+from pdserve.bench import driver
+from pdserve.bench.metrics import SLO, crossing, summarize
+from pdserve.bench.workloads import BenchRequest
 
 TARGET_ATTAINMENT = 0.9
 
