@@ -19,18 +19,18 @@ RECEIVER_RANK, SENDER_RANK = 0, 1
 CONTROL_TAG = 0  # the ordered stream of headers and handshakes
 # An idle pair waits for its next header indefinitely: a gloo recv that times out
 # closes the pair. Transfer deadlines are enforced above this layer; a dead peer
-# surfaces at once as a closed connection.
+# surfaces at once as a closed connection. gloo's context keeps the timeout it was
+# built with for every later op (set_timeout does not reach it), so the group is built
+# with this one; the rendezvous stays bounded by the store's own timeout.
 _IDLE = datetime.timedelta(days=365)
 
 
 class PairChannel:
-    def __init__(self, store: dist.Store, pair: str, rank: int, connect_timeout_s: float):
+    def __init__(self, store: dist.Store, pair: str, rank: int):
         self.pair = pair
         self.peer = SENDER_RANK if rank == RECEIVER_RANK else RECEIVER_RANK
         prefixed = dist.PrefixStore(f"pair/{pair}/", store)
-        connect = datetime.timedelta(seconds=connect_timeout_s)
-        self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, connect)
-        self.pg.set_timeout(_IDLE)
+        self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, _IDLE)
         self._send_lock = threading.Lock()
 
     @property

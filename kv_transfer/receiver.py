@@ -140,8 +140,7 @@ class KVReceiver:
 
     def _serve_pair(self, record: P.JoinRecord) -> None:
         try:
-            channel = PairChannel(self.store, record.pair, RECEIVER_RANK,
-                                  self.config.connect_timeout_s)
+            channel = PairChannel(self.store, record.pair, RECEIVER_RANK)
         except Exception:
             return  # the sender gave up before the rendezvous finished
         self._pairs[record.pair] = channel

@@ -266,7 +266,7 @@ class KVSender:
         index = store.add(P.JOIN_COUNTER, 1)
         store.set(P.join_key(index), P.JoinRecord(self.sender_id, pair, "gloo").encode())
         try:
-            channel = PairChannel(store, pair, SENDER_RANK, self.config.connect_timeout_s)
+            channel = PairChannel(store, pair, SENDER_RANK)
         except Exception as exc:
             raise PeerLostError(None, f"pair rendezvous with {address} failed: {exc}") from None
         return _Peer(store, channel)

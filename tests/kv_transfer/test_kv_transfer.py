@@ -236,3 +236,23 @@ def test_a_handshake_longer_than_one_control_message_and_the_next_transfer():
 def test_nccl_is_refused_until_its_data_plane_is_ordered():
     with pytest.raises(ValueError, match="NCCL ignores send/recv tags"):
         TransferConfig(backend="nccl")
+
+
+def test_a_pair_survives_idle_time_longer_than_every_timeout():
+    # Regression: gloo's context kept the connect timeout for every op, so the
+    # receiver's always-posted control receive expired on an idle pair and the next
+    # transfer failed with "Connection closed by peer". The idle period is the
+    # scenario itself (no synchronization waits on it): 3x every configured timeout.
+    config = TransferConfig(timeout_s=1, connect_timeout_s=1)
+    receiver = Worker("receiver", "r", config=config)
+    sender = Worker("sender", "s", seed=5, config=config)
+    try:
+        for request, dst in (("before-idle", [1, 2]), ("after-idle", [3, 4])):
+            receiver.call("expect", request, dst)
+            sender.call("transfer", [(request, receiver.address, [6, 7], dst)])
+            receiver.call("wait", request)
+            assert_landed(receiver, sender, [6, 7], dst)
+            time.sleep(3 * max(config.timeout_s, config.connect_timeout_s))
+    finally:
+        receiver.stop()
+        sender.stop()
