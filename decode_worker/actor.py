@@ -3,6 +3,7 @@ step to its subscriber (the router)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import ray
 
@@ -42,11 +43,22 @@ class DecodeWorkerActor:
     async def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
 
-    async def steps(self):
+    async def steps(self, stall_timeout_s: float):
         """Every step's new tokens, for as long as the subscriber listens. Steps that
-        queued up while the subscriber was busy go out merged, as one batch."""
+        queued up while the subscriber was busy go out merged, as one batch. While
+        idle, an empty batch every quarter of the subscriber's stall bound says the
+        engine loop is alive; a loop that died, or made no progress within the bound,
+        ends the stream with an error instead."""
+        loop = self.worker.loop
         while True:
-            batch = await self._batches.get()
+            try:
+                batch = await asyncio.wait_for(self._batches.get(), stall_timeout_s / 4)
+            except asyncio.TimeoutError:
+                if loop.error is not None:
+                    raise RuntimeError(f"engine loop stopped: {loop.error!r}") from None
+                if time.monotonic() - loop.progress_at > stall_timeout_s:
+                    continue  # no heartbeat: the subscriber declares this worker stalled
+                batch = StepBatch(self.worker.worker_id, [])
             while not self._batches.empty():
                 batch = batch.merged(self._batches.get_nowait())
             yield batch

@@ -5,10 +5,13 @@ requests (submit) and prefills them itself with chunked prefill.
 
 Request lifecycle: reserve() (blocks held, receiver expecting) -> start(first token)
 once the prefill worker reports the KV landed -> decoding in the batch (preemption
-recomputes locally) -> finished. An abort, or a failed transfer, frees the blocks.
+recomputes locally) -> finished. An abort, a failed transfer or an expired lease (the
+receiver's) frees the blocks. An abort may overtake the reservation it cancels: the
+id is remembered for a while and a later reserve() of it is refused.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -30,6 +33,8 @@ class DecodeWorker:
         engine = LLMEngine(engine_config)
         self.receiver = KVReceiver(engine.runner.kv_caches, transfer, on_release=engine.abort)
         self._reserving = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reserve")
+        self._aborted: dict[str, float] = {}  # request id -> when its abort arrived
+        self._tombstone_s = transfer.begin_lease_s
         self.loop = EngineLoop(engine, on_step=self._on_step)
 
     @property
@@ -42,6 +47,8 @@ class DecodeWorker:
         the decode step in flight rather than after it: waiting for the step boundary
         would add up to a whole decode step to the request's TTFT."""
         def reserve(engine: LLMEngine) -> Reservation | None:
+            if request_id in self._aborted:
+                return None  # its abort overtook this call
             request = engine.reserve_remote(request_id, prompt_token_ids, params, arrival_time)
             if request is None:
                 return None
@@ -81,8 +88,17 @@ class DecodeWorker:
         return started
 
     def abort(self, request_id: str) -> None:
-        self.receiver.abort(request_id)
-        self.loop.engine.abort(request_id)
+        """Frees whatever the request holds here, now or once a reservation in flight
+        lands. Atomic with reserve(): both run under the engine's state lock."""
+        def abort(engine: LLMEngine) -> None:
+            now = time.monotonic()
+            self._aborted[request_id] = now
+            for rid, at in list(self._aborted.items()):
+                if now - at > self._tombstone_s:
+                    del self._aborted[rid]
+            self.receiver.abort(request_id)
+            engine.abort(request_id)
+        self.loop.call_concurrent(abort)
 
     def stats(self) -> dict:
         engine = self.loop.engine
@@ -92,7 +108,8 @@ class DecodeWorker:
                 "free_blocks": engine.block_manager.num_free_blocks,
                 "num_blocks": engine.block_manager.num_blocks,
                 "kv_cache_usage": engine.block_manager.usage,
-                "num_preemptions": engine.stats.num_preemptions}
+                "num_preemptions": engine.stats.num_preemptions,
+                "lease_expiries": dict(self.receiver.lease_expiries)}
 
     def shutdown(self) -> None:
         self.loop.stop()

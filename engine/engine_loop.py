@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
@@ -23,6 +24,7 @@ class EngineLoop:
         self.on_step = on_step
         self.export = export
         self.error: BaseException | None = None
+        self.progress_at = time.monotonic()  # when the loop last finished a step or an idle wait
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -68,6 +70,7 @@ class EngineLoop:
                 else:
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
+                self.progress_at = time.monotonic()
         except BaseException as exc:  # a bug in a step: fail loudly, never hang callers
             self.error = exc
             with self._state_lock:

@@ -8,3 +8,6 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+    def __reduce__(self):  # crosses the Ray boundary with its field
+        return type(self), (self.field, self.message)

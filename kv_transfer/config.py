@@ -11,15 +11,19 @@ BACKENDS = ("auto", "gloo")
 
 @dataclass(frozen=True)
 class TransferConfig:
-    timeout_s: float = 30.0  # a transfer not complete by then fails on both sides
+    timeout_s: float = 30.0  # from BEGIN: a transfer not complete by then fails on both sides
     connect_timeout_s: float = 30.0  # store connection and pair rendezvous
     backend: str = "auto"  # auto = gloo (CUDA caches staged through host memory)
+    # Leases on the decode side (held KV is released when one expires): reserved blocks
+    # whose transfer has not begun, and landed KV whose request was never started.
+    # The router bounds its prefill queues so that no admitted request waits this long.
+    begin_lease_s: float = 120.0
+    start_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ValueError("timeout_s must be > 0")
-        if not self.connect_timeout_s > 0:
-            raise ValueError("connect_timeout_s must be > 0")
+        for name in ("timeout_s", "connect_timeout_s", "begin_lease_s", "start_lease_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
         if self.backend == "nccl":
             raise ValueError("backend 'nccl' is not supported yet: NCCL ignores send/recv "
                              "tags, and kv_transfer multiplexes interleaved transfers by "

@@ -6,6 +6,10 @@ class KVTransferError(RuntimeError):
     def __init__(self, request_id: str | None, message: str):
         super().__init__(f"request {request_id}: {message}" if request_id else message)
         self.request_id = request_id
+        self.message = message
+
+    def __reduce__(self):  # crosses the Ray boundary as itself
+        return type(self), (self.request_id, self.message)
 
 
 class LayoutMismatchError(KVTransferError):

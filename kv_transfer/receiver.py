@@ -1,9 +1,14 @@
 """The decode side: publishes a rendezvous address, accepts pairs, scatters layers.
 
-A transfer's life: expect() (blocks reserved) -> BEGIN validated, one receive posted per
-layer -> each layer scattered into the reserved blocks as it lands -> done (status OK).
-A refusal, an abort (either side), the deadline or a lost peer ends it instead: `on_release(request_id)` hands the reserved
-blocks back to their owner and waiters get a typed error.
+A transfer's life, each stage under a lease (TransferConfig):
+    expect() (blocks reserved)        -> BEGIN within begin_lease_s
+    BEGIN validated, a receive posted per layer -> every layer landed within timeout_s
+    landed (status OK)                -> the owner watches it (landed() / wait())
+                                         within start_lease_s
+A refusal, an abort (either side), an expired lease or a lost peer ends it instead:
+`on_release(request_id)` hands the reserved blocks back to their owner and waiters get
+a typed error. A BEGIN always gets exactly one status reply: the claim of a reservation
+and every ending take the transfer's lock, so they cannot interleave.
 """
 from __future__ import annotations
 
@@ -36,12 +41,16 @@ from pdserve.kv_transfer.layout import KVLayout
 _POLL_S = 0.05
 
 
+LEASES = ("begin", "transfer", "start")
+
+
 @dataclass
 class _Incoming:
     request_id: str
     block_ids: list[int]  # to fill, in order
     num_cached_blocks: int
-    deadline: float
+    lease: str | None  # the stage whose lease runs (LEASES); None: the owner watches
+    expires: float  # monotonic end of that lease
     pair: str | None = None
     seq: int | None = None
     index: torch.Tensor | None = None  # block_ids on the cache's device
@@ -67,6 +76,7 @@ class KVReceiver:
         self.address = f"{host}:{self.store.port}"
         self.store.set(P.LAYOUT_KEY, json.dumps(self.layout.to_dict()))
         self.bytes_received = 0
+        self.lease_expiries = dict.fromkeys(LEASES, 0)
         self._staging = BufferPool()  # layer receive buffers, reused once scattered
         self._lock = threading.Lock()
         self._by_request: dict[str, _Incoming] = {}
@@ -87,13 +97,13 @@ class KVReceiver:
             if request_id in self._by_request:
                 raise ValueError(f"request {request_id} is already expected")
             self._by_request[request_id] = _Incoming(
-                request_id, list(block_ids), num_cached_blocks,
-                time.monotonic() + self.config.timeout_s,
+                request_id, list(block_ids), num_cached_blocks, "begin",
+                time.monotonic() + self.config.begin_lease_s,
                 index=torch.tensor(block_ids, dtype=torch.long, device=self.device))
 
     def landed(self, request_id: str) -> Future:
         """Resolves once every layer landed, or with the transfer's typed error (at the
-        latest by the deadline set at expect). Either way the request is forgotten."""
+        latest when a lease expires). Either way the request is forgotten."""
         return self._watch(request_id).done
 
     def wait(self, request_id: str, timeout: float | None = None) -> None:
@@ -203,6 +213,9 @@ class KVReceiver:
             incoming.layers_landed += 1
             complete = incoming.layers_landed == self.layout.num_layers
             incoming.settled = complete
+            if complete and incoming.lease is not None:
+                incoming.lease, incoming.expires = "start", (
+                    time.monotonic() + self.config.start_lease_s)
         if complete:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
@@ -210,8 +223,16 @@ class KVReceiver:
 
     def _begin(self, channel: PairChannel, seq: int, hs: P.Handshake) -> None:
         pair = channel.pair
-        problem = self._check(hs)
         incoming = self._by_request.get(hs.request_id)
+        problem = self._check(hs, incoming)
+        if problem is None:
+            with incoming.lock:  # the claim, atomic with abort and lease expiry
+                if incoming.settled:
+                    problem = f"request {hs.request_id} was released before its KV arrived"
+                else:
+                    incoming.pair, incoming.seq = pair, seq
+                    incoming.lease = "transfer" if incoming.lease else None
+                    incoming.expires = time.monotonic() + self.config.timeout_s
         if problem is not None:
             self._send_status(pair, seq, P.REFUSED, problem)
             if incoming is not None and incoming.pair is None:
@@ -219,7 +240,6 @@ class KVReceiver:
             incoming = None
         else:
             with self._lock:
-                incoming.pair, incoming.seq = pair, seq
                 self._by_seq[(pair, seq)] = incoming
         num_layers = hs.kv_layout.num_layers  # the sender's count: drain what it sends
         buffers = [self._staging.get(hs.message_bytes, channel.wire_device)
@@ -228,11 +248,10 @@ class KVReceiver:
         threading.Thread(target=self._collect, args=(incoming, works, buffers),
                          daemon=True).start()
 
-    def _check(self, hs: P.Handshake) -> str | None:
+    def _check(self, hs: P.Handshake, incoming: _Incoming | None) -> str | None:
         diffs = self.layout.differences(hs.kv_layout)
         if diffs:
             return "KV layout mismatch: " + "; ".join(diffs)
-        incoming = self._by_request.get(hs.request_id)
         if incoming is None or incoming.done.done():
             return f"request {hs.request_id} is not expected here (no reserved blocks)"
         if incoming.pair is not None:
@@ -259,22 +278,46 @@ class KVReceiver:
         while not self._closed.wait(_POLL_S):
             now = time.monotonic()
             for incoming in list(self._by_request.values()):
-                if not incoming.done.done() and now > incoming.deadline:
-                    self._fail(incoming, TransferTimeout(
-                        incoming.request_id,
-                        f"{incoming.layers_landed}/{self.layout.num_layers} layers landed "
-                        f"within {self.config.timeout_s}s"), P.TIMED_OUT)
+                if incoming.lease is not None and now > incoming.expires:
+                    self._expire(incoming)
+
+    def _expire(self, incoming: _Incoming) -> None:
+        lease = incoming.lease
+        if lease == "start":  # landed, and nobody came for it
+            with self._lock:
+                if incoming.lease != "start":
+                    return  # the owner took it meanwhile
+                incoming.lease = None
+                self._by_request.pop(incoming.request_id, None)
+            self.lease_expiries[lease] += 1
+            self._forget(incoming)
+            if self.on_release is not None:
+                self.on_release(incoming.request_id)
+            return
+        if lease == "begin":
+            why = f"no transfer began within {self.config.begin_lease_s:g}s"
+        else:
+            why = (f"{incoming.layers_landed}/{self.layout.num_layers} layers landed "
+                   f"within {self.config.timeout_s:g}s")
+        if self._fail(incoming, TransferTimeout(incoming.request_id, why), P.TIMED_OUT,
+                      lease=lease):
+            self.lease_expiries[lease] += 1
 
     # ---- endings -------------------------------------------------------------------
 
-    def _fail(self, incoming: _Incoming, error: KVTransferError, status: int | None) -> None:
+    def _fail(self, incoming: _Incoming, error: KVTransferError, status: int | None,
+              lease: str | None = None) -> bool:
+        """Ends the transfer unless something ended it already (or, for an expiry,
+        it moved past that `lease` meanwhile); True if this did."""
         with incoming.lock:
-            if incoming.settled:
-                return
+            if incoming.settled or (lease is not None and incoming.lease != lease):
+                return False
             incoming.settled = True
+            incoming.lease = None
         self._finish(incoming, error, status)
         if self.on_release is not None:
             self.on_release(incoming.request_id)
+        return True
 
     def _finish(self, incoming: _Incoming, error, status: int | None) -> None:
         # The owner first, then the sender: once a sender hears OK, the landing is
@@ -300,9 +343,12 @@ class KVReceiver:
             pass  # the sender went away; nothing is owed to it any more
 
     def _watch(self, request_id: str) -> _Incoming:
-        incoming = self._by_request.get(request_id)
-        if incoming is None:
-            raise KeyError(f"request {request_id} is not expected")
+        with self._lock:  # against the start lease expiring now
+            incoming = self._by_request.get(request_id)
+            if incoming is None:
+                raise KeyError(f"request {request_id} is not expected")
+            if incoming.lease == "start":
+                incoming.lease = None
         incoming.done.add_done_callback(lambda _: self._forget(incoming))
         return incoming
 

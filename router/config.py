@@ -14,16 +14,25 @@ class RouterConfig:
     prefill_timeout_s: float = 120.0  # prefill incl. the KV transfer
     start_timeout_s: float = 30.0
     control_timeout_s: float = 5.0  # abort and stats calls to a worker
+    startup_timeout_s: float = 600.0  # workers placed, loaded and paired at launch
+    # A decode worker that sends neither a step nor a heartbeat for this long fails
+    # every request it holds (WorkerStalled).
+    stall_timeout_s: float = 30.0
     retry_after_s: float = 1.0  # told to clients on overload
     max_inflight: int = 0  # 0 = no router-side cap
+    # Prompt tokens admitted to one prefill worker and not yet prefilled; beyond it
+    # a request gets 429 at once instead of a wait that could outlast its lease.
+    max_queued_prefill_tokens: int = 32768  # 0 = unbounded
 
     def __post_init__(self) -> None:
         for name in ("reserve_timeout_s", "prefill_timeout_s", "start_timeout_s",
-                     "control_timeout_s", "retry_after_s"):
+                     "control_timeout_s", "startup_timeout_s", "stall_timeout_s",
+                     "retry_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.max_inflight < 0:
-            raise ValueError("max_inflight must be >= 0")
+        for name in ("max_inflight", "max_queued_prefill_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
 
 
 @dataclass(frozen=True)

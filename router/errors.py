@@ -1,5 +1,6 @@
 """Router-level failures a front end maps to a status (429 / RESOURCE_EXHAUSTED,
 503 / UNAVAILABLE). Bad input is engine.errors.InvalidRequestError (400)."""
+from __future__ import annotations
 
 
 class OverloadedError(RuntimeError):
@@ -7,6 +8,32 @@ class OverloadedError(RuntimeError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
+    def __reduce__(self):
+        return type(self), (str(self), self.retry_after_s)
+
 
 class WorkerError(RuntimeError):
     """A worker failed the request (transfer error, worker death, timeout)."""
+
+
+class WorkerStalled(WorkerError):
+    """A worker holding requests produced no step within the stall bound."""
+
+
+def cause_of(exc: BaseException) -> BaseException:
+    """The worker-side exception behind a Ray task error (Ray keeps it as `cause`)."""
+    return getattr(exc, "cause", None) or exc
+
+
+def short_reason(exc: BaseException) -> str:
+    """What a client may see of a worker failure: the error type and its first line,
+    never a traceback, pid, address or path."""
+    cause = cause_of(exc)
+    if type(cause).__module__.startswith("ray"):  # its text names pids, addresses, ids
+        died = type(cause).__name__ in ("ActorDiedError", "RayActorError",
+                                        "ActorUnavailableError")
+        return "the worker died" if died else "the worker failed"
+    if isinstance(cause, TimeoutError):
+        return "the worker did not answer in time"
+    first = (str(cause).strip().splitlines() or [""])[0][:200]
+    return f"{type(cause).__name__}: {first}" if first else type(cause).__name__

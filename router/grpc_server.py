@@ -49,6 +49,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                         completion_tokens=completion,
                         cached_prompt_tokens=delta.num_cached_tokens))
                 yield response
+        except InvalidRequestError as err:  # found once workers were asked (KV capacity)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except OverloadedError as err:
             context.set_trailing_metadata((("retry-after", f"{err.retry_after_s:g}"),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))

@@ -19,8 +19,6 @@ from pdserve.router.errors import OverloadedError, WorkerError
 from pdserve.router.openai_protocol import ChatRequest, CompletionRequest
 from pdserve.router.router import Accepted, Router
 
-_DISCONNECT_POLL_S = 0.1
-
 
 def _error(status: int, message: str, param: str | None = None,
            kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
@@ -116,13 +114,23 @@ async def _respond(router: Router, accepted: Accepted, shape, body, request: Req
         first = await stream.__anext__()  # overload and worker errors get a real status
         return StreamingResponse(_sse(stream, first, shape, body), media_type="text/event-stream")
     collect = asyncio.ensure_future(_collect(stream))
-    while not collect.done():  # a client that hangs up aborts the request
-        await asyncio.wait({collect}, timeout=_DISCONNECT_POLL_S)
-        if not collect.done() and await request.is_disconnected():
-            collect.cancel()
-            await stream.aclose()
-            return Response(status_code=499)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not collect.done():  # the client hung up: cancelling ends the generator, whose
+        collect.cancel()  # release aborts the request on its workers
+        await asyncio.wait({collect})
+        return Response(status_code=499)
     return JSONResponse(shape.full(collect.result()))
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body was read already, so the next
+    ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _collect(stream) -> list[TokenDelta]:

@@ -37,9 +37,10 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     decode = [DecodeWorkerActor.options(**options).remote(f"decode-{i}", engine_config,
                                                           transfer)
               for i in range(pools.num_engine)]
-    decode_stats = ray.get([d.stats.remote() for d in decode])
-    addresses = ray.get([d.address.remote() for d in decode])
-    ray.get([p.connect.remote(addresses) for p in prefill])  # every pair, before traffic
+    decode_stats = _get([d.stats.remote() for d in decode], router_config, "start")
+    addresses = _get([d.address.remote() for d in decode], router_config, "start")
+    # every pair, before traffic
+    _get([p.connect.remote(addresses) for p in prefill], router_config, "pair up")
     model = ModelConfig.from_dir(model_dir)
     max_len = min(engine_config.max_model_len or model.max_position_embeddings,
                   model.max_position_embeddings)
@@ -50,3 +51,12 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
                   [DecodeHandle(f"decode-{i}", a, s["num_blocks"], s["free_blocks"])
                    for i, (a, s) in enumerate(zip(decode, decode_stats))],
                   router_config, colocated=pools.mode == "colocated")
+
+
+def _get(refs: list, config: RouterConfig, what: str) -> list:
+    try:
+        return ray.get(refs, timeout=config.startup_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(
+            f"the workers did not {what} within {config.startup_timeout_s:g}s: Ray may "
+            f"lack the resources to place them (see `ray status`)") from None

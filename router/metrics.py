@@ -32,6 +32,11 @@ class RouterMetrics:
         self.preemptions = Gauge("pdserve:num_preemptions",
                                  "Preemptions on the decode workers (cumulative)", labels,
                                  registry=r).labels(model)
+        self.lease_expiries = Gauge(
+            "pdserve:kv_lease_expiries",
+            "Decode-side KV released by a lease (cumulative): a reservation never begun, "
+            "a transfer past its deadline, landed KV never started",
+            labels + ["lease"], registry=r)
         self.requests = Counter("pdserve:request_success", "Finished requests",
                                 labels + ["finished_reason"], registry=r)
         self._model = model

@@ -1,14 +1,15 @@
 """The router core, shared by the gRPC and HTTP front ends.
 
-Disaggregated (a prefill pool exists): validate + tokenize -> reserve KV on a decode
-worker (in policy
-order; none has room -> OverloadedError) -> prefill on a prefill worker, which
-streams the KV to the reserved blocks and samples token #1 -> start on the decode
-worker -> its step stream feeds this request's queue until it finishes. If the
-caller goes away (client disconnect, gRPC cancel) or anything fails, the request is
-aborted on both workers so their blocks are freed.
-Colocated (no prefill pool): the least-loaded engine worker takes the whole request
-(chunked prefill, then decode) and streams it the same way.
+Disaggregated (a prefill pool exists): validate + tokenize -> admit to a prefill
+worker's bounded queue (full everywhere: 429) -> reserve KV on a decode worker (in
+policy order; none has room: 429) -> prefill, which streams the KV to the reserved
+blocks and samples token #1 (sent at once, with its text) -> start on the decode
+worker -> its step stream feeds this request's queue until it finishes.
+Colocated (no prefill pool): the least-loaded engine worker takes the whole request.
+
+A request's state is its Flight (lifecycle.py); `generate` is the happy path and
+its `finally` releases the flight once, freeing on the workers exactly what its
+phase holds, whatever ended it.
 """
 from __future__ import annotations
 
@@ -17,18 +18,22 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable
 
+from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import check_length, prompt_token_ids
 from pdserve.engine.worker_messages import PrefillJob, PrefillResult, Reservation, TokenDelta
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import OverloadedError, WorkerError
+from pdserve.router.errors import OverloadedError, WorkerError, cause_of, short_reason
+from pdserve.router.lifecycle import Accepted, Flight, Phase
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import decode_order, prefill_choice
 from pdserve.router.workers import DecodeHandle, PrefillHandle
+
+__all__ = ["Accepted", "ModelInfo", "Router"]
 
 
 @dataclass(frozen=True)
@@ -39,13 +44,8 @@ class ModelInfo:
     block_size: int
 
 
-@dataclass(frozen=True)
-class Accepted:
-    """What the router knows once a request is validated."""
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
+class _Cancelled(Exception):
+    """Router.abort asked this request to end."""
 
 
 class Router:
@@ -58,134 +58,66 @@ class Router:
         self.config = config
         self.prefill = {w.worker_id: w for w in prefill}
         self.decode = {w.worker_id: w for w in decode}
-        self._inflight: dict[str, DecodeHandle] = {}
-        self._prefilling: dict[str, PrefillHandle] = {}
-        self._aborted: set[str] = set()
         self.metrics = RouterMetrics(model.name)
+        self._flights: dict[str, Flight] = {}
         self._ids = itertools.count()
         self._refreshing: asyncio.Task | None = None
+        self._aborting: set[asyncio.Task] = set()  # abort calls to workers in flight
 
     @property
     def ready(self) -> bool:
         """Whether every pool the mode needs has a worker."""
         return bool(self.decode) and (self.colocated or bool(self.prefill))
 
+    @property
+    def num_inflight(self) -> int:
+        return len(self._flights)
+
     async def start(self) -> None:
         for worker in self.decode.values():
-            worker.start_pump()
+            worker.start_pump(self.config.stall_timeout_s)
 
     async def stop(self) -> None:
         for worker in self.decode.values():
             if worker.pump is not None:
                 worker.pump.cancel()
+        if self._aborting:
+            await asyncio.wait(self._aborting, timeout=self.config.control_timeout_s)
 
     def accept(self, prompt, params: SamplingParams, request_id: str = "") -> Accepted:
         """Validation and tokenization; raises InvalidRequestError naming the field."""
         ids = prompt_token_ids(prompt, self.tokenizer, self.model.vocab_size)
         check_length(len(ids), params.max_tokens, self.model.max_model_len)
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        if rid in self._inflight:
-            raise InvalidRequestError("request_id", f"{rid!r} is already in flight")
         return Accepted(rid, ids, params, time.time())
 
     async def generate(self, req: Accepted) -> AsyncIterator[TokenDelta]:
-        """Streams the request's deltas; the last one has finished=True. Disaggregated,
-        token #1 goes out as soon as the prefill worker sampled it (TTFT), while the
-        decode worker is being started."""
-        if self.config.max_inflight and len(self._inflight) >= self.config.max_inflight:
-            raise OverloadedError("the router is at max_inflight", self.config.retry_after_s)
+        """Streams the request's deltas; the last one has finished=True."""
+        flight = self._claim(req)
         track = _Tracker(self.metrics, req)
         try:
-            if self.prefill:
-                decode, reservation = await self._reserve(req)
+            if self.colocated:
+                await self._submit(flight)
+                skip_text = 0
             else:
-                decode = await self._place(req)
-        except BaseException:
-            track.close()
-            raise
-        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
-        queue: asyncio.Queue = asyncio.Queue()
-        decode.streams[req.request_id] = queue
-        starting: asyncio.Future | None = None
-        first_token: int | None = None  # sent already; dropped from the decode stream
-        finished = False
-        try:
-            try:
-                if self.prefill:
-                    result = await self._prefill(req, reservation)
-                    first_token = result.first_token
-                    starting = asyncio.ensure_future(asyncio.wait_for(
-                        decode.actor.start.remote(req.request_id, first_token),
-                        self.config.start_timeout_s))
-                else:
-                    await asyncio.wait_for(decode.actor.submit.remote(
-                        req.request_id, req.prompt_token_ids, req.params, req.arrival_time),
-                        self.config.start_timeout_s)
-            except Exception:
-                if req.request_id not in self._aborted:
-                    raise
-                finished = True  # aborted while prefilling: the abort already freed it
-                yield TokenDelta(req.request_id, [], "", [], True, "abort")
-                return
-            if first_token is not None:
-                logprobs = [result.first_logprob] if result.first_logprob is not None else []
-                tops = [result.first_top_logprobs] if result.first_top_logprobs else []
-                yield track.observe(TokenDelta(req.request_id, [first_token], "", logprobs,
-                                               False, None, len(req.prompt_token_ids), 0, 1,
-                                               tops))
-            while True:
-                item = await self._next_delta(queue, starting)
-                if first_token is not None and item.token_ids:
-                    item = replace(item, token_ids=item.token_ids[1:])
-                    first_token = None
-                finished = item.finished
-                yield track.observe(item)
-                if finished:
-                    return
+                first, skip_text = await self._prefill_and_start(flight)
+                yield track.observe(first)
+            async for delta in self._stream(flight, skip_text):
+                yield track.observe(delta)
+        except _Cancelled:
+            yield track.observe(TokenDelta(req.request_id, [], "", [], True, "abort"))
         finally:
             track.close()
-            if starting is not None and not starting.done():
-                starting.cancel()
-            decode.streams.pop(req.request_id, None)
-            self._inflight.pop(req.request_id, None)
-            self._aborted.discard(req.request_id)
-            decode.inflight -= 1
-            if not finished:  # cancelled or failed: free the blocks on both sides
-                await self._abort_on_workers(req.request_id, decode)
-
-    async def _next_delta(self, queue: asyncio.Queue, starting) -> TokenDelta:
-        """The next delta, merged with any queued behind it (the caller fell behind);
-        a decode worker that failed to start the request raises instead of hanging."""
-        if starting is not None and not starting.done():
-            getter = asyncio.ensure_future(queue.get())
-            try:
-                await asyncio.wait({getter, starting}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not getter.done():
-                    getter.cancel()
-            item = getter.result() if getter.done() and not getter.cancelled() else None
-        else:
-            item = None
-        if item is None:
-            if starting is not None and starting.done() and starting.exception() is not None:
-                raise WorkerError(f"the decode worker could not start: {starting.exception()}")
-            item = await queue.get()
-        while not isinstance(item, Exception) and not queue.empty():
-            later = queue.get_nowait()
-            item = later if isinstance(later, Exception) else item.merged(later)
-        if isinstance(item, Exception):
-            raise item
-        return item
+            self._release(flight)
 
     async def abort(self, request_id: str) -> bool:
-        decode = self._inflight.get(request_id)
-        if decode is None:
+        """Ends an in-flight request: its workers free it now, its stream ends with
+        finish_reason "abort"."""
+        flight = self._flights.get(request_id)
+        if flight is None:
             return False
-        queue = decode.streams.get(request_id)
-        self._aborted.add(request_id)
-        await self._abort_on_workers(request_id, decode)
-        if queue is not None:
-            queue.put_nowait(TokenDelta(request_id, [], "", [], True, "abort"))
+        flight.cancelled.set()
+        self._abort_on_holders(flight)
         return True
 
     async def refresh_stats(self) -> None:
@@ -203,73 +135,249 @@ class Router:
             used = sum(s["num_blocks"] - s["free_blocks"] for s in stats)
             self.metrics.kv_usage.set(used / sum(s["num_blocks"] for s in stats))
             self.metrics.preemptions.set(sum(s["num_preemptions"] for s in stats))
+            for kind in ("begin", "transfer", "start"):
+                self.metrics.lease_expiries.labels(self.model.name, kind).set(
+                    sum(s["lease_expiries"][kind] for s in stats))
 
-    # ---- steps ------------------------------------------------------------------
+    # ---- the phases -----------------------------------------------------------------
 
-    async def _reserve(self, req: Accepted) -> tuple[DecodeHandle, Reservation]:
+    def _claim(self, req: Accepted) -> Flight:
+        if req.request_id in self._flights:
+            raise InvalidRequestError("request_id", f"{req.request_id!r} is already in flight")
+        if self.config.max_inflight and len(self._flights) >= self.config.max_inflight:
+            raise OverloadedError("the router is at max_inflight", self.config.retry_after_s)
+        flight = self._flights[req.request_id] = Flight(req)
+        return flight
+
+    async def _prefill_and_start(self, flight: Flight) -> tuple[TokenDelta, int]:
+        """Admission to a prefill queue, KV reservation, prefill, start. Returns token
+        #1 as a delta with its text, and how much of that text the decode worker's
+        first delta repeats."""
+        req = flight.req
+        prefill = self._admit_prefill(len(req.prompt_token_ids))
+        try:
+            reservation = await self._reserve(flight)
+            result = await self._prefill(flight, prefill, reservation)
+        finally:
+            prefill.unqueue(len(req.prompt_token_ids))
+        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        self._start(flight, result.first_token)
+        # The decode worker detokenizes from the same state: its first delta's text
+        # begins with exactly this, which the stream then skips.
+        text, _ = Detokenizer(self.tokenizer, req.prompt_token_ids,
+                              req.params.stop).append([result.first_token])
+        logprobs = [result.first_logprob] if result.first_logprob is not None else []
+        tops = [result.first_top_logprobs] if result.first_top_logprobs else []
+        first = TokenDelta(req.request_id, [result.first_token], text, logprobs, False, None,
+                           len(req.prompt_token_ids), 0, 1, tops)
+        return first, len(text)
+
+    def _admit_prefill(self, num_tokens: int) -> PrefillHandle:
+        worker_id = prefill_choice([w.load() for w in self.prefill.values()], num_tokens,
+                                   self.config.max_queued_prefill_tokens)
+        if worker_id is None:
+            raise OverloadedError("every prefill worker's queue is full",
+                                  self.config.retry_after_s)
+        worker = self.prefill[worker_id]
+        worker.enqueue(num_tokens)
+        return worker
+
+    async def _reserve(self, flight: Flight) -> Reservation:
+        req = flight.req
         needed = -(-(len(req.prompt_token_ids) + 1) // self.model.block_size)
-        order = decode_order([w.load() for w in self.decode.values()], needed)
-        for worker_id in order:
+        for worker_id in decode_order([w.load() for w in self.decode.values()], needed):
             worker = self.decode[worker_id]
-            worker.inflight += 1
+            self._hold(flight, worker, Phase.RESERVING)
             try:
-                reservation = await asyncio.wait_for(worker.actor.reserve.remote(
+                reservation = await self._until(flight, worker.actor.reserve.remote(
                     req.request_id, req.prompt_token_ids, req.params, req.arrival_time),
                     self.config.reserve_timeout_s)
-            except Exception:
-                reservation = None
+            except _Cancelled:
+                raise
+            except Exception as exc:
+                if isinstance(cause_of(exc), InvalidRequestError):
+                    raise cause_of(exc) from None  # it can never fit: 400, not 429
+                reservation = None  # no answer in time: the worker may reserve late
+                self._abort_on(worker, req.request_id)
             if reservation is not None:
-                self._inflight[req.request_id] = worker
-                return worker, reservation
-            worker.inflight -= 1
-            self._refresh_soon()  # its free-KV count was stale
+                flight.phase = Phase.RESERVED
+                return reservation
+            self._unhold(flight)
+            self._refresh_soon()  # its free-KV figure was stale
         raise OverloadedError("no decode worker has room for this request's KV",
                               self.config.retry_after_s)
 
-    async def _place(self, req: Accepted) -> DecodeHandle:
+    async def _prefill(self, flight: Flight, worker: PrefillHandle,
+                       target: Reservation) -> PrefillResult:
+        req = flight.req
+        flight.prefill, flight.phase = worker, Phase.PREFILLING
+        job = PrefillJob(req.request_id, req.prompt_token_ids, req.params, target,
+                         req.arrival_time)
+        try:
+            result = await self._until(flight, worker.actor.prefill.remote(job),
+                                       self.config.prefill_timeout_s)
+        except (_Cancelled, asyncio.CancelledError):
+            raise
+        except asyncio.TimeoutError:
+            raise WorkerError(f"prefill of {req.request_id} took longer than "
+                              f"{self.config.prefill_timeout_s:g}s") from None
+        except Exception as exc:
+            if isinstance(cause_of(exc), InvalidRequestError):
+                raise cause_of(exc) from None
+            raise WorkerError(f"prefill of {req.request_id} failed: {short_reason(exc)}") \
+                from None
+        flight.phase = Phase.STARTING  # the KV landed; the prefill worker holds nothing
+        return result
+
+    def _start(self, flight: Flight, first_token: int) -> None:
+        call = flight.decode.actor.start.remote(flight.request_id, first_token)
+        flight.starting = asyncio.ensure_future(
+            asyncio.wait_for(call, self.config.start_timeout_s))
+
+    async def _submit(self, flight: Flight) -> None:
         """Colocated mode: the least-loaded engine worker takes the whole request."""
+        req = flight.req
         order = decode_order([w.load() for w in self.decode.values()], 0)
         if not order:
             raise OverloadedError("no engine worker", self.config.retry_after_s)
         worker = self.decode[order[0]]
-        worker.inflight += 1
-        self._inflight[req.request_id] = worker
-        return worker
-
-    async def _prefill(self, req: Accepted, target: Reservation) -> PrefillResult:
-        worker_id = prefill_choice([w.load() for w in self.prefill.values()])
-        if worker_id is None:
-            raise OverloadedError("no prefill worker", self.config.retry_after_s)
-        worker = self.prefill[worker_id]
-        worker.queued += 1
-        self._prefilling[req.request_id] = worker
-        job = PrefillJob(req.request_id, req.prompt_token_ids, req.params, target,
-                         req.arrival_time)
+        self._hold(flight, worker, Phase.SUBMITTING)
         try:
-            result = await asyncio.wait_for(worker.actor.prefill.remote(job),
-                                            self.config.prefill_timeout_s)
-        except asyncio.CancelledError:
+            await self._until(flight, worker.actor.submit.remote(
+                req.request_id, req.prompt_token_ids, req.params, req.arrival_time),
+                self.config.start_timeout_s)
+        except (_Cancelled, asyncio.CancelledError):
             raise
         except Exception as exc:
-            raise WorkerError(f"prefill of {req.request_id} failed: {exc}") from None
+            if isinstance(cause_of(exc), InvalidRequestError):
+                raise cause_of(exc) from None
+            raise WorkerError(f"engine worker {worker.worker_id} could not take "
+                              f"{req.request_id}: {short_reason(exc)}") from None
+        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        flight.phase = Phase.STREAMING
+
+    async def _stream(self, flight: Flight, skip_text: int) -> AsyncIterator[TokenDelta]:
+        """The decode worker's deltas. Disaggregated, the first repeats token #1 (sent
+        already): its id and its text are dropped."""
+        skip_token = not self.colocated
+        while True:
+            item = await self._next_delta(flight)
+            if skip_token and item.token_ids:
+                item, skip_token = replace(item, token_ids=item.token_ids[1:]), False
+            if skip_text:
+                cut = min(skip_text, len(item.text))
+                item, skip_text = replace(item, text=item.text[cut:]), skip_text - cut
+            if item.finished:
+                flight.phase = Phase.DONE  # the worker freed it
+            yield item
+            if item.finished:
+                return
+
+    async def _next_delta(self, flight: Flight) -> TokenDelta:
+        """The next delta, merged with any queued behind it (the caller fell behind).
+        A failed start, Router.abort and the decode worker's pump (which reports a dead
+        or stalled worker within its bound) end the wait."""
+        queue, first = flight.queue, None
+        while first is None and queue.empty():
+            getter = asyncio.ensure_future(queue.get())
+            cancel = asyncio.ensure_future(flight.cancelled.wait())
+            waits = {getter, cancel}
+            if flight.starting is not None and not flight.starting.done():
+                waits.add(flight.starting)
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                getter.cancel()
+                cancel.cancel()
+            if flight.cancelled.is_set():
+                raise _Cancelled
+            self._check_started(flight)
+            if getter.done() and not getter.cancelled():
+                first = getter.result()
+        self._check_started(flight)
+        item = first if first is not None else queue.get_nowait()
+        while not isinstance(item, Exception) and not queue.empty():
+            later = queue.get_nowait()
+            item = later if isinstance(later, Exception) else item.merged(later)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def _check_started(self, flight: Flight) -> None:
+        starting = flight.starting
+        if starting is None or not starting.done() or flight.phase is not Phase.STARTING:
+            return
+        if starting.cancelled() or starting.exception() is not None:
+            reason = "timed out" if starting.cancelled() else short_reason(starting.exception())
+            raise WorkerError(f"the decode worker could not start {flight.request_id}: "
+                              f"{reason}")
+        flight.phase = Phase.STREAMING
+
+    async def _until(self, flight: Flight, call: Awaitable, timeout_s: float):
+        """Awaits a worker call, bounded by timeout_s and by Router.abort of the request."""
+        task = asyncio.ensure_future(call)
+        cancel = asyncio.ensure_future(flight.cancelled.wait())
+        try:
+            await asyncio.wait({task, cancel}, timeout=timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
         finally:
-            worker.queued -= 1
-            self._prefilling.pop(req.request_id, None)
-        return result
+            cancel.cancel()
+            if not task.done():
+                task.cancel()
+        if flight.cancelled.is_set():
+            raise _Cancelled
+        if not task.done() or task.cancelled():
+            raise asyncio.TimeoutError
+        return task.result()
+
+    # ---- holding and releasing ------------------------------------------------------
+
+    def _hold(self, flight: Flight, worker: DecodeHandle, phase: Phase) -> None:
+        flight.decode, flight.phase = worker, phase
+        worker.inflight += 1
+        worker.streams[flight.request_id] = flight.queue
+
+    def _unhold(self, flight: Flight) -> None:
+        worker, flight.decode, flight.phase = flight.decode, None, Phase.ACCEPTED
+        worker.inflight -= 1
+        worker.streams.pop(flight.request_id, None)
+
+    def _release(self, flight: Flight) -> None:
+        """Once per request, whatever ended it: frees what its phase holds."""
+        if flight.released:
+            return
+        flight.released = True
+        self._abort_on_holders(flight)
+        if flight.decode is not None:
+            self._unhold(flight)
+        if flight.starting is not None and not flight.starting.done():
+            flight.starting.cancel()
+        self._flights.pop(flight.request_id, None)
+
+    def _abort_on_holders(self, flight: Flight) -> None:
+        for worker in flight.holders():
+            self._abort_on(worker, flight.request_id)
+        flight.phase = Phase.DONE
+
+    def _abort_on(self, worker, request_id: str) -> None:
+        """Fire and forget, bounded: a hung worker must not hold a caller's stream."""
+        task = asyncio.ensure_future(asyncio.wait_for(worker.actor.abort.remote(request_id),
+                                                      self.config.control_timeout_s))
+        self._aborting.add(task)
+        task.add_done_callback(_forget_abort(self._aborting))
 
     def _refresh_soon(self) -> None:
         """One stats refresh in the background, however many refusals ask for it."""
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = asyncio.get_running_loop().create_task(self.refresh_stats())
 
-    async def _abort_on_workers(self, request_id: str, decode: DecodeHandle) -> None:
-        calls = [decode.actor.abort.remote(request_id)]
-        prefill = self._prefilling.get(request_id)
-        if prefill is not None:
-            calls.append(prefill.actor.abort.remote(request_id))
-        # A hung worker must not hold the caller's stream open.
-        await asyncio.gather(*[asyncio.wait_for(c, self.config.control_timeout_s) for c in calls],
-                             return_exceptions=True)
+
+def _forget_abort(tasks: set):
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # a failed abort: the worker frees it by its lease
+    return done
 
 
 class _Tracker:

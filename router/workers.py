@@ -7,7 +7,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from pdserve.router.errors import WorkerError
+from pdserve.router.errors import WorkerError, WorkerStalled, short_reason
 from pdserve.router.policy import DecodeLoad, PrefillLoad
 
 log = logging.getLogger(__name__)
@@ -17,10 +17,19 @@ log = logging.getLogger(__name__)
 class PrefillHandle:
     worker_id: str
     actor: object  # PrefillWorkerActor handle
-    queued: int = 0
+    queued: int = 0  # prefills admitted and not yet answered
+    queued_tokens: int = 0
 
     def load(self) -> PrefillLoad:
-        return PrefillLoad(self.worker_id, self.queued)
+        return PrefillLoad(self.worker_id, self.queued, self.queued_tokens)
+
+    def enqueue(self, num_tokens: int) -> None:
+        self.queued += 1
+        self.queued_tokens += num_tokens
+
+    def unqueue(self, num_tokens: int) -> None:
+        self.queued -= 1
+        self.queued_tokens -= num_tokens
 
 
 @dataclass
@@ -30,27 +39,49 @@ class DecodeHandle:
     num_blocks: int
     free_blocks: int
     inflight: int = 0
-    # request id -> its TokenDeltas (or the WorkerError that ends it)
+    alive: bool = True  # false once its step stream ended with an error
+    # request id -> its TokenDeltas (or the error that ends it)
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)
     pump: asyncio.Task | None = None
 
     def load(self) -> DecodeLoad:
-        return DecodeLoad(self.worker_id, self.inflight, self.free_blocks, self.num_blocks)
+        return DecodeLoad(self.worker_id, self.inflight, self.free_blocks, self.num_blocks,
+                          self.alive)
 
-    def start_pump(self) -> None:
-        self.pump = asyncio.get_running_loop().create_task(self._pump())
+    def start_pump(self, stall_timeout_s: float) -> None:
+        self.pump = asyncio.get_running_loop().create_task(self._pump(stall_timeout_s))
 
-    async def _pump(self) -> None:
+    async def _pump(self, stall_timeout_s: float) -> None:
+        """The worker sends a batch every step and a heartbeat while idle (only while
+        its engine loop makes progress), so no item within the bound means it stalled:
+        every request on it fails then, with a typed error, and the wait goes on."""
+        steps = self.actor.steps.remote(stall_timeout_s)
+        pending = None
         try:
-            async for ref in self.actor.steps.remote():
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(steps.__anext__())
+                done, _ = await asyncio.wait({pending}, timeout=stall_timeout_s)
+                if not done:
+                    self._fail_all(WorkerStalled(f"decode worker {self.worker_id} made no "
+                                                 f"step within {stall_timeout_s:g}s"))
+                    continue
+                ref, pending = pending.result(), None
                 batch = await ref
                 for delta in batch.deltas:
                     queue = self.streams.get(delta.request_id)
                     if queue is not None:
                         queue.put_nowait(delta)
         except asyncio.CancelledError:
+            if pending is not None:
+                pending.cancel()
             raise
-        except Exception as exc:  # the worker died: every request on it fails
-            log.error("decode worker %s stream ended: %s", self.worker_id, exc)
-            for queue in list(self.streams.values()):
-                queue.put_nowait(WorkerError(f"decode worker {self.worker_id} failed: {exc}"))
+        except Exception as exc:  # the worker died, or its engine loop did
+            self.alive = False
+            log.error("decode worker %s stream ended: %s", self.worker_id, short_reason(exc))
+            self._fail_all(WorkerError(f"decode worker {self.worker_id} failed: "
+                                       f"{short_reason(exc)}"))
+
+    def _fail_all(self, error: Exception) -> None:
+        for queue in list(self.streams.values()):
+            queue.put_nowait(error)

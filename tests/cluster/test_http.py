@@ -133,7 +133,7 @@ def test_overload_is_429_with_retry_after(server):
                       "ignore_eos": True}) as held:
             # Headers arrive with the first token: the first request holds the only slot
             # until its stream ends, and this test has read none of it yet.
-            assert held.status_code == 200 and len(router._inflight) == 1
+            assert held.status_code == 200 and router.num_inflight == 1
             response = http.post(f"{server.http_url}/v1/completions",
                                  json={"prompt": [1, 2], "max_tokens": 2})
             assert response.status_code == 429

@@ -29,7 +29,7 @@ class StepReader:
         self.tokens: dict[str, list[int]] = defaultdict(list)
         self.finished: dict[str, str] = {}
         self._cv = threading.Condition()
-        self._stream = decode.steps.remote()
+        self._stream = decode.steps.remote(30.0)  # stall bound: heartbeats while idle
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ def sender_cache(spec: CacheSpec, seed: int) -> list[torch.Tensor]:
 def _main(role: str, name: str, spec: CacheSpec, seed: int, config: TransferConfig, conn):
     torch.set_num_threads(1)
     dtype = getattr(torch, spec.dtype)
-    released: list[str] = []
+    released = _Released()
     if role == "receiver":
         caches = [torch.zeros(spec.layer_shape(), dtype=dtype) for _ in range(spec.num_layers)]
         side = KVReceiver(caches, config, on_release=released.append)
@@ -50,6 +51,24 @@ def _main(role: str, name: str, spec: CacheSpec, seed: int, config: TransferConf
             conn.send(("ok", _COMMANDS[command](side, caches, released, *args)))
         except Exception as exc:
             conn.send(("err", (type(exc).__name__, str(exc))))
+
+
+class _Released(list):
+    """Request ids the receiver handed back, in order; a test can wait for one."""
+
+    def __init__(self):
+        super().__init__()
+        self._cv = threading.Condition()
+
+    def append(self, request_id: str) -> None:
+        with self._cv:
+            super().append(request_id)
+            self._cv.notify_all()
+
+    def wait_for(self, request_id: str, timeout: float) -> list[str]:
+        with self._cv:
+            self._cv.wait_for(lambda: request_id in self, timeout)
+            return list(self)
 
 
 def _transfer(sender: KVSender, caches, released, jobs, layer_delay=0.0, stop_after=None,
@@ -80,6 +99,8 @@ _COMMANDS = {
     "abort": lambda r, c, rel, rid: r.abort(rid),
     "blocks": _blocks,
     "released": lambda r, c, rel: list(rel),
+    "wait_released": lambda r, c, rel, rid, timeout: rel.wait_for(rid, timeout),
+    "lease_expiries": lambda r, c, rel: dict(r.lease_expiries),
     "bytes_received": lambda r, c, rel: r.bytes_received,
     "pending": lambda r, c, rel: r.num_pending,
 }

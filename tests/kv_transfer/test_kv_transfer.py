@@ -196,19 +196,54 @@ def test_receiver_abort_mid_transfer_reaches_the_sender(pair):
     assert_landed(receiver, sender, [3, 4], [24, 25])
 
 
-def test_nothing_arrives_within_the_timeout():
-    from pdserve.kv_transfer import TransferConfig
-    receiver = Worker("receiver", "r", config=TransferConfig(timeout_s=1.0))
+def test_a_reservation_whose_transfer_never_begins_is_released_by_its_lease():
+    config = TransferConfig(timeout_s=30, begin_lease_s=1.0)
+    receiver = Worker("receiver", "r", config=config)
     try:
         receiver.call("expect", "never", [1, 2])
         t0 = time.monotonic()
         with pytest.raises(RemoteError) as err:
-            receiver.call("wait", "never", 5.0)
-        assert err.value.kind == "TransferTimeout"
-        assert time.monotonic() - t0 < 3
+            receiver.call("wait", "never", 10.0)
+        assert err.value.kind == "TransferTimeout" and "no transfer began" in str(err.value)
+        assert time.monotonic() - t0 < 5
         assert receiver.call("released") == ["never"]
+        assert receiver.call("lease_expiries") == {"begin": 1, "transfer": 0, "start": 0}
     finally:
         receiver.stop()
+
+
+def test_the_transfer_deadline_counts_from_begin_not_from_the_reservation():
+    # Regression: the deadline ran from expect(), so a prefill queue longer than the
+    # transfer timeout failed a request whose KV then moved in milliseconds. The wait
+    # before the transfer is the scenario (a queue), not a synchronization.
+    config = TransferConfig(timeout_s=1.0, begin_lease_s=30)
+    receiver, sender = Worker("receiver", "r", config=config), Worker("sender", "s", seed=2,
+                                                                      config=config)
+    try:
+        receiver.call("expect", "queued", [4, 5])
+        time.sleep(2 * config.timeout_s)
+        sender.call("transfer", [("queued", receiver.address, [1, 2], [4, 5])])
+        receiver.call("wait", "queued")
+        assert_landed(receiver, sender, [1, 2], [4, 5])
+    finally:
+        receiver.stop()
+        sender.stop()
+
+
+def test_landed_kv_that_is_never_started_is_released_by_its_lease():
+    config = TransferConfig(timeout_s=30, start_lease_s=1.0)
+    receiver, sender = Worker("receiver", "r", config=config), Worker("sender", "s", seed=4,
+                                                                      config=config)
+    try:
+        receiver.call("expect", "orphan", [6, 7])
+        sender.call("transfer", [("orphan", receiver.address, [1, 2], [6, 7])])
+        # Nobody calls wait / landed: the router that reserved it is gone.
+        assert receiver.call("wait_released", "orphan", 10.0) == ["orphan"]
+        assert receiver.call("pending") == 0
+        assert receiver.call("lease_expiries") == {"begin": 0, "transfer": 0, "start": 1}
+    finally:
+        receiver.stop()
+        sender.stop()
 
 
 def test_a_handshake_longer_than_one_control_message_and_the_next_transfer():

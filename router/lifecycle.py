@@ -1,0 +1,74 @@
+"""One request's life in the router, as an explicit state.
+
+    ACCEPTED -> RESERVING -> RESERVED -> PREFILLING -> STARTING -> STREAMING -> DONE
+    ACCEPTED -> SUBMITTING -> STREAMING -> DONE                          (colocated)
+
+What each phase holds on the workers, and so what `release` must free:
+
+    ACCEPTED    nothing
+    RESERVING   maybe a reservation on `decode`: the answer is in flight (the worker
+                refuses a reservation for an id it was told to abort)
+    RESERVED    blocks and an expected transfer on `decode`
+    PREFILLING  that, plus a prefill job on `prefill` (computing, then sending KV)
+    STARTING    landed KV on `decode`, joining its batch
+    SUBMITTING / STREAMING   a request running on `decode`
+    DONE        nothing: the decode worker finished it
+
+Whatever ends a request (finish, error, client cancel, deadline, worker death), the
+router releases its Flight exactly once; the release aborts the request on the
+workers its phase names and on nobody else."""
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class Phase(enum.Enum):
+    ACCEPTED = "accepted"
+    RESERVING = "reserving"
+    RESERVED = "reserved"
+    PREFILLING = "prefilling"
+    STARTING = "starting"
+    SUBMITTING = "submitting"
+    STREAMING = "streaming"
+    DONE = "done"
+
+
+_HOLDS_DECODE = {Phase.RESERVING, Phase.RESERVED, Phase.PREFILLING, Phase.STARTING,
+                 Phase.SUBMITTING, Phase.STREAMING}
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """What the router knows once a request is validated."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(eq=False)
+class Flight:
+    req: Accepted
+    phase: Phase = Phase.ACCEPTED
+    decode: object | None = None  # DecodeHandle the request is reserved / running on
+    prefill: object | None = None  # PrefillHandle computing its KV
+    # request id's TokenDeltas from the decode worker's pump (or the error ending it)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # Router.abort
+    starting: asyncio.Future | None = None  # the decode worker's start call
+    released: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    def holders(self) -> list:
+        """The workers holding something of this request now, to abort on release."""
+        held = [self.decode] if self.phase in _HOLDS_DECODE and self.decode else []
+        if self.phase is Phase.PREFILLING and self.prefill is not None:
+            held.append(self.prefill)
+        return held
