@@ -59,6 +59,10 @@ class SendHandle:
     # completes; pooled buffers then go back to the pool.
     inflight: list = field(default_factory=list)
     closed: bool = False
+    aborted: bool = False
+    # send_layer (engine thread) and abort (another thread) take turns: an abort pads
+    # exactly the layers not sent, so the pair sees one message per layer.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class KVSender:
@@ -108,8 +112,12 @@ class KVSender:
         return handle
 
     def send_layer(self, handle: SendHandle, layer: int) -> None:
-        if handle.closed:
-            return
+        with handle.lock:
+            if handle.closed or handle.aborted:
+                return
+            self._send_layer(handle, layer)
+
+    def _send_layer(self, handle: SendHandle, layer: int) -> None:
         if layer != handle.layers_sent:
             raise ValueError(f"request {handle.request_id}: layer {layer} sent out of order "
                              f"(expected {handle.layers_sent})")
@@ -166,16 +174,22 @@ class KVSender:
 
     def abort(self, handle: SendHandle) -> None:
         """Give up on a transfer: the receiver releases its blocks; buffers are dropped."""
-        if handle.closed:
-            return
-        try:
+        with handle.lock:
+            if handle.closed or handle.aborted:
+                return
+            handle.aborted = True
             # The receiver posted a receive for every layer: pad the rest with scratch
             # whose trailer says "aborted"; the first one ends the transfer there.
             missing = self.layout.num_layers - handle.layers_sent
-            if missing:
-                scratch, _ = self._layer_message(handle, P.LAYER_ABORT,
-                                                 handle.peer.channel.wire_device)
-                self._send(handle, [scratch] * missing, P.data_tag(handle.seq))
+            try:
+                if missing:
+                    scratch, _ = self._layer_message(handle, P.LAYER_ABORT,
+                                                     handle.peer.channel.wire_device)
+                    self._send(handle, [scratch] * missing, P.data_tag(handle.seq))
+            except Exception:
+                self._close(handle)
+                return  # the pair is gone: the receiver's side fails on its own
+        try:
             deadline = time.monotonic() + self.config.timeout_s
             self._settle(handle, deadline)
             handle.status_work.wait(_remaining(deadline))  # owed even for an abort

@@ -98,6 +98,8 @@ class _backend:
                                                             temperature=0, ignore_eos=True):
                 now = time.perf_counter()
                 record.token_times += [now] * len(chunk.token_ids)
+                if chunk.token_ids and record.first_output_time is None:
+                    record.first_output_time = now
                 if chunk.usage is not None:
                     record.num_prompt_tokens = chunk.usage.prompt_tokens
             record.end_time = time.perf_counter()
@@ -141,3 +143,5 @@ def _take_sse_chunk(record: RequestRecord, chunk: dict, now: float) -> None:
         ids = choice.get("token_ids")
         n = len(ids) if ids is not None else (1 if choice.get("text") else 0)
         record.token_times += [now] * n
+        if choice.get("text") and record.first_output_time is None:
+            record.first_output_time = now

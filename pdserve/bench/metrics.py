@@ -1,6 +1,6 @@
 """Per-request latency metrics, SLO goodput and the sweep's crossing point.
 
-TTFT = first token - send; TPOT = (e2e - TTFT) / (output tokens - 1); every gap
+TTFT = first visible output - send (see RequestRecord.first_output_time); TPOT = (e2e - TTFT) / (output tokens - 1); every gap
 between consecutive tokens is an inter-token latency (a chunk of k tokens counts as k
 tokens arriving together). A request counts toward goodput only if it finished and
 met every limit given; failures and rejections are counted, never dropped.
@@ -22,6 +22,9 @@ class RequestRecord:
     end_time: float | None = None
     error: str | None = None
     rejected: bool = False  # overload (429 / RESOURCE_EXHAUSTED)
+    # When the first output reached the client: the first chunk carrying a token
+    # (gRPC), or the first with non-empty text (OpenAI: what a user can see).
+    first_output_time: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -33,7 +36,10 @@ class RequestRecord:
 
     @property
     def ttft(self) -> float | None:
-        return self.token_times[0] - self.send_time if self.token_times else None
+        first = self.first_output_time
+        if first is None and self.token_times:
+            first = self.token_times[0]
+        return None if first is None else first - self.send_time
 
     @property
     def e2e(self) -> float | None:

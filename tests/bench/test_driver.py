@@ -14,6 +14,7 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
 
 GAP_S = 0.02
+SLACK_S = 0.2
 REJECT = 999
 
 
@@ -54,9 +55,11 @@ def test_driver_measures_the_scripted_latencies():
                 BenchRequest([50, 3], 1), BenchRequest([REJECT, 1], 4)]
     records, s = asyncio.run(bench(requests, SLO.parse(["ttft:120", "tpot:60"])))
     fast, slow, single, rejected = records
-    assert fast.ttft == pytest.approx(0.050, abs=0.03)
-    assert slow.ttft == pytest.approx(0.200, abs=0.03)
-    assert fast.tpot == pytest.approx(GAP_S, abs=0.01)
+    # Scripted delays are lower bounds; the slack above them (event loop, gRPC, a
+    # busy 2-core machine) is generous on purpose: the ordering is what must hold.
+    assert 0.050 <= fast.ttft < 0.050 + SLACK_S
+    assert 0.200 <= slow.ttft < 0.200 + SLACK_S and slow.ttft > fast.ttft
+    assert GAP_S * 0.9 <= fast.tpot < GAP_S + SLACK_S / 4
     assert fast.num_output_tokens == 6 and fast.num_prompt_tokens == 3
     assert single.tpot is None and single.num_output_tokens == 1
     assert rejected.rejected and not rejected.ok
@@ -71,7 +74,9 @@ def test_max_concurrency_serializes_requests():
     server_side = asyncio.run(bench(requests, SLO()))
     records = server_side[0]
     starts = sorted(r.send_time for r in records)
-    assert starts[-1] - starts[0] < 0.05  # all sent together without a cap
+    # Uncapped, all go out before the first one ends (each takes 40 + 20 ms; capped,
+    # the starts would be at least that far apart).
+    assert starts[-1] - starts[0] < 0.060
 
     async def capped():
         server = grpc.aio.server()

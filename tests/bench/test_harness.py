@@ -101,3 +101,12 @@ def test_jsonl_trace(tmp_path):
     path.write_text(json.dumps({"prompt": "no max_tokens"}))
     with pytest.raises(ValueError, match=":1: needs"):
         make_workload("file", 0, vocab_size=10, path=str(path))
+
+
+def test_openai_ttft_waits_for_the_first_visible_text():
+    from pdserve.bench.driver import _take_sse_chunk
+    record = RequestRecord(10.0)
+    _take_sse_chunk(record, {"choices": [{"text": "", "token_ids": [5]}]}, 10.1)
+    _take_sse_chunk(record, {"choices": [{"text": "Hi", "token_ids": [6]}]}, 10.3)
+    assert record.num_output_tokens == 2
+    assert record.ttft == pytest.approx(0.3)  # not 0.1: nothing was readable then

@@ -31,7 +31,15 @@ def server(ray_local, llama_dir):
                     served_model_name="test-llama")
     srv = RouterServer(router)
     yield srv
+    stop_cluster(srv)
+
+
+def stop_cluster(srv: RouterServer) -> None:
+    """Stops the front ends and kills the worker actors, so their Ray CPUs are free
+    for the next cluster a test starts."""
     srv.stop()
+    for worker in [*srv.router.prefill.values(), *srv.router.decode.values()]:
+        ray.kill(worker.actor)
 
 
 def generate_concurrently(srv: RouterServer, prompts: list[list[int]], max_tokens: int):
@@ -60,4 +68,4 @@ def colocated_server(ray_local, llama_dir):
     router = launch(config, PoolSpec(1, 1, mode="colocated"), served_model_name="test-llama")
     srv = RouterServer(router)
     yield srv
-    srv.stop()
+    stop_cluster(srv)

@@ -88,6 +88,19 @@ def _transfer(sender: KVSender, caches, released, jobs, layer_delay=0.0, stop_af
     return [sender.finish(h).bytes_sent for h in handles]
 
 
+def _wait_landed(receiver: KVReceiver, caches, released, request_id, layers, timeout):
+    """Returns once `layers` layers of the request have landed (a condition checked
+    every millisecond in this process, bounded by `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        incoming = receiver._by_request.get(request_id)
+        if incoming is not None and incoming.layers_landed >= layers:
+            return incoming.layers_landed
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{request_id}: {layers} layers did not land in {timeout}s")
+        time.sleep(0.001)
+
+
 def _blocks(receiver: KVReceiver, caches, released, block_ids):
     return [c[:, block_ids].clone() for c in caches]
 
@@ -98,6 +111,7 @@ _COMMANDS = {
     "wait": lambda r, c, rel, *a: r.wait(*a),
     "abort": lambda r, c, rel, rid: r.abort(rid),
     "blocks": _blocks,
+    "wait_landed": _wait_landed,
     "released": lambda r, c, rel: list(rel),
     "wait_released": lambda r, c, rel, rid, timeout: rel.wait_for(rid, timeout),
     "lease_expiries": lambda r, c, rel: dict(r.lease_expiries),

@@ -134,7 +134,7 @@ def test_sender_killed_mid_transfer_frees_the_receivers_blocks():
         receiver.call("expect", "doomed", [4, 5, 6])
         sender.start("transfer", [("doomed", receiver.address, [1, 2, 3], [4, 5, 6])], 0.0, 1,
                      "hang")
-        time.sleep(1.5)  # layer 0 is on its way; the sender now hangs
+        receiver.call("wait_landed", "doomed", 1, 30)  # the sender now hangs after layer 0
         sender.kill()
         t0 = time.monotonic()
         with pytest.raises(RemoteError) as err:
@@ -153,7 +153,7 @@ def test_receiver_killed_mid_transfer_gives_the_sender_a_typed_error():
     try:
         receiver.call("expect", "orphan", [4, 5, 6])
         sender.start("transfer", [("orphan", receiver.address, [1, 2, 3], [4, 5, 6])], 1.0)
-        time.sleep(0.5)
+        receiver.call("wait_landed", "orphan", 1, 30)  # mid-transfer: more layers to come
         receiver.kill()
         t0 = time.monotonic()
         with pytest.raises(RemoteError) as err:
@@ -184,7 +184,7 @@ def test_receiver_abort_mid_transfer_reaches_the_sender(pair):
     receiver, sender = pair
     receiver.call("expect", "cancel", [24, 25])
     sender.start("transfer", [("cancel", receiver.address, [1, 2], [24, 25])], 0.5)
-    time.sleep(0.6)
+    receiver.call("wait_landed", "cancel", 1, 30)  # mid-transfer: more layers to come
     receiver.call("abort", "cancel")
     with pytest.raises(RemoteError) as err:
         sender.result()
@@ -291,3 +291,62 @@ def test_a_pair_survives_idle_time_longer_than_every_timeout():
     finally:
         receiver.stop()
         sender.stop()
+
+
+def test_an_abort_during_send_layer_pads_only_the_layers_not_sent():
+    # Defect 5 of #12: abort ran on another thread while send_layer was mid-way, both
+    # counted the same layer as unsent, and one message more than the layers went out
+    # on the transfer's tag. The hook holds send_layer(1) inside its gather until the
+    # aborting thread has had its chance to run.
+    import threading
+
+    from pdserve.kv_transfer import KVSender, TransferAborted
+    config = TransferConfig(timeout_s=10, connect_timeout_s=20)
+    receiver = Worker("receiver", "r", config=config)
+    sender = KVSender("s", sender_cache(SPEC, 3), config)
+    try:
+        inside, proceed = threading.Event(), threading.Event()
+        real_message = sender._layer_message
+
+        def gated(handle, mark, device):
+            message = real_message(handle, mark, device)
+            if mark == P.LAYER_DATA and handle.layers_sent == 1:
+                inside.set()
+                proceed.wait(30)
+            return message
+        sender._layer_message = gated
+        data_messages = []
+        channel = sender._peer(receiver.address).channel
+        real_send = channel.send
+
+        def counting(messages, tag=0):
+            if tag != 0:
+                data_messages.extend(messages)
+            return real_send(messages, tag)
+        channel.send = counting
+
+        receiver.call("expect", "race", [1, 2])
+        handle = sender.begin("race", receiver.address, [3, 4], [1, 2])
+        sender.send_layer(handle, 0)
+        layer1 = threading.Thread(target=sender.send_layer, args=(handle, 1))
+        layer1.start()
+        assert inside.wait(30)
+        aborter = threading.Thread(target=sender.abort, args=(handle,))
+        aborter.start()
+        aborter.join(0.5)  # unfixed, the abort completes here, mid-layer
+        proceed.set()
+        layer1.join(30)
+        aborter.join(30)
+        assert len(data_messages) == SPEC.num_layers
+        with pytest.raises(RemoteError) as err:
+            receiver.call("wait", "race")
+        assert err.value.kind == TransferAborted.__name__
+        receiver.call("expect", "after", [5, 6])  # the pair keeps working
+        handle = sender.begin("after", receiver.address, [7, 8], [5, 6])
+        for layer in range(SPEC.num_layers):
+            sender.send_layer(handle, layer)
+        sender.finish(handle)
+        receiver.call("wait", "after")
+    finally:
+        sender.close()
+        receiver.stop()

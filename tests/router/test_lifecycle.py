@@ -1,0 +1,213 @@
+"""The router's request lifecycle against worker stand-ins at the Ray boundary
+(tests/router/fakes.py): whatever ends a request, the workers its phase holds are
+told to free it, and the router's own counts return to zero. Each test names the
+defect of issue #12 it pins down."""
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+
+import pytest
+
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.kv_transfer import (KVTransferError, LayoutMismatchError, PeerLostError,
+                                 TransferAborted, TransferRefused, TransferTimeout)
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import OverloadedError, WorkerError, WorkerStalled
+from pdserve.router.router import ModelInfo, Router
+from pdserve.router.workers import DecodeHandle, PrefillHandle
+from tests.router.fakes import FakeActor, batch, prefill_ok, reserve_ok, resolve
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tok(llama_dir):
+    return Tokenizer(llama_dir)
+
+
+def _disaggregated(tok, decode: FakeActor, prefill: FakeActor, free_blocks: int = 100,
+                   **config) -> Router:
+    return Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
+                  [PrefillHandle("p0", prefill)],
+                  [DecodeHandle("d0", decode, num_blocks=100, free_blocks=free_blocks)],
+                  RouterConfig(**config))
+
+
+def _counts(router: Router) -> tuple:
+    (d,), (p,) = router.decode.values(), router.prefill.values()
+    return router.num_inflight, d.inflight, len(d.streams), p.queued, p.queued_tokens
+
+
+async def _drain(stream) -> list:
+    return [delta async for delta in stream]
+
+
+def test_a_stale_full_figure_does_not_latch_overload(tok):
+    # Defect 1: a worker last reported full was skipped without being asked, forever.
+    async def scenario():
+        decode = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
+        prefill = FakeActor(prefill=prefill_ok(7), abort=resolve(None))
+        router = _disaggregated(tok, decode, prefill, free_blocks=0)
+        await router.start()
+        stream = router.generate(router.accept([5, 6, 7], PARAMS))
+        first = await stream.__anext__()
+        await decode.batches.put(batch("d0", first.request_id, [7, 8], "", "length"))
+        rest = await _drain(stream)
+        await router.stop()
+        return first, rest, decode, router
+    first, rest, decode, router = asyncio.run(scenario())
+    assert first.token_ids == [7] and rest[-1].finish_reason == "length"
+    assert len(decode.calls["reserve"]) == 1
+    assert _counts(router) == (0, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("phase", ["reserve", "prefill"])
+def test_a_cancel_mid_phase_aborts_every_worker_holding_the_request(tok, phase):
+    # Defects 2 and 3: a cancel during prefill never reached the prefill worker; a
+    # cancel during reserve left the decode worker's count at +1 and its late
+    # reservation unaborted.
+    async def scenario():
+        decode = FakeActor(abort=resolve(None),
+                           **({"reserve": reserve_ok()} if phase == "prefill" else {}))
+        prefill = FakeActor(abort=resolve(None))  # prefill never answers
+        router = _disaggregated(tok, decode, prefill)
+        req = router.accept([5, 6, 7], PARAMS)
+        consumer = asyncio.ensure_future(_drain(router.generate(req)))
+        await (decode if phase == "reserve" else prefill).wait_call(phase)
+        consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        await router.stop()
+        return decode, prefill, router, req.request_id
+    decode, prefill, router, rid = asyncio.run(scenario())
+    assert decode.ids("abort") == [rid]
+    assert prefill.ids("abort") == ([rid] if phase == "prefill" else [])
+    assert _counts(router) == (0, 0, 0, 0, 0)
+
+
+def test_a_reservation_answered_after_its_timeout_is_aborted(tok):
+    # Defect 3: a reservation landing after the router gave up held its blocks.
+    async def scenario():
+        decode = FakeActor(abort=resolve(None))  # reserve never answers in time
+        router = _disaggregated(tok, decode, FakeActor(), reserve_timeout_s=0.2)
+        req = router.accept([5, 6, 7], PARAMS)
+        with pytest.raises(OverloadedError):
+            await _drain(router.generate(req))
+        await router.stop()
+        return decode, router, req.request_id
+    decode, router, rid = asyncio.run(scenario())
+    assert decode.ids("abort") == [rid]
+    assert _counts(router) == (0, 0, 0, 0, 0)
+
+
+def test_the_same_request_id_twice_at_once_is_invalid_not_overload(tok):
+    # Defect 11: concurrent duplicates got RESOURCE_EXHAUSTED (retried by the SDK).
+    async def scenario():
+        decode = FakeActor(abort=resolve(None))
+        router = _disaggregated(tok, decode, FakeActor())
+        first = asyncio.ensure_future(_drain(router.generate(
+            router.accept([1, 2], PARAMS, "same"))))
+        await decode.wait_call("reserve")
+        with pytest.raises(InvalidRequestError) as err:
+            await _drain(router.generate(router.accept([3, 4], PARAMS, "same")))
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await router.stop()
+        return err.value
+    assert asyncio.run(scenario()).field == "request_id"
+
+
+def test_a_request_the_kv_cache_can_never_hold_is_invalid(tok):
+    # Defect 11: the worker's own check came back as a refusal, so 429 forever.
+    def refuse(future, *args):
+        future.set_exception(InvalidRequestError("max_tokens", "needs 40 KV blocks; "
+                                                 "the cache holds 8"))
+
+    async def scenario():
+        decode = FakeActor(reserve=refuse, abort=resolve(None))
+        router = _disaggregated(tok, decode, FakeActor())
+        with pytest.raises(InvalidRequestError) as err:
+            await _drain(router.generate(router.accept([1, 2], PARAMS)))
+        await router.stop()
+        return err.value, router
+    err, router = asyncio.run(scenario())
+    assert err.field == "max_tokens" and "KV blocks" in str(err)
+    assert _counts(router) == (0, 0, 0, 0, 0)
+
+
+def test_token_one_carries_its_text_and_the_stream_does_not_repeat_it(tok):
+    # Defect 12: token #1 went out with empty text; its text came one hop later.
+    prompt = tok.encode("The weather today is")
+    first_token, second = tok.encode(" sunny and", add_special_tokens=False)[:2]
+
+    async def scenario():
+        decode = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
+        router = _disaggregated(tok, decode, FakeActor(prefill=prefill_ok(first_token)))
+        await router.start()
+        stream = router.generate(router.accept(prompt, PARAMS))
+        first = await stream.__anext__()
+        full = tok.decode(prompt + [first_token, second])[len(tok.decode(prompt)):]
+        await decode.batches.put(batch("d0", first.request_id, [first_token, second], full,
+                                       "length"))
+        rest = await _drain(stream)
+        await router.stop()
+        return first, rest, full
+    first, rest, full = asyncio.run(scenario())
+    assert first.text and full.startswith(first.text)
+    assert first.text + "".join(d.text for d in rest) == full
+    assert [t for d in rest for t in d.token_ids] == [second]
+
+
+def test_a_decode_worker_that_stops_stepping_fails_its_requests_within_the_bound(tok):
+    # Defect 6: a worker whose engine loop died left every request waiting forever.
+    async def scenario():
+        engine = FakeActor(submit=resolve(None), abort=resolve(None))
+        router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16), [],
+                        [DecodeHandle("e0", engine, 100, 100)],
+                        RouterConfig(stall_timeout_s=0.3), colocated=True)
+        await router.start()
+        t0 = time.monotonic()
+        with pytest.raises(WorkerStalled):
+            await _drain(router.generate(router.accept([1, 2, 3], PARAMS)))
+        elapsed = time.monotonic() - t0
+        await router.stop()
+        return elapsed, engine, router
+    elapsed, engine, router = asyncio.run(scenario())
+    assert elapsed < 3, elapsed
+    assert len(engine.calls["abort"]) == 1 and router.num_inflight == 0
+
+
+def test_a_dead_decode_stream_fails_its_requests_and_takes_the_worker_out(tok):
+    async def scenario():
+        engine = FakeActor(submit=resolve(None), abort=resolve(None))
+        router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16), [],
+                        [DecodeHandle("e0", engine, 100, 100)], colocated=True)
+        await router.start()
+        consumer = asyncio.ensure_future(_drain(router.generate(
+            router.accept([1, 2, 3], PARAMS))))
+        await engine.wait_call("submit")
+        await engine.batches.put(RuntimeError("actor died (pid=4242, ip=10.1.2.3)"))
+        with pytest.raises(WorkerError) as err:
+            await consumer
+        with pytest.raises(OverloadedError):  # no live engine worker is left
+            await _drain(router.generate(router.accept([1, 2, 3], PARAMS)))
+        await router.stop()
+        return err.value
+    assert "RuntimeError" in str(asyncio.run(scenario()))
+
+
+@pytest.mark.parametrize("error", [
+    InvalidRequestError("top_p", "must be in (0, 1]"),
+    KVTransferError("r1", "broken"), LayoutMismatchError(None, "head_dim differs"),
+    TransferRefused("r2", "not expected"), TransferTimeout("r3", "late"),
+    TransferAborted("r4", "aborted"), PeerLostError("r5", "gone"),
+    OverloadedError("full", 2.5)])
+def test_every_error_crossing_a_process_boundary_round_trips(error):
+    # Defect 10: two-argument errors did not unpickle, so Ray handed the router an
+    # opaque wrapper and field names were lost.
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error) and str(back) == str(error)
+    assert vars(back) == vars(error)
