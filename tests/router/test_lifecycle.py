@@ -13,8 +13,14 @@ import pytest
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.kv_transfer import (KVTransferError, LayoutMismatchError, PeerLostError,
-                                 TransferAborted, TransferRefused, TransferTimeout)
+from pdserve.kv_transfer import (
+    KVTransferError,
+    LayoutMismatchError,
+    PeerLostError,
+    TransferAborted,
+    TransferRefused,
+    TransferTimeout,
+)
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import OverloadedError, WorkerError, WorkerStalled
 from pdserve.router.router import ModelInfo, Router
