@@ -41,7 +41,8 @@ class DecodeWorkerActor:
         await asyncio.wrap_future(self.worker.start(request_id, first_token))
 
     async def abort(self, request_id: str) -> None:
-        self.worker.abort(request_id)
+        # It waits for the engine's state lock: not on this loop, which streams steps.
+        await asyncio.to_thread(self.worker.abort, request_id)
 
     async def steps(self, stall_timeout_s: float):
         """Every step's new tokens, for as long as the subscriber listens. Steps that

@@ -84,16 +84,20 @@ class KVSender:
         self._pool = BufferPool()  # layer messages, reused once sent
 
     def begin(self, request_id: str, receiver_address: str, src_block_ids: list[int],
-              dst_block_ids: list[int], num_cached_blocks: int = 0) -> SendHandle:
+              dst_block_ids: list[int], num_cached_blocks: int = 0,
+              connect: bool = True) -> SendHandle:
         """Handshake for one request. `src_block_ids` / `dst_block_ids` cover the whole
         request on each side; the first `num_cached_blocks` are held by the receiver
-        already and are skipped."""
+        already and are skipped. connect=False: a pair not open already is a
+        PeerLostError rather than a rendezvous on the caller's thread."""
         if len(src_block_ids) != len(dst_block_ids):
             raise ValueError(f"request {request_id}: {len(src_block_ids)} source blocks but "
                              f"{len(dst_block_ids)} destination blocks")
         if not 0 <= num_cached_blocks <= len(src_block_ids):
             raise ValueError(f"request {request_id}: num_cached_blocks out of range")
-        peer = self._peer(receiver_address)
+        peer = self._peers.get(receiver_address) if not connect else self._peer(receiver_address)
+        if peer is None:
+            raise PeerLostError(request_id, f"no open pair with {receiver_address}")
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -253,6 +257,9 @@ class KVSender:
         """Open the pair ahead of the first transfer (the rendezvous takes about a
         second; better at start-up than inside a prefill step)."""
         self._peer(address)
+
+    def is_connected(self, address: str) -> bool:
+        return address in self._peers
 
     def _peer(self, address: str) -> _Peer:
         peer = self._peers.get(address)

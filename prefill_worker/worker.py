@@ -1,15 +1,21 @@
 """A prefill worker: runs prompts (batched, chunked, prefix-cached) and streams each
 request's KV layer by layer to the decode worker the router chose.
 
-Job lifecycle: prefill() queues the prompt (max_tokens=1) -> the step that computes
-its last prompt chunk begins the transfer and sends each layer as the forward pass
-writes it -> the first token is sampled -> the decode worker confirms every layer
-landed -> the PrefillResult resolves. Any transfer error resolves it with that error.
+Job lifecycle: prefill() waits for the pair with its decode worker (opened, or
+re-opened, on that peer's own thread) -> the prompt is queued (max_tokens=1) -> the
+step that computes its last prompt chunk begins the transfer and sends each layer as
+the forward pass writes it -> the first token is sampled -> the decode worker
+confirms every layer landed -> the PrefillResult resolves. Any transfer error
+resolves it with that error. Nothing on the engine thread waits on the network: pair
+set-up, confirmations and aborts run on one thread per decode worker, so a dead peer
+delays only its own requests.
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
@@ -25,6 +31,7 @@ from pdserve.kv_transfer import KVSender, SendHandle, TransferConfig
 class _Job:
     job: PrefillJob
     future: Future
+    queued: bool = False  # in the engine (before: waiting for its pair)
     handle: SendHandle | None = None
 
 
@@ -35,38 +42,53 @@ class PrefillWorker:
         engine = LLMEngine(engine_config)
         self.sender = KVSender(worker_id, engine.runner.kv_caches, transfer)
         self._jobs: dict[str, _Job] = {}
-        # Waiting for a receiver's confirmation must not stall the engine loop.
-        self._confirm = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-confirm")
+        self._lanes: dict[str, _Lane] = {}  # receiver address -> its thread
+        self._pairing: dict[str, Future] = {}  # receiver address -> its pair being opened
+        self._lanes_lock = threading.Lock()
         self.loop = EngineLoop(engine, on_step=self._on_step, export=self._export)
 
     def prefill(self, job: PrefillJob) -> Future:
         """Resolves to a PrefillResult once the KV landed on the decode worker."""
-        future: Future = Future()
+        entry = self._jobs[job.request_id] = _Job(job, Future())
         # Only the first token is sampled here; stop conditions are the decode side's.
         params = replace(job.sampling_params, max_tokens=1, stop=(), stop_token_ids=(),
                          ignore_eos=True)
 
         def add(engine: LLMEngine) -> None:
+            if self._jobs.get(job.request_id) is not entry:
+                return  # aborted while its pair was being opened
             engine.add_request(job.request_id, job.prompt_token_ids, params, job.arrival_time)
-            self._jobs[job.request_id] = _Job(job, future)
+            entry.queued = True
 
         def refused(added: Future) -> None:  # bad input: the engine raised, nothing queued
-            if added.exception() is not None and not future.done():
-                future.set_exception(added.exception())
+            if added.exception() is not None:
+                self._resolve(job.request_id, error=added.exception())
 
-        self.loop.call(add).add_done_callback(refused)
-        return future
+        def paired(ready: Future) -> None:
+            if ready.exception() is not None:
+                self._resolve(job.request_id, error=ready.exception())
+            else:
+                self.loop.call(add).add_done_callback(refused)
+
+        self._pair(job.target.receiver_address).add_done_callback(paired)
+        return entry.future
 
     def connect(self, receiver_addresses: list[str]) -> None:
         """Pair with decode workers now rather than on their first request."""
-        for address in receiver_addresses:
-            self.sender.connect(address)
+        for future in [self._pair(address) for address in receiver_addresses]:
+            future.result()
 
     def abort(self, request_id: str) -> None:
         self.loop.engine.abort(request_id)
         entry = self._jobs.get(request_id)
-        if entry is not None and entry.handle is not None:
-            self._confirm.submit(self.sender.abort, entry.handle)
+        if entry is None:
+            return
+        if entry.handle is not None:
+            self._lane(entry.job.target.receiver_address).submit(self.sender.abort,
+                                                                 entry.handle)
+        elif not entry.queued:  # still waiting for its pair: it never starts
+            self._resolve(request_id, error=RuntimeError(
+                f"request {request_id} was aborted before it was queued"))
 
     def stats(self) -> dict:
         engine = self.loop.engine
@@ -77,8 +99,33 @@ class PrefillWorker:
 
     def shutdown(self) -> None:
         self.loop.stop()
-        self._confirm.shutdown(wait=False)
+        for lane in self._lanes.values():
+            lane.close()
         self.sender.close()
+
+    def _lane(self, address: str) -> "_Lane":
+        """The one thread that talks to this decode worker outside the engine loop."""
+        with self._lanes_lock:
+            lane = self._lanes.get(address)
+            if lane is None:
+                lane = self._lanes[address] = _Lane(f"kv-peer-{len(self._lanes)}")
+            return lane
+
+    def _pair(self, address: str) -> Future:
+        """Resolves once the pair with `address` is open (at once if it is); requests
+        arriving while it opens share the one attempt."""
+        with self._lanes_lock:
+            pairing = self._pairing.get(address)
+            if pairing is not None and not pairing.done():
+                return pairing
+        if self.sender.is_connected(address):
+            ready: Future = Future()
+            ready.set_result(None)
+            return ready
+        pairing = self._lane(address).submit(self.sender.connect, address)
+        with self._lanes_lock:
+            self._pairing[address] = pairing
+        return pairing
 
     # ---- on the engine thread ---------------------------------------------------
 
@@ -92,7 +139,7 @@ class PrefillWorker:
             try:
                 entry.handle = self.sender.begin(request.request_id, target.receiver_address,
                                                  request.block_ids, target.block_ids,
-                                                 target.num_cached_blocks)
+                                                 target.num_cached_blocks, connect=False)
             except Exception as exc:
                 self._resolve(request.request_id, error=exc)
                 continue
@@ -118,7 +165,8 @@ class PrefillWorker:
                 self._resolve(out.request_id, error=RuntimeError(
                     f"request {out.request_id} was aborted before its KV was sent"))
                 continue
-            self._confirm.submit(self._await_receiver, entry, out)
+            self._lane(entry.job.target.receiver_address).submit(self._await_receiver,
+                                                                 entry, out)
 
     def _await_receiver(self, entry: _Job, out: RequestOutput) -> None:
         try:
@@ -140,3 +188,28 @@ class PrefillWorker:
             entry.future.set_exception(error)
         else:
             entry.future.set_result(result)
+
+
+class _Lane:
+    """One daemon thread running calls in order: a peer that hangs holds up only its
+    own lane, and never the process's exit."""
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._calls.put((fn, args, future))
+        return future
+
+    def close(self) -> None:
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, args, future = call
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:
+                future.set_exception(exc)

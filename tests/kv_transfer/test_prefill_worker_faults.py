@@ -82,3 +82,39 @@ def test_a_send_failing_mid_forward_fails_only_that_request(llama_dir):
     finally:
         worker.shutdown()
         live.stop()
+
+
+def test_a_hung_decode_worker_delays_only_its_own_requests(llama_dir):
+    # Defect 7 of #12: opening a pair ran inside begin() on the engine thread, and four
+    # shared threads waited on confirmations, so one unresponsive decode worker
+    # stalled the prefill batch and every other peer's confirmations. SIGSTOP makes a
+    # receiver that accepts connections into its kernel backlog but never answers.
+    import os
+    import signal
+    hung, live = Worker("receiver", "hung", SPEC), Worker("receiver", "live", SPEC)
+    transfer = TransferConfig(timeout_s=20, connect_timeout_s=5)
+    worker = PrefillWorker("p", EngineConfig.from_kwargs(
+        str(llama_dir), kv_cache_memory_bytes=16 << 20), transfer)
+    try:
+        worker.connect([live.address])
+        params = SamplingParams(max_tokens=5, temperature=0)
+        blocks = list(range(2))
+        os.kill(hung.process.pid, signal.SIGSTOP)
+        stuck = [worker.prefill(PrefillJob(f"stuck-{i}", list(range(10 + i, 30 + i)), params,
+                                           Reservation(f"stuck-{i}", hung.address, blocks, 0),
+                                           time.time())) for i in range(5)]
+        live.call("expect", "fine", blocks)
+        t0 = time.monotonic()
+        fine = worker.prefill(PrefillJob("fine", list(range(40, 60)), params,
+                                         Reservation("fine", live.address, blocks, 0),
+                                         time.time())).result(timeout=transfer.timeout_s)
+        elapsed = time.monotonic() - t0
+        live.call("wait", "fine")
+        assert fine.kv_bytes_sent > 0
+        assert elapsed < transfer.timeout_s / 4, f"the live peer waited {elapsed:.1f}s"
+        assert not any(f.done() for f in stuck)  # still waiting on their own peer
+    finally:
+        os.kill(hung.process.pid, signal.SIGCONT)
+        worker.shutdown()
+        hung.stop()
+        live.stop()
