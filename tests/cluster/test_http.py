@@ -172,6 +172,8 @@ def test_health_ready_and_metrics(server, client):
                  "pdserve:prompt_tokens_total", "pdserve:generation_tokens_total",
                  "pdserve:num_preemptions"):
         assert name in text, name
+    for lease in ("begin", "transfer", "start"):
+        assert f'pdserve:kv_lease_expiries{{lease="{lease}",model_name="test-llama"}}' in text
     count = [line for line in text.splitlines()
              if line.startswith("pdserve:e2e_request_latency_seconds_count")]
     assert float(count[0].split()[-1]) >= 1
