@@ -79,10 +79,16 @@ class Sampler:
         if p.top_p < 1.0:
             sorted_logits, order = torch.sort(logits, descending=True)
             cumulative = sorted_logits.softmax(-1).cumsum(-1)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always).
+            # Keep the smallest prefix whose mass reaches top_p, the first token always
+            # (a top_p below float32's range compares as 0 and would drop it too).
             drop = cumulative - sorted_logits.softmax(-1) >= p.top_p
+            drop[0] = False
             logits = logits.index_fill(0, order[drop], float("-inf"))
         probs = logits.softmax(-1)
+        if not bool(torch.isfinite(probs).all()):
+            # Extreme penalties overflow a logit to inf (inf - inf is NaN in softmax):
+            # the distribution has collapsed onto those tokens, so take the first.
+            return int(logits.nan_to_num(nan=float("-inf")).argmax())
         if p.seed is None:
             generator = self._default
         else:

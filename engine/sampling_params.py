@@ -7,12 +7,15 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.options import option
 
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / 1e-45
+# overflow float32 and would put inf / NaN into the whole batch's sampling.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = option(16, "the most tokens to generate")
-    temperature: float = option(1.0, "0 = greedy")
+    temperature: float = option(1.0, "0 (or below 1e-5) = greedy")
     top_k: int = option(0, "sample from the k most likely tokens; 0 (or -1) = off")
     top_p: float = option(1.0, "sample from the smallest set of tokens whose probability "
                           "reaches top_p")
@@ -55,8 +58,8 @@ class SamplingParams:
                  "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
         _require(self.seed is None or _is_int(self.seed), "seed",
                  f"must be an integer, got {self.seed!r}")
-        _require(all(isinstance(s, str) and s for s in self.stop), "stop",
-                 "must be non-empty strings")
+        _require(all(isinstance(s, str) and s and _is_unicode(s) for s in self.stop), "stop",
+                 "must be non-empty, valid Unicode strings")
         _require(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids",
                  "must be integers")
         _require(_is_int(self.priority), "priority", "must be an integer")
@@ -64,6 +67,8 @@ class SamplingParams:
                  "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if self.top_logprobs:
             object.__setattr__(self, "logprobs", True)
+        if self.temperature < SAMPLING_EPS:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +82,14 @@ class SamplingParams:
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")  # JSON escapes can carry lone surrogates
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_number(v) -> bool:

@@ -6,10 +6,20 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.tokenizer import Tokenizer
 
 
+def check_text(field: str, text: str) -> None:
+    """Text must be encodable as UTF-8: JSON's escapes can carry lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidRequestError(field, f"is not valid Unicode text ({err.reason} at "
+                                  f"position {err.start})") from None
+
+
 def prompt_token_ids(prompt, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
+        check_text("prompt", prompt)
         return tokenizer.encode(prompt)
     if not isinstance(prompt, (list, tuple)) or not prompt:
         raise InvalidRequestError("prompt", "must be a non-empty string or list of token ids")

@@ -314,9 +314,10 @@ class KVReceiver:
                 return False
             incoming.settled = True
             incoming.lease = None
-        self._finish(incoming, error, status)
+        # The blocks go back to their owner before anyone hears of the failure.
         if self.on_release is not None:
             self.on_release(incoming.request_id)
+        self._finish(incoming, error, status)
         return True
 
     def _finish(self, incoming: _Incoming, error, status: int | None) -> None:

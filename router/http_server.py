@@ -56,7 +56,7 @@ def create_app(router: Router) -> FastAPI:
     @app.get("/ready")
     async def ready():
         if not router.ready:
-            return _error(503, "a worker pool is empty", kind="service_unavailable")
+            return _error(503, "a worker pool has no live worker", kind="service_unavailable")
         return {"status": "ready"}
 
     @app.get("/metrics")
@@ -92,7 +92,7 @@ def create_app(router: Router) -> FastAPI:
         if not router.tokenizer.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template")
         params = body.sampling_params()
-        text = router.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+        text = router.tokenizer.apply_chat_template(body.template_messages())
         # The template writes the special tokens itself.
         ids = router.tokenizer.encode(text, add_special_tokens=False)
         accepted = router.accept(ids, params)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.options import help_of
 from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from pdserve.engine.validation import check_text
 
 # SamplingParams fields whose OpenAI spelling differs: nullable max_tokens, stop as a
 # string or a list, logprobs as a count (completions) or a flag + top_logprobs (chat).
@@ -88,6 +89,15 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+    def template_messages(self) -> list[dict]:
+        """The messages as the chat template takes them, checked."""
+        if not self.messages:
+            raise InvalidRequestError("messages", "must not be empty")
+        for i, message in enumerate(self.messages):
+            check_text(f"messages[{i}].content", message.content)
+            check_text(f"messages[{i}].role", message.role)
+        return [m.model_dump() for m in self.messages]
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:

@@ -66,8 +66,9 @@ class Router:
 
     @property
     def ready(self) -> bool:
-        """Whether every pool the mode needs has a worker."""
-        return bool(self.decode) and (self.colocated or bool(self.prefill))
+        """Whether every pool the mode needs has a live worker."""
+        live = any(w.alive for w in self.decode.values())
+        return live and (self.colocated or bool(self.prefill))
 
     @property
     def num_inflight(self) -> int:

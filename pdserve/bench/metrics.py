@@ -1,6 +1,7 @@
 """Per-request latency metrics, SLO goodput and the sweep's crossing point.
 
-TTFT = first visible output - send (see RequestRecord.first_output_time); TPOT = (e2e - TTFT) / (output tokens - 1); every gap
+TTFT = first visible output - send (RequestRecord.first_output_time);
+TPOT = (e2e - TTFT) / (output tokens - 1); every gap
 between consecutive tokens is an inter-token latency (a chunk of k tokens counts as k
 tokens arriving together). A request counts toward goodput only if it finished and
 met every limit given; failures and rejections are counted, never dropped.

@@ -111,15 +111,53 @@ def test_models_lists_max_model_len(client):
     ({"prompt": "hi", "min_p": "x"}, "min_p"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "model": "gpt-4"}, "model"),
+    ({"prompt": "a\ud800b"}, "prompt"),  # a lone surrogate: was a 500
+    ({"prompt": "hi", "stop": ["\udfff"]}, "stop"),
 ])
 def test_bad_input_is_400_naming_the_field(server, body, param):
-    response = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=30)
+    response = _post_ascii_json(f"{server.http_url}/v1/completions", body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"]
     ok = httpx.post(f"{server.http_url}/v1/completions",
                     json={"prompt": [5, 6], "max_tokens": 2, "ignore_eos": True}, timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def _post_ascii_json(url: str, body: dict) -> httpx.Response:
+    """JSON with \\u escapes, the way a lone surrogate reaches a server (httpx would
+    refuse to encode it as UTF-8 itself)."""
+    return httpx.post(url, content=json.dumps(body), timeout=30,
+                      headers={"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([], "messages"),  # was accepted (200)
+    ([{"role": "user", "content": "x\ud83d"}], "messages[0].content"),
+])
+def test_bad_chat_messages_are_400(server, messages, param):
+    response = _post_ascii_json(f"{server.http_url}/v1/chat/completions",
+                                {"messages": messages, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 1e-45},
+    {"temperature": 1, "top_p": 1e-300},
+    {"temperature": 1, "repetition_penalty": 1e-300},
+    {"temperature": 1, "repetition_penalty": 1e300, "top_k": 3},
+])
+def test_extreme_sampling_values_cannot_kill_a_worker(server, sampling):
+    # Each of these used to put inf / NaN into the batch and kill the engine loop.
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "ignore_eos": True, **sampling}
+    response = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
+    canary = httpx.post(f"{server.http_url}/v1/completions",
+                        json={"prompt": [9, 10], "max_tokens": 2, "ignore_eos": True},
+                        timeout=30)
+    assert canary.status_code == 200 and canary.json()["usage"]["completion_tokens"] == 2
 
 
 def test_overload_is_429_with_retry_after(server):

@@ -207,3 +207,20 @@ def test_top_logprobs_are_the_most_likely_tokens(llm):
         assert list(top) == expected.indices.tolist()
         assert list(top.values()) == pytest.approx(expected.values.tolist(), abs=1e-5)
         assert next(iter(top)) == out.token_ids[k]  # greedy picks the most likely
+
+
+def test_extreme_values_sample_without_poisoning_the_batch(llm):
+    # temperature 1e-45, top_p 1e-300 and repetition_penalty 1e-300 each put inf / NaN
+    # into torch.multinomial and killed the engine loop; now they sample, and a greedy
+    # companion in the same batch gets exactly what it gets alone.
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    alone = llm.generate([[11, 12, 13]], greedy)[0].token_ids
+    extreme = [SamplingParams(max_tokens=6, temperature=1e-45, ignore_eos=True),
+               SamplingParams(max_tokens=6, temperature=1, top_p=1e-300, ignore_eos=True),
+               SamplingParams(max_tokens=6, temperature=1, repetition_penalty=1e-300,
+                              ignore_eos=True)]
+    outs = llm.generate([[11, 12, 13]] * 4, [greedy, *extreme])
+    assert outs[0].token_ids == alone
+    assert outs[1].token_ids == alone  # below the epsilon: greedy
+    assert outs[2].token_ids == alone  # top_p that small keeps only the top token
+    assert all(len(o.token_ids) == 6 for o in outs)
