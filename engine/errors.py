@@ -11,3 +11,10 @@ class InvalidRequestError(ValueError):
 
     def __reduce__(self):  # crosses the Ray boundary with its field
         return type(self), (self.field, self.message)
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this server does not serve (404, as OpenAI)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(field, message)

@@ -10,6 +10,9 @@ MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / 1e-45
 # overflow float32 and would put inf / NaN into the whole batch's sampling.
 SAMPLING_EPS = 1e-5
+# Stop conditions are checked every step and the longest stop string is held back
+# from streaming, so both are bounded.
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 32, 1024, 1024
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,13 @@ class SamplingParams:
                  f"must be an integer, got {self.seed!r}")
         _require(all(isinstance(s, str) and s and _is_unicode(s) for s in self.stop), "stop",
                  "must be non-empty, valid Unicode strings")
+        _require(len(self.stop) <= MAX_STOP_STRINGS
+                 and all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+                 f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
         _require(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids",
                  "must be integers")
+        _require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+                 f"at most {MAX_STOP_TOKEN_IDS}")
         _require(_is_int(self.priority), "priority", "must be an integer")
         _require(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                  "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")

@@ -1,6 +1,7 @@
 """A local HF tokenizer directory: tokenizer.json (+ tokenizer_config.json)."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -22,6 +23,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tk.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token covers (its vocabulary string:
+        byte-level and byte-fallback spellings are at least as long as their text),
+        so text longer than n x this cannot fit in n tokens."""
+        return max(map(len, self._tk.get_vocab(with_added_tokens=True)))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids

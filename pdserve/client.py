@@ -121,7 +121,9 @@ def _error(err: grpc.RpcError) -> PdserveError:
         for key, value in (err.trailing_metadata() or ()):
             if key == "retry-after":
                 retry_after = float(value)
-        return OverloadedError(code, message, retry_after)
+        if retry_after is not None:  # the server's overload: worth a retry
+            return OverloadedError(code, message, retry_after)
+        return PdserveError(code, message)  # e.g. a message over the size limit
     kind = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
             grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
             grpc.StatusCode.UNAVAILABLE: UnavailableError}.get(code, PdserveError)

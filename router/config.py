@@ -23,6 +23,9 @@ class RouterConfig:
     # Prompt tokens admitted to one prefill worker and not yet prefilled; beyond it
     # a request gets 429 at once instead of a wait that could outlast its lease.
     max_queued_prefill_tokens: int = 32768  # 0 = unbounded
+    # An HTTP body or gRPC message larger than this is refused (413 / RESOURCE_EXHAUSTED)
+    # before it is parsed.
+    max_request_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         for name in ("reserve_timeout_s", "prefill_timeout_s", "start_timeout_s",
@@ -30,6 +33,8 @@ class RouterConfig:
                      "retry_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.max_request_bytes < 1:
+            raise ValueError("max_request_bytes must be >= 1")
         for name in ("max_inflight", "max_queued_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

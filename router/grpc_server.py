@@ -30,8 +30,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                 prompt = list(request.token_ids.ids)
             else:
                 raise InvalidRequestError("prompt", "set text or token_ids")
-            accepted = self.router.accept(prompt, from_proto(request.sampling_params),
-                                          request.request_id)
+            accepted = await self.router.accept(
+                prompt, from_proto(request.sampling_params), request.request_id)
         except InvalidRequestError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         completion = 0
@@ -69,7 +69,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
 
 async def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int = 0):
     """Starts the server; returns (server, bound port). Port 0 picks a free one."""
-    server = grpc.aio.server()
+    limit = router.config.max_request_bytes
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                      ("grpc.max_send_message_length", limit)])
     pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(router), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

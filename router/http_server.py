@@ -12,8 +12,9 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.errors import InvalidRequestError, ModelNotFoundError
 from pdserve.engine.worker_messages import TokenDelta
 from pdserve.router.errors import OverloadedError, WorkerError
 from pdserve.router.openai_protocol import ChatRequest, CompletionRequest
@@ -21,13 +22,59 @@ from pdserve.router.router import Accepted, Router
 
 
 def _error(status: int, message: str, param: str | None = None,
-           kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+           kind: str = "invalid_request_error", headers: dict | None = None,
+           code: str | int | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status}}, status_code=status, headers=headers)
+                                   "code": status if code is None else code}},
+                        status_code=status, headers=headers)
+
+
+class _BodyLimit:
+    """ASGI middleware: a body over `limit` bytes is a 413 before anything parses it
+    (by its Content-Length, or as the chunks arrive)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._too_large(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge(self.limit)
+            return message
+        await self.app(scope, counted, send)
+
+    async def _too_large(self, scope, receive, send):
+        await _error(413, _TooLarge.detail_for(self.limit))(scope, receive, send)
+
+
+class _TooLarge(HTTPException):
+    """Raised while the body is read, so the app's HTTPException handler answers."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, self.detail_for(limit))
+
+    @staticmethod
+    def detail_for(limit: int) -> str:
+        return f"the request body exceeds {limit} bytes"
 
 
 def create_app(router: Router) -> FastAPI:
     app = FastAPI(title="pdserve")
+    app.add_middleware(_BodyLimit, limit=router.config.max_request_bytes)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, exc: HTTPException):  # unknown routes, methods, 413
+        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
     model = router.model
 
     @app.exception_handler(RequestValidationError)
@@ -38,6 +85,8 @@ def create_app(router: Router) -> FastAPI:
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request, exc: InvalidRequestError):
+        if isinstance(exc, ModelNotFoundError):
+            return _error(404, str(exc), exc.field, code="model_not_found")
         return _error(400, str(exc), exc.field)
 
     @app.exception_handler(OverloadedError)
@@ -82,7 +131,7 @@ def create_app(router: Router) -> FastAPI:
                 raise InvalidRequestError("prompt", "batched prompts are not supported; "
                                           "send one request per prompt")
             prompt = prompt[0]
-        accepted = router.accept(prompt, params)
+        accepted = await router.accept(prompt, params)
         shape = _CompletionShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)
 
@@ -92,10 +141,7 @@ def create_app(router: Router) -> FastAPI:
         if not router.tokenizer.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template")
         params = body.sampling_params()
-        text = router.tokenizer.apply_chat_template(body.template_messages())
-        # The template writes the special tokens itself.
-        ids = router.tokenizer.encode(text, add_special_tokens=False)
-        accepted = router.accept(ids, params)
+        accepted = await router.accept_chat(body.template_messages(), params)
         shape = _ChatShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)
 
@@ -104,7 +150,7 @@ def create_app(router: Router) -> FastAPI:
 
 def _check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
-        raise InvalidRequestError("model", f"model {requested!r} is not served here "
+        raise ModelNotFoundError("model", f"model {requested!r} is not served here "
                                   f"(this server serves {served!r})")
 
 

@@ -44,6 +44,11 @@ class ModelInfo:
     block_size: int
 
 
+# Text up to this long is tokenized on the event loop (well under a millisecond);
+# longer text in a thread.
+_INLINE_TOKENIZE_CHARS = 16384
+
+
 class _Cancelled(Exception):
     """Router.abort asked this request to end."""
 
@@ -85,9 +90,41 @@ class Router:
         if self._aborting:
             await asyncio.wait(self._aborting, timeout=self.config.control_timeout_s)
 
-    def accept(self, prompt, params: SamplingParams, request_id: str = "") -> Accepted:
-        """Validation and tokenization; raises InvalidRequestError naming the field."""
-        ids = prompt_token_ids(prompt, self.tokenizer, self.model.vocab_size)
+    async def accept(self, prompt, params: SamplingParams, request_id: str = "") -> Accepted:
+        """Validation and tokenization; raises InvalidRequestError naming the field.
+        Text that cannot fit the context is refused before tokenizing, and long text is
+        tokenized off the event loop, which serves every other request meanwhile."""
+        if isinstance(prompt, str):
+            self._check_chars("prompt", len(prompt))
+        ids = await self._tokenize(len(prompt) if isinstance(prompt, str) else 0,
+                                   prompt_token_ids, prompt, self.tokenizer,
+                                   self.model.vocab_size)
+        return self._accepted(ids, params, request_id)
+
+    async def accept_chat(self, messages: list[dict], params: SamplingParams,
+                          request_id: str = "") -> Accepted:
+        """The chat template applied to checked messages, then as accept()."""
+        chars = sum(len(m["content"]) for m in messages)
+        self._check_chars("messages", chars)
+        ids = await self._tokenize(chars, self._chat_token_ids, messages)
+        return self._accepted(ids, params, request_id)
+
+    def _chat_token_ids(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages)
+        return self.tokenizer.encode(text, add_special_tokens=False)  # the template has them
+
+    def _check_chars(self, field: str, chars: int) -> None:
+        limit = self.model.max_model_len * self.tokenizer.max_token_chars
+        if chars > limit:
+            raise InvalidRequestError(field, f"{chars} characters cannot fit the model's "
+                                      f"context of {self.model.max_model_len} tokens")
+
+    async def _tokenize(self, chars: int, fn, *args) -> list[int]:
+        if chars <= _INLINE_TOKENIZE_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def _accepted(self, ids: list[int], params: SamplingParams, request_id: str) -> Accepted:
         check_length(len(ids), params.max_tokens, self.model.max_model_len)
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         return Accepted(rid, ids, params, time.time())

@@ -23,7 +23,8 @@ class Scripted(pb_grpc.GenerateServiceServicer):
 
     async def Generate(self, request, context):
         ids = list(request.token_ids.ids)
-        if ids[0] == REJECT:
+        if ids[0] == REJECT:  # as pdserve refuses: with a retry-after
+            context.set_trailing_metadata((("retry-after", "1"),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
         await asyncio.sleep(ids[0] / 1000)
         n = request.sampling_params.max_tokens

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve import LLM, SamplingParams
-from pdserve.client import AsyncClient, Client, InvalidArgumentError, OverloadedError
+from pdserve.client import AsyncClient, Client, InvalidArgumentError, OverloadedError, PdserveError
 from tests.cluster.conftest import generate_concurrently, wait_all_blocks_free
 from tests.engine.test_hf_oracle import Oracle
 
@@ -80,6 +80,8 @@ def test_text_prompt_and_stream(server):
     ([1, 2, 3], {"frequency_penalty": -2.5}, "frequency_penalty"),
     ([1, 2, 3], {"min_p": 2.0}, "min_p"),
     (list(range(1, 500)), {"max_tokens": 100}, "max_tokens"),
+    ("hi " * 100_000, {}, "prompt"),  # cannot fit the context: refused before tokenizing
+    ([1, 2, 3], {"stop": ["x" * 1025]}, "stop"),
 ])
 def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(server, prompt, sampling,
                                                                      field):
@@ -87,6 +89,16 @@ def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(server, prom
         with pytest.raises(InvalidArgumentError) as err:
             client.generate(prompt, **sampling)
         assert field in err.value.message
+        assert len(client.generate([5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_a_message_over_the_limit_is_refused_and_the_server_keeps_serving(server):
+    limit = server.router.config.max_request_bytes
+    with Client(server.grpc_target) as client:  # not retried: no retry-after
+        with pytest.raises(PdserveError) as err:
+            client.generate("x" * (limit + 1))
+        assert not isinstance(err.value, OverloadedError)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert len(client.generate([5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3
 
 

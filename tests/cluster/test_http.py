@@ -110,7 +110,9 @@ def test_models_lists_max_model_len(client):
     ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "hi", "min_p": "x"}, "min_p"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
-    ({"prompt": "hi", "model": "gpt-4"}, "model"),
+    ({"prompt": "hi", "stop": [f"s{i}" for i in range(33)]}, "stop"),
+    ({"prompt": "hi", "stop": ["x" * 1025]}, "stop"),
+    ({"prompt": "hi " * 100_000}, "prompt"),  # cannot fit: refused before tokenizing
     ({"prompt": "a\ud800b"}, "prompt"),  # a lone surrogate: was a 500
     ({"prompt": "hi", "stop": ["\udfff"]}, "stop"),
 ])
@@ -122,6 +124,31 @@ def test_bad_input_is_400_naming_the_field(server, body, param):
     ok = httpx.post(f"{server.http_url}/v1/completions",
                     json={"prompt": [5, 6], "max_tokens": 2, "ignore_eos": True}, timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_an_unknown_model_is_404_model_not_found(server):
+    response = httpx.post(f"{server.http_url}/v1/completions",
+                          json={"prompt": "hi", "model": "gpt-4"}, timeout=30)
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_parsed(server):
+    limit = server.router.config.max_request_bytes
+    big = b'{"prompt": "' + b"x" * limit + b'"}'
+    declared = httpx.post(f"{server.http_url}/v1/completions", content=big, timeout=60,
+                          headers={"Content-Type": "application/json"})
+    assert declared.status_code == 413 and "exceeds" in declared.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for start in range(0, len(big), 1 << 20):
+            yield big[start:start + (1 << 20)]
+    chunked = httpx.post(f"{server.http_url}/v1/completions", content=chunks(), timeout=60,
+                         headers={"Content-Type": "application/json"})
+    assert chunked.status_code == 413
+    ok = httpx.post(f"{server.http_url}/v1/completions",
+                    json={"prompt": [5, 6], "max_tokens": 2, "ignore_eos": True}, timeout=30)
+    assert ok.status_code == 200
 
 
 def _post_ascii_json(url: str, body: dict) -> httpx.Response:

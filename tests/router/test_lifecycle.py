@@ -59,7 +59,7 @@ def test_a_stale_full_figure_does_not_latch_overload(tok):
         prefill = FakeActor(prefill=prefill_ok(7), abort=resolve(None))
         router = _disaggregated(tok, decode, prefill, free_blocks=0)
         await router.start()
-        stream = router.generate(router.accept([5, 6, 7], PARAMS))
+        stream = router.generate(await router.accept([5, 6, 7], PARAMS))
         first = await stream.__anext__()
         await decode.batches.put(batch("d0", first.request_id, [7, 8], "", "length"))
         rest = await _drain(stream)
@@ -81,7 +81,7 @@ def test_a_cancel_mid_phase_aborts_every_worker_holding_the_request(tok, phase):
                            **({"reserve": reserve_ok()} if phase == "prefill" else {}))
         prefill = FakeActor(abort=resolve(None))  # prefill never answers
         router = _disaggregated(tok, decode, prefill)
-        req = router.accept([5, 6, 7], PARAMS)
+        req = await router.accept([5, 6, 7], PARAMS)
         consumer = asyncio.ensure_future(_drain(router.generate(req)))
         await (decode if phase == "reserve" else prefill).wait_call(phase)
         consumer.cancel()
@@ -99,7 +99,7 @@ def test_a_reservation_answered_after_its_timeout_is_aborted(tok):
     async def scenario():
         decode = FakeActor(abort=resolve(None))  # reserve never answers in time
         router = _disaggregated(tok, decode, FakeActor(), reserve_timeout_s=0.2)
-        req = router.accept([5, 6, 7], PARAMS)
+        req = await router.accept([5, 6, 7], PARAMS)
         with pytest.raises(OverloadedError):
             await _drain(router.generate(req))
         await router.stop()
@@ -115,10 +115,10 @@ def test_the_same_request_id_twice_at_once_is_invalid_not_overload(tok):
         decode = FakeActor(abort=resolve(None))
         router = _disaggregated(tok, decode, FakeActor())
         first = asyncio.ensure_future(_drain(router.generate(
-            router.accept([1, 2], PARAMS, "same"))))
+            await router.accept([1, 2], PARAMS, "same"))))
         await decode.wait_call("reserve")
         with pytest.raises(InvalidRequestError) as err:
-            await _drain(router.generate(router.accept([3, 4], PARAMS, "same")))
+            await _drain(router.generate(await router.accept([3, 4], PARAMS, "same")))
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
         await router.stop()
@@ -136,7 +136,7 @@ def test_a_request_the_kv_cache_can_never_hold_is_invalid(tok):
         decode = FakeActor(reserve=refuse, abort=resolve(None))
         router = _disaggregated(tok, decode, FakeActor())
         with pytest.raises(InvalidRequestError) as err:
-            await _drain(router.generate(router.accept([1, 2], PARAMS)))
+            await _drain(router.generate(await router.accept([1, 2], PARAMS)))
         await router.stop()
         return err.value, router
     err, router = asyncio.run(scenario())
@@ -153,7 +153,7 @@ def test_token_one_carries_its_text_and_the_stream_does_not_repeat_it(tok):
         decode = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
         router = _disaggregated(tok, decode, FakeActor(prefill=prefill_ok(first_token)))
         await router.start()
-        stream = router.generate(router.accept(prompt, PARAMS))
+        stream = router.generate(await router.accept(prompt, PARAMS))
         first = await stream.__anext__()
         full = tok.decode(prompt + [first_token, second])[len(tok.decode(prompt)):]
         await decode.batches.put(batch("d0", first.request_id, [first_token, second], full,
@@ -177,7 +177,7 @@ def test_a_decode_worker_that_stops_stepping_fails_its_requests_within_the_bound
         await router.start()
         t0 = time.monotonic()
         with pytest.raises(WorkerStalled):
-            await _drain(router.generate(router.accept([1, 2, 3], PARAMS)))
+            await _drain(router.generate(await router.accept([1, 2, 3], PARAMS)))
         elapsed = time.monotonic() - t0
         await router.stop()
         return elapsed, engine, router
@@ -193,13 +193,13 @@ def test_a_dead_decode_stream_fails_its_requests_and_takes_the_worker_out(tok):
                         [DecodeHandle("e0", engine, 100, 100)], colocated=True)
         await router.start()
         consumer = asyncio.ensure_future(_drain(router.generate(
-            router.accept([1, 2, 3], PARAMS))))
+            await router.accept([1, 2, 3], PARAMS))))
         await engine.wait_call("submit")
         await engine.batches.put(RuntimeError("actor died (pid=4242, ip=10.1.2.3)"))
         with pytest.raises(WorkerError) as err:
             await consumer
         with pytest.raises(OverloadedError):  # no live engine worker is left
-            await _drain(router.generate(router.accept([1, 2, 3], PARAMS)))
+            await _drain(router.generate(await router.accept([1, 2, 3], PARAMS)))
         await router.stop()
         return err.value
     assert "RuntimeError" in str(asyncio.run(scenario()))

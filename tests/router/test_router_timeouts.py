@@ -19,7 +19,7 @@ def test_a_worker_that_never_answers_abort_does_not_hold_a_cancelled_stream():
         worker = DecodeHandle("engine-0", actor, num_blocks=8, free_blocks=8)
         router = Router(None, ModelInfo("m", 64, 100, 16), [], [worker],
                         RouterConfig(control_timeout_s=0.2), colocated=True)
-        stream = router.generate(router.accept([1, 2, 3], SamplingParams(max_tokens=4)))
+        stream = router.generate(await router.accept([1, 2, 3], SamplingParams(max_tokens=4)))
         first = asyncio.ensure_future(stream.__anext__())
         await actor.wait_call("submit")  # submitted; waiting for a step that never comes
         assert not first.done()
