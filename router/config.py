@@ -25,7 +25,7 @@ class RouterConfig:
     max_queued_prefill_tokens: int = 32768  # 0 = unbounded
     # An HTTP body or gRPC message larger than this is refused (413 / RESOURCE_EXHAUSTED)
     # before it is parsed.
-    max_request_bytes: int = 8 << 20
+    max_request_bytes: int = 4 << 20  # a 128k-token prompt is about 1 MiB as JSON
 
     def __post_init__(self) -> None:
         for name in ("reserve_timeout_s", "prefill_timeout_s", "start_timeout_s",
