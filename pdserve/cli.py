@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 
-from pdserve import cli_flags
+from pdserve import cli_flags, env
 from pdserve.bench.cli import add_bench_parser
 from pdserve.router.config import PoolSpec
 
@@ -77,6 +77,9 @@ def _add_serve_parser(sub) -> None:
                        help="0 picks a free port (default: %(default)s)")
     front.add_argument("--http-port", type=int, default=8000,
                        help="0 picks a free port (default: %(default)s)")
+    front.add_argument("--api-key", default=env.api_key(),
+                       help="clients must send Authorization: Bearer <key> (HTTP /v1 and "
+                       "/metrics, every gRPC API call); default: $PDSERVE_API_KEY, else none")
     front.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM "
                        "(default: %(default)s)")
@@ -104,7 +107,10 @@ def _serve(args) -> int:
 
     ray.init(address=args.ray_address, include_dashboard=False,
              log_to_driver=args.ray_address is None)
-    srv = RouterServer(launch_cluster(args), args.host, args.grpc_port, args.http_port)
+    from pdserve.router.auth import ApiKeys
+
+    keys = ApiKeys((args.api_key,) if args.api_key else ())
+    srv = RouterServer(launch_cluster(args), args.host, args.grpc_port, args.http_port, keys)
     print(f"pdserve serving {args.model!r} ({args.mode}): gRPC {srv.grpc_target}  "
           f"HTTP {srv.http_url}", flush=True)
     stop = threading.Event()

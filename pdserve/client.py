@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve import env
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
@@ -131,8 +133,14 @@ def _error(err: grpc.RpcError) -> PdserveError:
 
 
 class _Settings:
-    def __init__(self, timeout: float | None, max_retries: int, backoff_s: float):
+    def __init__(self, timeout: float | None, max_retries: int, backoff_s: float,
+                 api_key: str | None):
         self.timeout, self.max_retries, self.backoff_s = timeout, max_retries, backoff_s
+        key = api_key or env.api_key()
+        # Without API keys, this client's requests are its session's: only it can
+        # abort them (connections can be shared between channels of one process).
+        self.metadata = (("pdserve-session", uuid.uuid4().hex),
+                         *((("authorization", f"Bearer {key}"),) if key else ()))
 
 
 def _retry_delay(err: grpc.RpcError, received: bool, attempt: int, s: _Settings) -> float:
@@ -146,10 +154,11 @@ def _retry_delay(err: grpc.RpcError, received: bool, attempt: int, s: _Settings)
 
 class Client:
     def __init__(self, target: str, timeout: float | None = 60.0, max_retries: int = 3,
-                 backoff_s: float = 0.1):
+                 backoff_s: float = 0.1, api_key: str | None = None):
+        """api_key: sent as `authorization: Bearer` (default: $PDSERVE_API_KEY)."""
         self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.GenerateServiceStub(self._channel)
-        self._settings = _Settings(timeout, max_retries, backoff_s)
+        self._settings = _Settings(timeout, max_retries, backoff_s, api_key)
 
     def generate(self, prompt, *, timeout: float | None = None, request_id: str = "",
                  sampling_params: SamplingParams | None = None, **sampling) -> Completion:
@@ -167,7 +176,8 @@ class Client:
         for attempt in range(s.max_retries + 1):
             received = False
             try:
-                for response in self._stub.Generate(request, timeout=timeout or s.timeout):
+                for response in self._stub.Generate(request, timeout=timeout or s.timeout,
+                                                    metadata=s.metadata):
                     received = True
                     yield _chunk(response)
                 return
@@ -177,14 +187,16 @@ class Client:
     def abort(self, request_id: str, timeout: float | None = None) -> bool:
         try:
             return self._stub.Abort(pb.AbortRequest(request_id=request_id),
-                                    timeout=timeout or self._settings.timeout).found
+                                    timeout=timeout or self._settings.timeout,
+                                    metadata=self._settings.metadata).found
         except grpc.RpcError as err:
             raise _error(err) from None
 
     def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         try:
             return self._stub.GetModelInfo(pb.GetModelInfoRequest(),
-                                           timeout=timeout or self._settings.timeout)
+                                           timeout=timeout or self._settings.timeout,
+                                           metadata=self._settings.metadata)
         except grpc.RpcError as err:
             raise _error(err) from None
 
@@ -200,10 +212,11 @@ class Client:
 
 class AsyncClient:
     def __init__(self, target: str, timeout: float | None = 60.0, max_retries: int = 3,
-                 backoff_s: float = 0.1):
+                 backoff_s: float = 0.1, api_key: str | None = None):
+        """api_key: sent as `authorization: Bearer` (default: $PDSERVE_API_KEY)."""
         self._channel = grpc.aio.insecure_channel(target)
         self._stub = pb_grpc.GenerateServiceStub(self._channel)
-        self._settings = _Settings(timeout, max_retries, backoff_s)
+        self._settings = _Settings(timeout, max_retries, backoff_s, api_key)
 
     async def generate(self, prompt, *, timeout: float | None = None, request_id: str = "",
                        sampling_params: SamplingParams | None = None, **sampling) -> Completion:
@@ -221,7 +234,8 @@ class AsyncClient:
         s = self._settings
         for attempt in range(s.max_retries + 1):
             received = False
-            call = self._stub.Generate(request, timeout=timeout or s.timeout)
+            call = self._stub.Generate(request, timeout=timeout or s.timeout,
+                                       metadata=s.metadata)
             try:
                 async for response in call:
                     received = True
@@ -235,14 +249,16 @@ class AsyncClient:
     async def abort(self, request_id: str, timeout: float | None = None) -> bool:
         try:
             return (await self._stub.Abort(pb.AbortRequest(request_id=request_id),
-                                           timeout=timeout or self._settings.timeout)).found
+                                           timeout=timeout or self._settings.timeout,
+                                           metadata=self._settings.metadata)).found
         except grpc.RpcError as err:
             raise _error(err) from None
 
     async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         try:
             return await self._stub.GetModelInfo(pb.GetModelInfoRequest(),
-                                                 timeout=timeout or self._settings.timeout)
+                                                 timeout=timeout or self._settings.timeout,
+                                                 metadata=self._settings.metadata)
         except grpc.RpcError as err:
             raise _error(err) from None
 

@@ -7,6 +7,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.engine.errors import InvalidRequestError
+from pdserve.router.auth import ApiKeys, owner
 from pdserve.router.errors import OverloadedError, WorkerError
 from pdserve.router.router import Router
 from pdserve.v1 import generate_pb2 as pb
@@ -19,10 +20,20 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
 
 class GenerateServicer(pb_grpc.GenerateServiceServicer):
-    def __init__(self, router: Router):
-        self.router = router
+    def __init__(self, router: Router, keys: ApiKeys):
+        self.router, self.keys = router, keys
+
+    async def _owner(self, context) -> str:
+        """The caller's identity, or the call ends UNAUTHENTICATED."""
+        metadata = dict(context.invocation_metadata() or ())
+        key = self.keys.check(metadata.get("authorization"))
+        if key is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is "
+                                "required (metadata authorization: Bearer <key>)")
+        return owner(key, metadata.get("pdserve-session"), context.peer())
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        caller = await self._owner(context)
         try:
             if request.WhichOneof("prompt") == "text":
                 prompt = request.text
@@ -31,7 +42,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             else:
                 raise InvalidRequestError("prompt", "set text or token_ids")
             accepted = await self.router.accept(
-                prompt, from_proto(request.sampling_params), request.request_id)
+                prompt, from_proto(request.sampling_params), request.request_id, caller)
         except InvalidRequestError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         completion = 0
@@ -58,21 +69,25 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        return pb.AbortResponse(found=await self.router.abort(request.request_id))
+        caller = await self._owner(context)
+        return pb.AbortResponse(found=await self.router.abort(request.request_id, caller))
 
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+        await self._owner(context)
         m = self.router.model
         return pb.GetModelInfoResponse(model=m.name, max_model_len=m.max_model_len,
                                        vocab_size=m.vocab_size,
                                        has_chat_template=bool(self.router.tokenizer.chat_template))
 
 
-async def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int = 0):
-    """Starts the server; returns (server, bound port). Port 0 picks a free one."""
+async def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int = 0,
+                            keys: ApiKeys = ApiKeys()):
+    """Starts the server; returns (server, bound port). Port 0 picks a free one.
+    Health and reflection stay open to probes; the API needs a key when keys are set."""
     limit = router.config.max_request_bytes
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", limit)])
-    pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(router), server)
+    pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(router, keys), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

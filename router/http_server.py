@@ -9,13 +9,14 @@ import json
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from pdserve.engine.errors import InvalidRequestError, ModelNotFoundError
 from pdserve.engine.worker_messages import TokenDelta
+from pdserve.router.auth import ApiKeys, owner
 from pdserve.router.errors import OverloadedError, WorkerError
 from pdserve.router.openai_protocol import ChatRequest, CompletionRequest
 from pdserve.router.router import Accepted, Router
@@ -68,13 +69,25 @@ class _TooLarge(HTTPException):
         return f"the request body exceeds {limit} bytes"
 
 
-def create_app(router: Router) -> FastAPI:
+def create_app(router: Router, keys: ApiKeys = ApiKeys()) -> FastAPI:
+    """/health and /ready stay open to probes; /v1/* and /metrics need a key when
+    keys are set."""
     app = FastAPI(title="pdserve")
     app.add_middleware(_BodyLimit, limit=router.config.max_request_bytes)
 
+    def caller(request: Request) -> str:
+        key = keys.check(request.headers.get("authorization"))
+        if key is None:
+            raise HTTPException(401, "a valid API key is required "
+                                "(Authorization: Bearer <key>)",
+                                headers={"WWW-Authenticate": "Bearer"})
+        return owner(key, request.headers.get("pdserve-session"), f"{request.client}")
+
     @app.exception_handler(HTTPException)
-    async def _http(request, exc: HTTPException):  # unknown routes, methods, 413
-        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
+    async def _http(request, exc: HTTPException):  # 401, unknown routes and methods, 413
+        code = "invalid_api_key" if exc.status_code == 401 else None
+        return _error(exc.status_code, str(exc.detail), headers=exc.headers, code=code)
+
     model = router.model
 
     @app.exception_handler(RequestValidationError)
@@ -108,19 +121,20 @@ def create_app(router: Router) -> FastAPI:
             return _error(503, "a worker pool has no live worker", kind="service_unavailable")
         return {"status": "ready"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(caller)])
     async def metrics():
         await router.refresh_stats()
         return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(caller)])
     async def models():
         return {"object": "list", "data": [{
             "id": model.name, "object": "model", "created": 0, "owned_by": "pdserve",
             "max_model_len": model.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionRequest, request: Request,
+                          who: str = Depends(caller)):
         _check_model(body.model, model.name)
         if body.echo:
             raise InvalidRequestError("echo", "echo is not supported")
@@ -131,17 +145,17 @@ def create_app(router: Router) -> FastAPI:
                 raise InvalidRequestError("prompt", "batched prompts are not supported; "
                                           "send one request per prompt")
             prompt = prompt[0]
-        accepted = await router.accept(prompt, params)
+        accepted = await router.accept(prompt, params, owner=who)
         shape = _CompletionShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
+    async def chat(body: ChatRequest, request: Request, who: str = Depends(caller)):
         _check_model(body.model, model.name)
         if not router.tokenizer.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template")
         params = body.sampling_params()
-        accepted = await router.accept_chat(body.template_messages(), params)
+        accepted = await router.accept_chat(body.template_messages(), params, owner=who)
         shape = _ChatShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)
 

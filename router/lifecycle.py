@@ -48,6 +48,7 @@ class Accepted:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    owner: str = ""  # who may abort it (auth.owner)
 
 
 @dataclass(eq=False)

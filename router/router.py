@@ -90,7 +90,8 @@ class Router:
         if self._aborting:
             await asyncio.wait(self._aborting, timeout=self.config.control_timeout_s)
 
-    async def accept(self, prompt, params: SamplingParams, request_id: str = "") -> Accepted:
+    async def accept(self, prompt, params: SamplingParams, request_id: str = "",
+                     owner: str = "") -> Accepted:
         """Validation and tokenization; raises InvalidRequestError naming the field.
         Text that cannot fit the context is refused before tokenizing, and long text is
         tokenized off the event loop, which serves every other request meanwhile."""
@@ -99,15 +100,15 @@ class Router:
         ids = await self._tokenize(len(prompt) if isinstance(prompt, str) else 0,
                                    prompt_token_ids, prompt, self.tokenizer,
                                    self.model.vocab_size)
-        return self._accepted(ids, params, request_id)
+        return self._accepted(ids, params, request_id, owner)
 
     async def accept_chat(self, messages: list[dict], params: SamplingParams,
-                          request_id: str = "") -> Accepted:
+                          request_id: str = "", owner: str = "") -> Accepted:
         """The chat template applied to checked messages, then as accept()."""
         chars = sum(len(m["content"]) for m in messages)
         self._check_chars("messages", chars)
         ids = await self._tokenize(chars, self._chat_token_ids, messages)
-        return self._accepted(ids, params, request_id)
+        return self._accepted(ids, params, request_id, owner)
 
     def _chat_token_ids(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages)
@@ -124,10 +125,11 @@ class Router:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-    def _accepted(self, ids: list[int], params: SamplingParams, request_id: str) -> Accepted:
+    def _accepted(self, ids: list[int], params: SamplingParams, request_id: str,
+                  owner: str) -> Accepted:
         check_length(len(ids), params.max_tokens, self.model.max_model_len)
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        return Accepted(rid, ids, params, time.time())
+        return Accepted(rid, ids, params, time.time(), owner)
 
     async def generate(self, req: Accepted) -> AsyncIterator[TokenDelta]:
         """Streams the request's deltas; the last one has finished=True."""
@@ -148,11 +150,11 @@ class Router:
             track.close()
             self._release(flight)
 
-    async def abort(self, request_id: str) -> bool:
-        """Ends an in-flight request: its workers free it now, its stream ends with
-        finish_reason "abort"."""
+    async def abort(self, request_id: str, owner: str = "") -> bool:
+        """Ends an in-flight request of this owner: its workers free it now, its stream
+        ends with finish_reason "abort". Another caller's request is not found."""
         flight = self._flights.get(request_id)
-        if flight is None:
+        if flight is None or flight.req.owner != owner:
             return False
         flight.cancelled.set()
         self._abort_on_holders(flight)

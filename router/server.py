@@ -7,6 +7,7 @@ import threading
 
 import uvicorn
 
+from pdserve.router.auth import ApiKeys
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_server import create_app
 from pdserve.router.router import Router
@@ -14,9 +15,10 @@ from pdserve.router.router import Router
 
 class RouterServer:
     def __init__(self, router: Router, host: str = "127.0.0.1", grpc_port: int = 0,
-                 http_port: int = 0):
+                 http_port: int = 0, keys: ApiKeys = ApiKeys()):
         self.router = router
         self.host = host
+        self.keys = keys
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="router",
                                         daemon=True)
@@ -34,10 +36,10 @@ class RouterServer:
 
     async def _start_grpc(self, port: int):
         await self.router.start()
-        return await start_grpc_server(self.router, self.host, port)
+        return await start_grpc_server(self.router, self.host, port, self.keys)
 
     async def _start_http(self, port: int):
-        config = uvicorn.Config(create_app(self.router), host=self.host, port=port,
+        config = uvicorn.Config(create_app(self.router, self.keys), host=self.host, port=port,
                                 log_level="warning", lifespan="off")
         server = uvicorn.Server(config)
         self._http_task = self.loop.create_task(server.serve())

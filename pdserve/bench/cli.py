@@ -8,6 +8,7 @@ import asyncio
 import json
 from pathlib import Path
 
+from pdserve import env
 from pdserve.bench.driver import BACKENDS
 
 WORKLOADS = ("random", "sharegpt-like", "azure-conv", "azure-code", "prefix-shared", "file")
@@ -27,6 +28,8 @@ def add_bench_parser(sub) -> None:
     run.add_argument("--target", required=True,
                      help="host:port (grpc) or base URL http://host:port (openai)")
     run.add_argument("--model", default=None, help="the model name an OpenAI server expects")
+    run.add_argument("--api-key", default=env.api_key(),
+                     help="sent as Authorization: Bearer (default: $PDSERVE_API_KEY)")
     run.add_argument("--vocab-size", type=int, default=None,
                      help="token ids of random prompts stay below this (grpc: asked of the "
                      "server; openai: default 1000)")
@@ -125,11 +128,12 @@ def _run(args: argparse.Namespace) -> int:
     vocab = args.vocab_size
     if vocab is None and args.backend == "grpc":
         from pdserve.client import Client
-        with Client(args.target) as client:
+        with Client(args.target, api_key=args.api_key) as client:
             vocab = client.model_info().vocab_size
     vocab = vocab or 1000
     cfg = driver.RunConfig(args.backend, args.target, args.model, args.request_rate,
-                           args.burstiness, args.max_concurrency, args.seed)
+                           args.burstiness, args.max_concurrency, args.seed,
+                           api_key=args.api_key)
     slo_text = "" if not args.goodput else f" [{' '.join(args.goodput)}]"
     meta = {k: getattr(args, k) for k in ("backend", "target", "workload", "num_prompts",
                                           "scale", "request_rate", "burstiness",

@@ -32,6 +32,7 @@ class RunConfig:
     seed: int = 0
     timeout_s: float = 600.0  # per request
     progress: bool = True
+    api_key: str | None = None  # sent as Authorization: Bearer
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -77,11 +78,13 @@ class _backend:
         if self.cfg.backend == "grpc":
             from pdserve.client import AsyncClient
             self._client = AsyncClient(self.cfg.target, timeout=self.cfg.timeout_s,
-                                       max_retries=0)
+                                       max_retries=0, api_key=self.cfg.api_key)
             return self._send_grpc
         httpx = require_extra("httpx")
+        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
         self._client = httpx.AsyncClient(base_url=self.cfg.target, timeout=self.cfg.timeout_s,
-                                         limits=httpx.Limits(max_connections=None))
+                                         limits=httpx.Limits(max_connections=None),
+                                         headers=headers)
         return self._send_openai
 
     async def __aexit__(self, *exc):

@@ -1,0 +1,9 @@
+"""The environment variables pdserve reads, all in one place."""
+from __future__ import annotations
+
+import os
+
+
+def api_key() -> str | None:
+    """PDSERVE_API_KEY: the key `pdserve serve` requires and the SDK sends."""
+    return os.environ.get("PDSERVE_API_KEY") or None
