@@ -80,6 +80,9 @@ def _add_serve_parser(sub) -> None:
     front.add_argument("--api-key", default=env.api_key(),
                        help="clients must send Authorization: Bearer <key> (HTTP /v1 and "
                        "/metrics, every gRPC API call); default: $PDSERVE_API_KEY, else none")
+    front.add_argument("--ssl-certfile", default=None,
+                       help="serve HTTPS and gRPC over TLS with this PEM certificate")
+    front.add_argument("--ssl-keyfile", default=None, help="its PEM private key")
     front.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM "
                        "(default: %(default)s)")
@@ -108,9 +111,14 @@ def _serve(args) -> int:
     ray.init(address=args.ray_address, include_dashboard=False,
              log_to_driver=args.ray_address is None)
     from pdserve.router.auth import ApiKeys
+    from pdserve.router.config import TLSConfig
 
     keys = ApiKeys((args.api_key,) if args.api_key else ())
-    srv = RouterServer(launch_cluster(args), args.host, args.grpc_port, args.http_port, keys)
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        raise SystemExit("pdserve serve: give --ssl-certfile and --ssl-keyfile together")
+    tls = TLSConfig(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
+    srv = RouterServer(launch_cluster(args), args.host, args.grpc_port, args.http_port, keys,
+                       tls)
     print(f"pdserve serving {args.model!r} ({args.mode}): gRPC {srv.grpc_target}  "
           f"HTTP {srv.http_url}", flush=True)
     stop = threading.Event()

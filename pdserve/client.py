@@ -17,6 +17,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -132,6 +133,13 @@ def _error(err: grpc.RpcError) -> PdserveError:
     return kind(code, message)
 
 
+def _credentials(tls: bool, ca_file: str | None):
+    if not tls and ca_file is None:
+        return None
+    roots = None if ca_file is None else Path(ca_file).read_bytes()
+    return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
 class _Settings:
     def __init__(self, timeout: float | None, max_retries: int, backoff_s: float,
                  api_key: str | None):
@@ -154,9 +162,14 @@ def _retry_delay(err: grpc.RpcError, received: bool, attempt: int, s: _Settings)
 
 class Client:
     def __init__(self, target: str, timeout: float | None = 60.0, max_retries: int = 3,
-                 backoff_s: float = 0.1, api_key: str | None = None):
-        """api_key: sent as `authorization: Bearer` (default: $PDSERVE_API_KEY)."""
-        self._channel = grpc.insecure_channel(target)
+                 backoff_s: float = 0.1, api_key: str | None = None, tls: bool = False,
+                 ca_file: str | None = None):
+        """api_key: sent as `authorization: Bearer` (default: $PDSERVE_API_KEY).
+        tls (or a ca_file, PEM roots to verify the server with; default the system's)
+        connects over TLS."""
+        credentials = _credentials(tls, ca_file)
+        self._channel = (grpc.insecure_channel(target) if credentials is None
+                         else grpc.secure_channel(target, credentials))
         self._stub = pb_grpc.GenerateServiceStub(self._channel)
         self._settings = _Settings(timeout, max_retries, backoff_s, api_key)
 
@@ -212,9 +225,12 @@ class Client:
 
 class AsyncClient:
     def __init__(self, target: str, timeout: float | None = 60.0, max_retries: int = 3,
-                 backoff_s: float = 0.1, api_key: str | None = None):
-        """api_key: sent as `authorization: Bearer` (default: $PDSERVE_API_KEY)."""
-        self._channel = grpc.aio.insecure_channel(target)
+                 backoff_s: float = 0.1, api_key: str | None = None, tls: bool = False,
+                 ca_file: str | None = None):
+        """As Client's."""
+        credentials = _credentials(tls, ca_file)
+        self._channel = (grpc.aio.insecure_channel(target) if credentials is None
+                         else grpc.aio.secure_channel(target, credentials))
         self._stub = pb_grpc.GenerateServiceStub(self._channel)
         self._settings = _Settings(timeout, max_retries, backoff_s, api_key)
 

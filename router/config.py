@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pdserve.engine.options import option
 
@@ -67,3 +68,20 @@ class PoolSpec:
         if self.mode == "disaggregated":
             return self.decode_workers
         return self.prefill_workers + self.decode_workers
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """The front ends serve HTTPS and gRPC over TLS from these PEM files."""
+    certfile: str
+    keyfile: str
+
+    def __post_init__(self) -> None:
+        for name in ("certfile", "keyfile"):
+            if not Path(getattr(self, name)).is_file():
+                raise ValueError(f"{name} {getattr(self, name)!r} is not a file")
+
+    def grpc_credentials(self):
+        import grpc
+        return grpc.ssl_server_credentials(
+            [(Path(self.keyfile).read_bytes(), Path(self.certfile).read_bytes())])

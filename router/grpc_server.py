@@ -8,6 +8,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.router.auth import ApiKeys, owner
+from pdserve.router.config import TLSConfig
 from pdserve.router.errors import OverloadedError, WorkerError
 from pdserve.router.router import Router
 from pdserve.v1 import generate_pb2 as pb
@@ -81,7 +82,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
 
 
 async def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int = 0,
-                            keys: ApiKeys = ApiKeys()):
+                            keys: ApiKeys = ApiKeys(), tls: TLSConfig | None = None):
     """Starts the server; returns (server, bound port). Port 0 picks a free one.
     Health and reflection stay open to probes; the API needs a key when keys are set."""
     limit = router.config.max_request_bytes
@@ -93,7 +94,9 @@ async def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int =
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = (server.add_insecure_port(address) if tls is None
+             else server.add_secure_port(address, tls.grpc_credentials()))
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -8,6 +8,7 @@ import threading
 import uvicorn
 
 from pdserve.router.auth import ApiKeys
+from pdserve.router.config import TLSConfig
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_server import create_app
 from pdserve.router.router import Router
@@ -15,10 +16,10 @@ from pdserve.router.router import Router
 
 class RouterServer:
     def __init__(self, router: Router, host: str = "127.0.0.1", grpc_port: int = 0,
-                 http_port: int = 0, keys: ApiKeys = ApiKeys()):
+                 http_port: int = 0, keys: ApiKeys = ApiKeys(), tls: TLSConfig | None = None):
         self.router = router
         self.host = host
-        self.keys = keys
+        self.keys, self.tls = keys, tls
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="router",
                                         daemon=True)
@@ -32,15 +33,17 @@ class RouterServer:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"{'http' if self.tls is None else 'https'}://{self.host}:{self.http_port}"
 
     async def _start_grpc(self, port: int):
         await self.router.start()
-        return await start_grpc_server(self.router, self.host, port, self.keys)
+        return await start_grpc_server(self.router, self.host, port, self.keys, self.tls)
 
     async def _start_http(self, port: int):
+        tls = {} if self.tls is None else {"ssl_certfile": self.tls.certfile,
+                                           "ssl_keyfile": self.tls.keyfile}
         config = uvicorn.Config(create_app(self.router, self.keys), host=self.host, port=port,
-                                log_level="warning", lifespan="off")
+                                log_level="warning", lifespan="off", **tls)
         server = uvicorn.Server(config)
         self._http_task = self.loop.create_task(server.serve())
         while not server.started:

@@ -30,6 +30,9 @@ def add_bench_parser(sub) -> None:
     run.add_argument("--model", default=None, help="the model name an OpenAI server expects")
     run.add_argument("--api-key", default=env.api_key(),
                      help="sent as Authorization: Bearer (default: $PDSERVE_API_KEY)")
+    run.add_argument("--ca-file", default=None,
+                     help="TLS: PEM roots that verify the server (gRPC over TLS; for "
+                     "openai, an https --target)")
     run.add_argument("--vocab-size", type=int, default=None,
                      help="token ids of random prompts stay below this (grpc: asked of the "
                      "server; openai: default 1000)")
@@ -128,12 +131,12 @@ def _run(args: argparse.Namespace) -> int:
     vocab = args.vocab_size
     if vocab is None and args.backend == "grpc":
         from pdserve.client import Client
-        with Client(args.target, api_key=args.api_key) as client:
+        with Client(args.target, api_key=args.api_key, ca_file=args.ca_file) as client:
             vocab = client.model_info().vocab_size
     vocab = vocab or 1000
     cfg = driver.RunConfig(args.backend, args.target, args.model, args.request_rate,
                            args.burstiness, args.max_concurrency, args.seed,
-                           api_key=args.api_key)
+                           api_key=args.api_key, ca_file=args.ca_file)
     slo_text = "" if not args.goodput else f" [{' '.join(args.goodput)}]"
     meta = {k: getattr(args, k) for k in ("backend", "target", "workload", "num_prompts",
                                           "scale", "request_rate", "burstiness",

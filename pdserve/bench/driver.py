@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ class RunConfig:
     timeout_s: float = 600.0  # per request
     progress: bool = True
     api_key: str | None = None  # sent as Authorization: Bearer
+    ca_file: str | None = None  # TLS: PEM roots that verify the server (gRPC; https)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -78,13 +80,16 @@ class _backend:
         if self.cfg.backend == "grpc":
             from pdserve.client import AsyncClient
             self._client = AsyncClient(self.cfg.target, timeout=self.cfg.timeout_s,
-                                       max_retries=0, api_key=self.cfg.api_key)
+                                       max_retries=0, api_key=self.cfg.api_key,
+                                       ca_file=self.cfg.ca_file)
             return self._send_grpc
         httpx = require_extra("httpx")
         headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        verify = True if self.cfg.ca_file is None else ssl.create_default_context(
+            cafile=self.cfg.ca_file)
         self._client = httpx.AsyncClient(base_url=self.cfg.target, timeout=self.cfg.timeout_s,
                                          limits=httpx.Limits(max_connections=None),
-                                         headers=headers)
+                                         headers=headers, verify=verify)
         return self._send_openai
 
     async def __aexit__(self, *exc):
