@@ -58,6 +58,9 @@ class RouterServer:
     def stop(self, grace_s: float = 5.0) -> None:
         """Drains: in-flight streams get `grace_s` to finish, then the loop stops."""
         async def shutdown():
+            # A connection that never finishes (a TLS handshake a client dropped, an
+            # idle keep-alive) must not hold the drain past its grace.
+            self._http.config.timeout_graceful_shutdown = grace_s
             self._http.should_exit = True
             await asyncio.wait_for(self._http_task, grace_s + 5)
             await self._grpc.stop(grace_s)

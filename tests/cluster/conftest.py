@@ -18,7 +18,8 @@ from pdserve.router.server import RouterServer
 
 @pytest.fixture(scope="package")
 def ray_local():
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
+    # Logical CPUs: every cluster the package starts fits at once (2 per cluster).
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
