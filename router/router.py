@@ -175,9 +175,9 @@ class Router:
             used = sum(s["num_blocks"] - s["free_blocks"] for s in stats)
             self.metrics.kv_usage.set(used / sum(s["num_blocks"] for s in stats))
             self.metrics.preemptions.set(sum(s["num_preemptions"] for s in stats))
-            for kind in ("begin", "transfer", "start"):
-                self.metrics.lease_expiries.labels(self.model.name, kind).set(
-                    sum(s["lease_expiries"][kind] for s in stats))
+            for lease in stats[0]["lease_expiries"]:  # the receiver's LEASES
+                self.metrics.lease_expiries.labels(self.model.name, lease).set(
+                    sum(s["lease_expiries"][lease] for s in stats))
 
     # ---- the phases -----------------------------------------------------------------
 
