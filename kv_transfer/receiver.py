@@ -65,11 +65,13 @@ class _Incoming:
 class KVReceiver:
     def __init__(self, kv_caches: list[torch.Tensor], config: TransferConfig = TransferConfig(),
                  host: str = "127.0.0.1",
-                 on_release: Callable[[str], None] | None = None):
+                 on_release: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.kv_caches = kv_caches
         self.layout = KVLayout.of(kv_caches)
         self.config = config
         self.on_release = on_release
+        self._clock = clock  # leases and deadlines read it (tests pass a fake)
         self.device = kv_caches[0].device
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=config.connect_timeout_s))
@@ -98,7 +100,7 @@ class KVReceiver:
                 raise ValueError(f"request {request_id} is already expected")
             self._by_request[request_id] = _Incoming(
                 request_id, list(block_ids), num_cached_blocks, "begin",
-                time.monotonic() + self.config.begin_lease_s,
+                self._clock() + self.config.begin_lease_s,
                 index=torch.tensor(block_ids, dtype=torch.long, device=self.device))
 
     def landed(self, request_id: str) -> Future:
@@ -215,7 +217,7 @@ class KVReceiver:
             incoming.settled = complete
             if complete and incoming.lease is not None:
                 incoming.lease, incoming.expires = "start", (
-                    time.monotonic() + self.config.start_lease_s)
+                    self._clock() + self.config.start_lease_s)
         if complete:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
@@ -232,7 +234,7 @@ class KVReceiver:
                 else:
                     incoming.pair, incoming.seq = pair, seq
                     incoming.lease = "transfer" if incoming.lease else None
-                    incoming.expires = time.monotonic() + self.config.timeout_s
+                    incoming.expires = self._clock() + self.config.timeout_s
         if problem is not None:
             self._send_status(pair, seq, P.REFUSED, problem)
             if incoming is not None and incoming.pair is None:
@@ -276,7 +278,7 @@ class KVReceiver:
 
     def _deadline_loop(self) -> None:
         while not self._closed.wait(_POLL_S):
-            now = time.monotonic()
+            now = self._clock()
             for incoming in list(self._by_request.values()):
                 if incoming.lease is not None and now > incoming.expires:
                     self._expire(incoming)

@@ -68,6 +68,8 @@ class Router:
         self._ids = itertools.count()
         self._refreshing: asyncio.Task | None = None
         self._aborting: set[asyncio.Task] = set()  # abort calls to workers in flight
+        self._idle = asyncio.Event()  # set while no request is in flight
+        self._idle.set()
 
     @property
     def ready(self) -> bool:
@@ -78,6 +80,14 @@ class Router:
     @property
     def num_inflight(self) -> int:
         return len(self._flights)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Returns once no request is in flight (True), or False after timeout_s."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     async def start(self) -> None:
         for worker in self.decode.values():
@@ -187,6 +197,7 @@ class Router:
         if self.config.max_inflight and len(self._flights) >= self.config.max_inflight:
             raise OverloadedError("the router is at max_inflight", self.config.retry_after_s)
         flight = self._flights[req.request_id] = Flight(req)
+        self._idle.clear()
         return flight
 
     async def _prefill_and_start(self, flight: Flight) -> tuple[TokenDelta, int]:
@@ -393,6 +404,8 @@ class Router:
         if flight.starting is not None and not flight.starting.done():
             flight.starting.cancel()
         self._flights.pop(flight.request_id, None)
+        if not self._flights:
+            self._idle.set()
 
     def _abort_on_holders(self, flight: Flight) -> None:
         for worker in flight.holders():

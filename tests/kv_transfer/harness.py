@@ -40,6 +40,7 @@ def _main(role: str, name: str, spec: CacheSpec, seed: int, config: TransferConf
     if role == "receiver":
         caches = [torch.zeros(spec.layer_shape(), dtype=dtype) for _ in range(spec.num_layers)]
         side = KVReceiver(caches, config, on_release=released.append)
+        _notify_landings(side)
         conn.send(side.address)
     else:
         caches = sender_cache(spec, seed)
@@ -88,17 +89,27 @@ def _transfer(sender: KVSender, caches, released, jobs, layer_delay=0.0, stop_af
     return [sender.finish(h).bytes_sent for h in handles]
 
 
+def _notify_landings(receiver: KVReceiver) -> None:
+    """A hook at the receiver's landing boundary: each layer landed notifies waiters."""
+    receiver.landed_cv = threading.Condition()
+    receiver.layers_landed = {}
+    land = receiver._land
+
+    def landed(incoming, layer, payload):
+        land(incoming, layer, payload)
+        with receiver.landed_cv:
+            receiver.layers_landed[incoming.request_id] = incoming.layers_landed
+            receiver.landed_cv.notify_all()
+    receiver._land = landed
+
+
 def _wait_landed(receiver: KVReceiver, caches, released, request_id, layers, timeout):
-    """Returns once `layers` layers of the request have landed (a condition checked
-    every millisecond in this process, bounded by `timeout`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        incoming = receiver._by_request.get(request_id)
-        if incoming is not None and incoming.layers_landed >= layers:
-            return incoming.layers_landed
-        if time.monotonic() > deadline:
+    """Returns once `layers` layers of the request have landed."""
+    with receiver.landed_cv:
+        if not receiver.landed_cv.wait_for(
+                lambda: receiver.layers_landed.get(request_id, 0) >= layers, timeout):
             raise TimeoutError(f"{request_id}: {layers} layers did not land in {timeout}s")
-        time.sleep(0.001)
+        return receiver.layers_landed[request_id]
 
 
 def _blocks(receiver: KVReceiver, caches, released, block_ids):

@@ -212,24 +212,6 @@ def test_a_reservation_whose_transfer_never_begins_is_released_by_its_lease():
         receiver.stop()
 
 
-def test_the_transfer_deadline_counts_from_begin_not_from_the_reservation():
-    # Regression: the deadline ran from expect(), so a prefill queue longer than the
-    # transfer timeout failed a request whose KV then moved in milliseconds. The wait
-    # before the transfer is the scenario (a queue), not a synchronization.
-    config = TransferConfig(timeout_s=1.0, begin_lease_s=30)
-    receiver, sender = Worker("receiver", "r", config=config), Worker("sender", "s", seed=2,
-                                                                      config=config)
-    try:
-        receiver.call("expect", "queued", [4, 5])
-        time.sleep(2 * config.timeout_s)
-        sender.call("transfer", [("queued", receiver.address, [1, 2], [4, 5])])
-        receiver.call("wait", "queued")
-        assert_landed(receiver, sender, [1, 2], [4, 5])
-    finally:
-        receiver.stop()
-        sender.stop()
-
-
 def test_landed_kv_that_is_never_started_is_released_by_its_lease():
     config = TransferConfig(timeout_s=30, start_lease_s=1.0)
     receiver, sender = Worker("receiver", "r", config=config), Worker("sender", "s", seed=4,

@@ -82,3 +82,26 @@ def test_an_expiry_racing_the_last_layer_leaves_one_outcome(pair):
     assert outcome["racer_blocked"]
     assert released == [] and receiver.lease_expiries["transfer"] == 0
     _transfer_works(receiver, sender, caches, "after", [5, 6], [12, 13])
+
+
+def test_the_transfer_deadline_counts_from_begin_not_from_the_reservation():
+    # Defect 6 of #12: the deadline ran from expect(), so a prefill queue longer than
+    # the transfer timeout failed a request whose KV then moved in milliseconds. The
+    # receiver's clock is a fake here: the queue's wait is one step of it.
+    now = [1000.0]
+    config = TransferConfig(timeout_s=1.0, begin_lease_s=30, connect_timeout_s=20)
+    caches = [torch.zeros(SPEC.layer_shape()) for _ in range(SPEC.num_layers)]
+    receiver = KVReceiver(caches, config, clock=lambda: now[0])
+    sender = Worker("sender", "s", SPEC, seed=9, config=config)
+    try:
+        receiver.expect("queued", [4, 5])
+        now[0] += 2 * config.timeout_s  # waiting in the prefill queue
+        sender.call("transfer", [("queued", receiver.address, [1, 2], [4, 5])])
+        receiver.wait("queued")
+        want = sender_cache(SPEC, 9)
+        for layer in range(SPEC.num_layers):
+            assert torch.equal(caches[layer][:, [4, 5]], want[layer][:, [1, 2]])
+        assert receiver.lease_expiries == {"begin": 0, "transfer": 0, "start": 0}
+    finally:
+        sender.stop()
+        receiver.close()
