@@ -1,5 +1,6 @@
 """The decode worker as a Ray async actor. `steps()` streams one StepBatch per engine
-step to its subscriber (the router)."""
+step to its subscriber (the router). A step error its engine cannot pin on requests
+ends the process, and Ray restarts the actor (launch sets max_restarts)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ import ray
 
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_loop import exit_for_restart
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.worker_messages import Reservation, StepBatch
 from pdserve.kv_transfer import TransferConfig
@@ -19,7 +21,8 @@ class DecodeWorkerActor:
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig):
         self._loop = asyncio.get_event_loop()
         self._batches: asyncio.Queue[StepBatch] = asyncio.Queue()
-        self.worker = DecodeWorker(worker_id, engine_config, transfer, on_batch=self._publish)
+        self.worker = DecodeWorker(worker_id, engine_config, transfer, on_batch=self._publish,
+                                   on_death=exit_for_restart)
 
     def _publish(self, batch: StepBatch) -> None:  # any thread
         self._loop.call_soon_threadsafe(self._batches.put_nowait, batch)

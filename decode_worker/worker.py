@@ -27,7 +27,8 @@ from pdserve.kv_transfer import KVReceiver, TransferConfig
 class DecodeWorker:
     def __init__(self, worker_id: str, engine_config: EngineConfig,
                  transfer: TransferConfig = TransferConfig(),
-                 on_batch: Callable[[StepBatch], None] | None = None):
+                 on_batch: Callable[[StepBatch], None] | None = None,
+                 on_death: Callable[[BaseException], None] | None = None):
         self.worker_id = worker_id
         self.on_batch = on_batch
         engine = LLMEngine(engine_config)
@@ -35,7 +36,7 @@ class DecodeWorker:
         self._reserving = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reserve")
         self._aborted: dict[str, float] = {}  # request id -> when its abort arrived
         self._tombstone_s = transfer.begin_lease_s
-        self.loop = EngineLoop(engine, on_step=self._on_step)
+        self.loop = EngineLoop(engine, on_step=self._on_step, on_death=on_death)
 
     @property
     def address(self) -> str:
@@ -124,7 +125,7 @@ class DecodeWorker:
                        _last(o.logprobs, len(o.new_token_ids)),
                        o.finished, o.finish_reason, len(o.prompt_token_ids),
                        o.num_cached_tokens, len(o.token_ids),
-                       _last(o.top_logprobs, len(o.new_token_ids)))
+                       _last(o.top_logprobs, len(o.new_token_ids)), o.error)
             for o in outputs]))
 
 

@@ -150,6 +150,8 @@ class LLMEngine:
             now = time.time()
             for rid in result.sampled_token_ids:
                 outputs.append(self._emit(self._tracked[rid], now))
+            for rid in result.failed:
+                outputs.append(self._output(self._tracked[rid], [], "", now))
         return outputs
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -213,7 +215,7 @@ class LLMEngine:
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason, logprobs=list(request.output_logprobs),
             top_logprobs=list(request.output_top_logprobs),
-            num_cached_tokens=request.num_cached_tokens)
+            num_cached_tokens=request.num_cached_tokens, error=request.error)
 
     def _apply_aborts(self) -> list[RequestOutput]:
         ids = []

@@ -4,6 +4,8 @@ call_concurrent, runs a call on the caller's thread while a forward pass may be 
 flight, under the lock the loop holds whenever scheduler state changes."""
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 import time
@@ -15,14 +17,28 @@ from pdserve.engine.outputs import RequestOutput
 
 T = TypeVar("T")
 _IDLE_WAIT_S = 0.05
+log = logging.getLogger(__name__)
+
+
+def exit_for_restart(error: BaseException) -> None:
+    """An on_death for a worker process that Ray restarts (max_restarts): the loop's
+    error is logged and the process exits at once, so a fresh one takes its place
+    instead of a live-looking process that fails every request."""
+    log.critical("engine loop died, exiting for a restart: %r", error, exc_info=error)
+    logging.shutdown()
+    os._exit(70)  # EX_SOFTWARE
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_step: Callable[[list[RequestOutput]], None],
-                 export: KVExport | None = None):
+                 export: KVExport | None = None,
+                 on_death: Callable[[BaseException], None] | None = None):
+        """on_death(error) runs on the loop's thread after a step raised (an error the
+        engine could not pin on particular requests) and pending calls failed."""
         self.engine = engine
         self.on_step = on_step
         self.export = export
+        self.on_death = on_death
         self.error: BaseException | None = None
         self.progress_at = time.monotonic()  # when the loop last finished a step or an idle wait
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -75,6 +91,8 @@ class EngineLoop:
             self.error = exc
             with self._state_lock:
                 self._run_calls()
+            if self.on_death is not None:
+                self.on_death(exc)
             raise
 
     def _run_calls(self) -> None:

@@ -18,3 +18,16 @@ class ModelNotFoundError(InvalidRequestError):
 
     def __init__(self, field: str, message: str):
         super().__init__(field, message)
+
+
+class RequestFailedError(RuntimeError):
+    """A step failed for this request alone (500 / INTERNAL); the worker and every
+    other request in the step go on."""
+
+    def __init__(self, request_id: str, reason: str):
+        super().__init__(f"request {request_id} failed: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+    def __reduce__(self):
+        return type(self), (self.request_id, self.reason)

@@ -1,5 +1,11 @@
-"""Runs one scheduled step on the device: flat inputs, model forward, sampling."""
+"""Runs one scheduled step on the device: flat inputs, model forward, sampling.
+
+A sampling batch that raises is sampled again row by row, so the requests whose own
+rows fail are the only ones to fail (ModelRunnerOutput.failed). An error no single
+row reproduces, or one in the forward pass, belongs to the step: it propagates."""
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -17,6 +23,7 @@ from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Decodes are attended in groups of similar context length, so padding stays small.
 DECODE_GROUP_SIZE = 32
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -45,12 +52,34 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if not samplers:
             return result
-        ids = [r.request_id for r in samplers]
-        tokens, logprobs, tops = self.sampler.sample(logits, samplers)
-        result.sampled_token_ids = dict(zip(ids, tokens))
-        result.logprobs = {rid: lp for rid, lp in zip(ids, logprobs) if lp is not None}
-        result.top_logprobs = {rid: top for rid, top in zip(ids, tops) if top is not None}
+        try:
+            rows = list(zip(samplers, *self.sampler.sample(logits, samplers)))
+        except Exception as batch_error:
+            rows = self._sample_each(logits, samplers, batch_error, result.failed)
+        for request, token, logprob, top in rows:
+            rid = request.request_id
+            result.sampled_token_ids[rid] = token
+            if logprob is not None:
+                result.logprobs[rid] = logprob
+            if top is not None:
+                result.top_logprobs[rid] = top
         return result
+
+    def _sample_each(self, logits: torch.Tensor, samplers: list[Request],
+                     batch_error: Exception, failed: dict[str, str]) -> list[tuple]:
+        """The batch failed to sample: each row alone, recording the rows that fail.
+        None failing alone means the error is not one request's: re-raised."""
+        rows = []
+        for i, request in enumerate(samplers):
+            try:
+                rows.append((request, *(column[0] for column in
+                                        self.sampler.sample(logits[i:i + 1], [request]))))
+            except Exception as exc:
+                log.exception("sampling failed for request %s alone", request.request_id)
+                failed[request.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+        if not failed:
+            raise batch_error
+        return rows
 
     @torch.inference_mode()
     def forward_logits(self, batch: list[tuple[Request, int]], samplers: list[Request],

@@ -31,8 +31,9 @@ class RequestOutput:
     new_text: str
     finished: bool
     metrics: RequestMetrics
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # {token: logprob}
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    error: str | None = None  # finish_reason "error": what failed

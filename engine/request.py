@@ -24,6 +24,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
+    ERROR = "error"  # a step failed for this request alone (Request.error says why)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or string that ended it
+    error: str | None = None  # why it finished with FinishReason.ERROR
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

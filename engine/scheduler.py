@@ -126,6 +126,11 @@ class Scheduler:
             if computed != request.num_tokens:
                 continue  # a partial prefill chunk samples nothing
             rid = request.request_id
+            if rid in result.failed:
+                request.error = result.failed[rid]
+                self._finish(request, FinishReason.ERROR)
+                finished.append(request)
+                continue
             request.append_output(sampled[rid], logprobs.get(rid) if logprobs else None,
                                   result.top_logprobs.get(rid))
             generated += 1

@@ -29,6 +29,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, float] = field(default_factory=dict)
     # request id -> {token: logprob} of the most likely tokens; those that asked.
     top_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # request id -> why sampling failed for it alone (it finishes with an error)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

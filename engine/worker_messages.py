@@ -47,6 +47,7 @@ class TokenDelta:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # {token: logprob}
+    error: str | None = None  # finish_reason "error": what failed
 
     def merged(self, later: "TokenDelta") -> "TokenDelta":
         """This delta followed by `later`, as one (for a consumer that fell behind)."""
@@ -54,7 +55,7 @@ class TokenDelta:
                           self.text + later.text, self.logprobs + later.logprobs,
                           later.finished, later.finish_reason, later.num_prompt_tokens,
                           later.num_cached_tokens, later.num_output_tokens,
-                          self.top_logprobs + later.top_logprobs)
+                          self.top_logprobs + later.top_logprobs, later.error)
 
 
 @dataclass(frozen=True)

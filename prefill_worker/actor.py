@@ -1,4 +1,6 @@
-"""The prefill worker as a Ray async actor (resources set with .options())."""
+"""The prefill worker as a Ray async actor (resources set with .options()). A step
+error its engine cannot pin on requests ends the process, and Ray restarts the actor
+(launch sets max_restarts)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,6 +8,7 @@ import asyncio
 import ray
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_loop import exit_for_restart
 from pdserve.engine.worker_messages import PrefillJob, PrefillResult
 from pdserve.kv_transfer import TransferConfig
 from pdserve.prefill_worker.worker import PrefillWorker
@@ -14,7 +17,8 @@ from pdserve.prefill_worker.worker import PrefillWorker
 @ray.remote
 class PrefillWorkerActor:
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig):
-        self.worker = PrefillWorker(worker_id, engine_config, transfer)
+        self.worker = PrefillWorker(worker_id, engine_config, transfer,
+                                    on_death=exit_for_restart)
 
     async def prefill(self, job: PrefillJob) -> PrefillResult:
         return await asyncio.wrap_future(self.worker.prefill(job))

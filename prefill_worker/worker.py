@@ -17,10 +17,12 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.errors import RequestFailedError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.worker_messages import PrefillJob, PrefillResult
@@ -37,7 +39,8 @@ class _Job:
 
 class PrefillWorker:
     def __init__(self, worker_id: str, engine_config: EngineConfig,
-                 transfer: TransferConfig = TransferConfig()):
+                 transfer: TransferConfig = TransferConfig(),
+                 on_death: Callable[[BaseException], None] | None = None):
         self.worker_id = worker_id
         engine = LLMEngine(engine_config)
         self.sender = KVSender(worker_id, engine.runner.kv_caches, transfer)
@@ -45,7 +48,8 @@ class PrefillWorker:
         self._lanes: dict[str, _Lane] = {}  # receiver address -> its thread
         self._pairing: dict[str, Future] = {}  # receiver address -> its pair being opened
         self._lanes_lock = threading.Lock()
-        self.loop = EngineLoop(engine, on_step=self._on_step, export=self._export)
+        self.loop = EngineLoop(engine, on_step=self._on_step, export=self._export,
+                               on_death=on_death)
 
     def prefill(self, job: PrefillJob) -> Future:
         """Resolves to a PrefillResult once the KV landed on the decode worker."""
@@ -160,6 +164,11 @@ class PrefillWorker:
         for out in outputs:
             entry = self._jobs.get(out.request_id)
             if entry is None or not out.finished:
+                continue
+            if out.finish_reason == "error":  # its sampling failed; the KV is sent
+                self.abort(out.request_id)
+                self._resolve(out.request_id, error=RequestFailedError(out.request_id,
+                                                                       out.error or ""))
                 continue
             if entry.handle is None or out.finish_reason == "abort":
                 self._resolve(out.request_id, error=RuntimeError(

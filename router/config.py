@@ -16,6 +16,9 @@ class RouterConfig:
     start_timeout_s: float = 30.0
     control_timeout_s: float = 5.0  # abort and stats calls to a worker
     startup_timeout_s: float = 600.0  # workers placed, loaded and paired at launch
+    # A worker whose process died is waited for this long while Ray restarts it
+    # (model loading included), then given up.
+    revive_timeout_s: float = 600.0
     # A decode worker that sends neither a step nor a heartbeat for this long fails
     # every request it holds (WorkerStalled).
     stall_timeout_s: float = 30.0
@@ -30,8 +33,8 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         for name in ("reserve_timeout_s", "prefill_timeout_s", "start_timeout_s",
-                     "control_timeout_s", "startup_timeout_s", "stall_timeout_s",
-                     "retry_after_s"):
+                     "control_timeout_s", "startup_timeout_s", "revive_timeout_s",
+                     "stall_timeout_s", "retry_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.max_request_bytes < 1:
@@ -49,6 +52,8 @@ class PoolSpec:
                        "colocated: every worker runs whole requests", choices=MODES)
     num_cpus_per_worker: float = option(1.0, "Ray CPUs per worker actor")
     num_gpus_per_worker: float = option(0.0, "Ray GPUs per worker actor (1 on GPU machines)")
+    max_restarts: int = option(-1, "times Ray restarts a worker whose process died "
+                               "(-1: always, 0: never)")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -57,6 +62,8 @@ class PoolSpec:
             raise ValueError("disaggregated mode needs at least one prefill and one decode worker")
         if self.prefill_workers < 0 or self.decode_workers < 0 or self.num_engine < 1:
             raise ValueError("colocated mode needs at least one engine worker")
+        if self.max_restarts < -1:
+            raise ValueError("max_restarts must be >= -1")
 
     @property
     def num_prefill(self) -> int:

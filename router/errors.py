@@ -25,14 +25,21 @@ def cause_of(exc: BaseException) -> BaseException:
     return getattr(exc, "cause", None) or exc
 
 
+_DEATHS = ("ActorDiedError", "RayActorError", "ActorUnavailableError")
+
+
+def is_worker_death(exc: BaseException) -> bool:
+    """Whether a call failed because the worker's process died or is restarting."""
+    cause = cause_of(exc)
+    return type(cause).__module__.startswith("ray") and type(cause).__name__ in _DEATHS
+
+
 def short_reason(exc: BaseException) -> str:
     """What a client may see of a worker failure: the error type and its first line,
     never a traceback, pid, address or path."""
     cause = cause_of(exc)
     if type(cause).__module__.startswith("ray"):  # its text names pids, addresses, ids
-        died = type(cause).__name__ in ("ActorDiedError", "RayActorError",
-                                        "ActorUnavailableError")
-        return "the worker died" if died else "the worker failed"
+        return "the worker died" if is_worker_death(cause) else "the worker failed"
     if isinstance(cause, TimeoutError):
         return "the worker did not answer in time"
     first = (str(cause).strip().splitlines() or [""])[0][:200]

@@ -2,11 +2,13 @@
 server reflection. A thin translation between proto messages and the router."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.errors import InvalidRequestError, RequestFailedError
 from pdserve.router.auth import ApiKeys, owner
 from pdserve.router.config import TLSConfig
 from pdserve.router.errors import OverloadedError, WorkerError
@@ -68,6 +70,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         except WorkerError as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except RequestFailedError as err:  # a step failed for this request alone
+            await context.abort(grpc.StatusCode.INTERNAL, str(err))
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         caller = await self._owner(context)
@@ -98,6 +102,12 @@ async def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int =
     bound = (server.add_insecure_port(address) if tls is None
              else server.add_secure_port(address, tls.grpc_credentials()))
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def publish_health() -> None:  # SERVING while every pool has a live worker
+        status = (health_pb2.HealthCheckResponse.SERVING if router.ready
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, status)
+    await publish_health()
+    router.on_change.append(lambda: asyncio.ensure_future(publish_health()))
     return server, bound

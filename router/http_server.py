@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from pdserve.engine.errors import InvalidRequestError, ModelNotFoundError
+from pdserve.engine.errors import InvalidRequestError, ModelNotFoundError, RequestFailedError
 from pdserve.engine.worker_messages import TokenDelta
 from pdserve.router.auth import ApiKeys, owner
 from pdserve.router.errors import OverloadedError, WorkerError
@@ -25,9 +25,20 @@ from pdserve.router.router import Accepted, Router
 def _error(status: int, message: str, param: str | None = None,
            kind: str = "invalid_request_error", headers: dict | None = None,
            code: str | int | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status if code is None else code}},
+    return JSONResponse(_error_body(status, message, param, kind, code),
                         status_code=status, headers=headers)
+
+
+def _error_body(status: int, message: str, param: str | None = None,
+                kind: str = "invalid_request_error", code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": status if code is None else code}}
+
+
+# Failures after a request was accepted: (status, OpenAI error type). Before the first
+# byte they are the response's status; mid-stream, an SSE error event then [DONE].
+_FAILURES = {WorkerError: (503, "service_unavailable"),
+             RequestFailedError: (500, "server_error")}
 
 
 class _BodyLimit:
@@ -108,12 +119,19 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys()) -> FastAPI:
                       headers={"Retry-After": f"{max(1, round(exc.retry_after_s))}"})
 
     @app.exception_handler(WorkerError)
-    async def _worker(request, exc: WorkerError):
-        return _error(503, str(exc), kind="service_unavailable")
+    @app.exception_handler(RequestFailedError)
+    async def _failed(request, exc: WorkerError | RequestFailedError):
+        status, kind = _FAILURES[_failure_type(exc)]
+        return _error(status, str(exc), kind=kind)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        """200 while every worker is in service; 503 while one is out (restarting after
+        its process died, or given up), with each worker's state."""
+        workers = router.worker_states()
+        if any(state != "serving" for state in workers.values()):
+            return JSONResponse({"status": "degraded", "workers": workers}, status_code=503)
+        return {"status": "ok", "workers": workers}
 
     @app.get("/ready")
     async def ready():
@@ -206,9 +224,16 @@ async def _sse(stream, first: TokenDelta, shape, body):
             yield _event(shape.chunk(delta, first=False))
         if body.stream_options and body.stream_options.include_usage:
             yield _event(shape.usage_chunk(deltas))
-        yield "data: [DONE]\n\n"
+    except tuple(_FAILURES) as exc:  # the status is sent already: an error event
+        status, kind = _FAILURES[_failure_type(exc)]
+        yield _event(_error_body(status, str(exc), kind=kind))
     finally:
         await stream.aclose()  # a disconnect lands here: abort on both workers
+    yield "data: [DONE]\n\n"
+
+
+def _failure_type(exc: Exception) -> type:
+    return next(t for t in _FAILURES if isinstance(exc, t))
 
 
 def _event(payload: dict) -> str:

@@ -30,6 +30,7 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     # spin-wait after every parallel region would steal them (measured here: the
     # gRPC path's throughput 0.75 -> 0.87 of in-process with passive waiting).
     options = {"num_cpus": pools.num_cpus_per_worker, "num_gpus": pools.num_gpus_per_worker,
+               "max_restarts": pools.max_restarts,
                "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
     prefill = [PrefillWorkerActor.options(**options).remote(f"prefill-{i}", engine_config,
                                                             transfer)
@@ -48,8 +49,8 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
                      engine_config.cache.block_size)
     return Router(Tokenizer(model_dir), info,
                   [PrefillHandle(f"prefill-{i}", a) for i, a in enumerate(prefill)],
-                  [DecodeHandle(f"decode-{i}", a, s["num_blocks"], s["free_blocks"])
-                   for i, (a, s) in enumerate(zip(decode, decode_stats))],
+                  [DecodeHandle(f"decode-{i}", a, s["num_blocks"], s["free_blocks"], address)
+                   for i, (a, s, address) in enumerate(zip(decode, decode_stats, addresses))],
                   router_config, colocated=pools.mode == "colocated")
 
 

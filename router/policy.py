@@ -23,6 +23,7 @@ class PrefillLoad:
     worker_id: str
     queued: int  # prefills sent and not yet answered
     queued_tokens: int  # their prompt tokens
+    alive: bool = True
 
 
 def decode_order(loads: list[DecodeLoad], blocks_needed: int) -> list[str]:
@@ -38,11 +39,11 @@ def prefill_choice(loads: list[PrefillLoad], num_tokens: int,
                    max_queued_tokens: int = 0) -> str | None:
     """The prefill worker with the fewest queued tokens whose queue has room for this
     prompt (an empty queue always has: one long prompt must not be refused forever);
-    None when every queue is full. max_queued_tokens 0 = unbounded."""
+    None when every live queue is full. max_queued_tokens 0 = unbounded."""
     def has_room(w: PrefillLoad) -> bool:
         return (not max_queued_tokens or w.queued == 0
                 or w.queued_tokens + num_tokens <= max_queued_tokens)
-    open_ = [w for w in loads if has_room(w)]
+    open_ = [w for w in loads if w.alive and has_room(w)]
     if not open_:
         return None
     return min(open_, key=lambda w: (w.queued_tokens, w.queued, w.worker_id)).worker_id

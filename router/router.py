@@ -15,25 +15,28 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Awaitable
 
 from pdserve.engine.detokenizer import Detokenizer
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.errors import InvalidRequestError, RequestFailedError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import check_length, prompt_token_ids
 from pdserve.engine.worker_messages import PrefillJob, PrefillResult, Reservation, TokenDelta
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import OverloadedError, WorkerError, cause_of, short_reason
+from pdserve.router.errors import (OverloadedError, WorkerError, cause_of, is_worker_death,
+                                   short_reason)
 from pdserve.router.lifecycle import Accepted, Flight, Phase
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import decode_order, prefill_choice
 from pdserve.router.workers import DecodeHandle, PrefillHandle
 
 __all__ = ["Accepted", "ModelInfo", "Router"]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,12 +73,24 @@ class Router:
         self._aborting: set[asyncio.Task] = set()  # abort calls to workers in flight
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
+        self._reviving: dict[str, asyncio.Task] = {}  # worker id -> its revival
+        # Called (on the event loop) whenever a worker leaves or rejoins service.
+        self.on_change: list = []
 
     @property
     def ready(self) -> bool:
         """Whether every pool the mode needs has a live worker."""
         live = any(w.alive for w in self.decode.values())
-        return live and (self.colocated or bool(self.prefill))
+        return live and (self.colocated or any(w.alive for w in self.prefill.values()))
+
+    def worker_states(self) -> dict[str, str]:
+        """Every worker's id -> "serving", "restarting" (its process died and Ray is
+        restarting it) or "dead" (given up)."""
+        def state(w) -> str:
+            if w.alive:
+                return "serving"
+            return "restarting" if w.worker_id in self._reviving else "dead"
+        return {w.worker_id: state(w) for w in [*self.prefill.values(), *self.decode.values()]}
 
     @property
     def num_inflight(self) -> int:
@@ -91,9 +106,11 @@ class Router:
 
     async def start(self) -> None:
         for worker in self.decode.values():
-            worker.start_pump(self.config.stall_timeout_s)
+            worker.start_pump(self.config.stall_timeout_s, self._worker_died)
 
     async def stop(self) -> None:
+        for task in self._reviving.values():
+            task.cancel()
         for worker in self.decode.values():
             if worker.pump is not None:
                 worker.pump.cancel()
@@ -248,6 +265,8 @@ class Router:
             except Exception as exc:
                 if isinstance(cause_of(exc), InvalidRequestError):
                     raise cause_of(exc) from None  # it can never fit: 400, not 429
+                if is_worker_death(exc):
+                    self._worker_died(worker)
                 reservation = None  # no answer in time: the worker may reserve late
                 self._abort_on(worker, req.request_id)
             if reservation is not None:
@@ -273,8 +292,10 @@ class Router:
             raise WorkerError(f"prefill of {req.request_id} took longer than "
                               f"{self.config.prefill_timeout_s:g}s") from None
         except Exception as exc:
-            if isinstance(cause_of(exc), InvalidRequestError):
+            if isinstance(cause_of(exc), (InvalidRequestError, RequestFailedError)):
                 raise cause_of(exc) from None
+            if is_worker_death(exc):
+                self._worker_died(worker)
             raise WorkerError(f"prefill of {req.request_id} failed: {short_reason(exc)}") \
                 from None
         flight.phase = Phase.STARTING  # the KV landed; the prefill worker holds nothing
@@ -302,6 +323,8 @@ class Router:
         except Exception as exc:
             if isinstance(cause_of(exc), InvalidRequestError):
                 raise cause_of(exc) from None
+            if is_worker_death(exc):
+                self._worker_died(worker)
             raise WorkerError(f"engine worker {worker.worker_id} could not take "
                               f"{req.request_id}: {short_reason(exc)}") from None
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
@@ -320,6 +343,8 @@ class Router:
                 item, skip_text = replace(item, text=item.text[cut:]), skip_text - cut
             if item.finished:
                 flight.phase = Phase.DONE  # the worker freed it
+            if item.finish_reason == "error":
+                raise RequestFailedError(flight.request_id, item.error or "")
             yield item
             if item.finished:
                 return
@@ -418,6 +443,62 @@ class Router:
                                                       self.config.control_timeout_s))
         self._aborting.add(task)
         task.add_done_callback(_forget_abort(self._aborting))
+
+    # ---- workers leaving and rejoining service ---------------------------------------
+
+    def _worker_died(self, worker: PrefillHandle | DecodeHandle) -> None:
+        """Its process died: out of service now, back once Ray has restarted it."""
+        if worker.worker_id in self._reviving:
+            return
+        worker.alive = False
+        log.error("worker %s died; waiting for its restart", worker.worker_id)
+        task = asyncio.get_running_loop().create_task(self._revive(worker))
+        self._reviving[worker.worker_id] = task
+        task.add_done_callback(lambda _: self._reviving.pop(worker.worker_id, None))
+        self._changed()
+
+    async def _revive(self, worker: PrefillHandle | DecodeHandle) -> None:
+        """Waits for the restarted process to answer (its model loads first), pairs it
+        with the live workers of the other pool, and puts it back in service. Gives
+        up after revive_timeout_s (Ray's max_restarts spent, or it cannot be placed)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.revive_timeout_s
+        backoff = 0.05
+        while True:
+            try:
+                await self._rejoin(worker)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if loop.time() + backoff > deadline:
+                    log.error("worker %s did not come back within %gs: %s", worker.worker_id,
+                              self.config.revive_timeout_s, short_reason(exc))
+                    self._changed()
+                    return
+                await asyncio.sleep(backoff)  # polling Ray, which has no restart event
+                backoff = min(2 * backoff, 2.0)
+        log.warning("worker %s is back in service", worker.worker_id)
+        self._changed()
+
+    async def _rejoin(self, worker: PrefillHandle | DecodeHandle) -> None:
+        timeout_s = self.config.control_timeout_s
+        stats = await asyncio.wait_for(worker.actor.stats.remote(), timeout_s)
+        if isinstance(worker, PrefillHandle):
+            addresses = [d.address for d in self.decode.values() if d.alive]
+            await asyncio.wait_for(worker.actor.connect.remote(addresses), timeout_s)
+            worker.alive = True
+            return
+        worker.address = await asyncio.wait_for(worker.actor.address.remote(), timeout_s)
+        await asyncio.gather(*[asyncio.wait_for(p.actor.connect.remote([worker.address]),
+                                                timeout_s)
+                               for p in self.prefill.values() if p.alive])
+        worker.num_blocks, worker.free_blocks = stats["num_blocks"], stats["free_blocks"]
+        worker.start_pump(self.config.stall_timeout_s, self._worker_died)
+
+    def _changed(self) -> None:
+        for listener in self.on_change:
+            listener()
 
     def _refresh_soon(self) -> None:
         """One stats refresh in the background, however many refusals ask for it."""

@@ -1,11 +1,13 @@
 """The router's view of its workers: Ray actor handles plus the load the router
 counts itself, and one pump per decode worker that fans its StepBatch stream out to
-per-request queues."""
+per-request queues. A worker whose process died is out of service (alive False) until
+the router has it back (Router._revive)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pdserve.router.errors import WorkerError, WorkerStalled, short_reason
 from pdserve.router.policy import DecodeLoad, PrefillLoad
@@ -19,9 +21,10 @@ class PrefillHandle:
     actor: object  # PrefillWorkerActor handle
     queued: int = 0  # prefills admitted and not yet answered
     queued_tokens: int = 0
+    alive: bool = True
 
     def load(self) -> PrefillLoad:
-        return PrefillLoad(self.worker_id, self.queued, self.queued_tokens)
+        return PrefillLoad(self.worker_id, self.queued, self.queued_tokens, self.alive)
 
     def enqueue(self, num_tokens: int) -> None:
         self.queued += 1
@@ -38,6 +41,7 @@ class DecodeHandle:
     actor: object  # DecodeWorkerActor handle
     num_blocks: int
     free_blocks: int
+    address: str = ""  # its kv_transfer rendezvous, which prefill workers pair with
     inflight: int = 0
     alive: bool = True  # false once its step stream ended with an error
     # request id -> its TokenDeltas (or the error that ends it)
@@ -48,13 +52,19 @@ class DecodeHandle:
         return DecodeLoad(self.worker_id, self.inflight, self.free_blocks, self.num_blocks,
                           self.alive)
 
-    def start_pump(self, stall_timeout_s: float) -> None:
-        self.pump = asyncio.get_running_loop().create_task(self._pump(stall_timeout_s))
+    def start_pump(self, stall_timeout_s: float,
+                   on_death: Callable[["DecodeHandle"], None] = lambda worker: None) -> None:
+        self.alive = True
+        self.pump = asyncio.get_running_loop().create_task(self._pump(stall_timeout_s,
+                                                                      on_death))
 
-    async def _pump(self, stall_timeout_s: float) -> None:
+    async def _pump(self, stall_timeout_s: float,
+                    on_death: Callable[["DecodeHandle"], None]) -> None:
         """The worker sends a batch every step and a heartbeat while idle (only while
         its engine loop makes progress), so no item within the bound means it stalled:
-        every request on it fails then, with a typed error, and the wait goes on."""
+        every request on it fails then, with a typed error, and the wait goes on. A
+        stream that ends with an error (the process or its engine loop died) fails them
+        too, and on_death hears of it."""
         steps = self.actor.steps.remote(stall_timeout_s)
         pending = None
         try:
@@ -81,6 +91,7 @@ class DecodeHandle:
             log.error("decode worker %s stream ended: %s", self.worker_id, short_reason(exc))
             self._fail_all(WorkerError(f"decode worker {self.worker_id} failed: "
                                        f"{short_reason(exc)}"))
+            on_death(self)
 
     def _fail_all(self, error: Exception) -> None:
         for queue in list(self.streams.values()):

@@ -227,7 +227,8 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
 def test_health_ready_and_metrics(server, client):
     client.completions.create(model="test-llama", prompt="metrics please", max_tokens=3,
                               extra_body={"ignore_eos": True})
-    assert httpx.get(f"{server.http_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.http_url}/health").json() == {
+        "status": "ok", "workers": {"prefill-0": "serving", "decode-0": "serving"}}
     assert httpx.get(f"{server.http_url}/ready").status_code == 200
     text = httpx.get(f"{server.http_url}/metrics").text
     for name in ("pdserve:time_to_first_token_seconds_bucket",
