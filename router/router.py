@@ -28,8 +28,13 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import check_length, prompt_token_ids
 from pdserve.engine.worker_messages import PrefillJob, PrefillResult, Reservation, TokenDelta
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import (OverloadedError, WorkerError, cause_of, is_worker_death,
-                                   short_reason)
+from pdserve.router.errors import (
+    OverloadedError,
+    WorkerError,
+    cause_of,
+    is_worker_death,
+    short_reason,
+)
 from pdserve.router.lifecycle import Accepted, Flight, Phase
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import decode_order, prefill_choice
