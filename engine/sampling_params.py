@@ -1,10 +1,12 @@
 """Per-request sampling settings (vLLM's names and defaults)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import typing
+from dataclasses import dataclass, fields
 
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.options import option
+from pdserve.engine.options import bounds_of, bounds_text, option, within
 
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / 1e-45
@@ -17,23 +19,27 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 32, 1024, 1024
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = option(16, "the most tokens to generate")
-    temperature: float = option(1.0, "0 (or below 1e-5) = greedy")
-    top_k: int = option(0, "sample from the k most likely tokens; 0 (or -1) = off")
+    max_tokens: int = option(16, "the most tokens to generate", ge=1)
+    temperature: float = option(1.0, "0 (or below 1e-5) = greedy", ge=0)
+    top_k: int = option(0, "sample from the k most likely tokens; 0 (or -1) = off", ge=-1)
     top_p: float = option(1.0, "sample from the smallest set of tokens whose probability "
-                          "reaches top_p")
-    min_p: float = option(0.0, "drop tokens below min_p x the top token's probability")
-    presence_penalty: float = option(0.0, "minus this for every token already in the output")
-    frequency_penalty: float = option(0.0, "minus this times the token's count in the output")
+                          "reaches top_p", gt=0, le=1)
+    min_p: float = option(0.0, "drop tokens below min_p x the top token's probability",
+                          ge=0, le=1)
+    presence_penalty: float = option(0.0, "minus this for every token already in the "
+                                     "output", ge=-2, le=2)
+    frequency_penalty: float = option(0.0, "minus this times the token's count in the "
+                                      "output", ge=-2, le=2)
     repetition_penalty: float = option(1.0, "HF-style, over prompt and output tokens; "
-                                       "1 = off")
+                                       "1 = off", gt=0)
     seed: int | None = option(None, "seeds this request's sampling; the k-th token is "
                               "drawn from (seed, k) wherever it is sampled")
     stop: tuple[str, ...] = option((), "strings that end the output (not included)")
     stop_token_ids: tuple[int, ...] = option((), "token ids that end the output")
     ignore_eos: bool = option(False, "keep generating past the end-of-sequence token")
     logprobs: bool = option(False, "return the logprob of each chosen token")
-    top_logprobs: int = option(0, "and of this many most likely tokens at each position")
+    top_logprobs: int = option(0, "and of this many most likely tokens at each position",
+                               ge=0, le=MAX_TOP_LOGPROBS)
     priority: int = option(0, "lower runs first under the `priority` scheduling policy")
 
     def __post_init__(self) -> None:
@@ -41,24 +47,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_bounds(self)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-                 f"must be an integer >= 1, got {self.max_tokens!r}")
-        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
-                 f"must be >= 0, got {self.temperature!r}")
-        _require(_is_int(self.top_k) and self.top_k >= 0, "top_k",
-                 f"must be >= 1, or 0 / -1 for off, got {self.top_k!r}")
-        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
-                 f"must be in (0, 1], got {self.top_p!r}")
-        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
-                 f"must be in [0, 1], got {self.min_p!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _require(_is_number(value) and -2 <= value <= 2, name,
-                     f"must be in [-2, 2], got {value!r}")
-        _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-                 "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
         _require(self.seed is None or _is_int(self.seed), "seed",
                  f"must be an integer, got {self.seed!r}")
         _require(all(isinstance(s, str) and s and _is_unicode(s) for s in self.stop), "stop",
@@ -71,8 +62,6 @@ class SamplingParams:
         _require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
                  f"at most {MAX_STOP_TOKEN_IDS}")
         _require(_is_int(self.priority), "priority", "must be an integer")
-        _require(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
-                 "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if self.top_logprobs:
             object.__setattr__(self, "logprobs", True)
         if self.temperature < SAMPLING_EPS:
@@ -86,6 +75,23 @@ class SamplingParams:
     def penalized(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+def _check_bounds(params: SamplingParams) -> None:
+    """Every bounded field: the right kind of number, within its range."""
+    for name, integer, bounds in _bounded():
+        value = getattr(params, name)
+        kind = _is_int(value) if integer else _is_number(value)
+        _require(kind and within(value, bounds), name,
+                 f"must be {'an integer' if integer else 'a number'} {bounds_text(bounds)}, "
+                 f"got {value!r}")
+
+
+@functools.cache
+def _bounded() -> tuple[tuple[str, bool, dict], ...]:
+    hints = typing.get_type_hints(SamplingParams)
+    return tuple((f.name, hints[f.name] is int, bounds_of(f))
+                 for f in fields(SamplingParams) if bounds_of(f))
 
 
 def _is_int(v) -> bool:

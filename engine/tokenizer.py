@@ -5,8 +5,11 @@ import functools
 import json
 from pathlib import Path
 
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from pdserve.engine.errors import InvalidRequestError
 
 
 class Tokenizer:
@@ -40,10 +43,29 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
+        return self._chat_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """apply_chat_template for a request's messages: a template that refuses them
+        (HF templates call raise_exception, e.g. on roles that do not alternate) or
+        fails on them is a 400 naming `messages`."""
+        try:
+            return self.apply_chat_template(messages)
+        except TemplateError as err:
+            raise InvalidRequestError("messages", f"the chat template refused them: "
+                                      f"{err.message or type(err).__name__}") from None
+
+    @functools.cached_property
+    def _chat_template(self):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_exception  # as HF's renderer has it
+        return env.from_string(self.chat_template)
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
 
 
 def _token_text(token) -> str | None:

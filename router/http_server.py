@@ -5,6 +5,7 @@ overload 429 with Retry-After, a failed worker 503."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import time
 import uuid
@@ -16,6 +17,7 @@ from starlette.exceptions import HTTPException
 
 from pdserve.engine.errors import InvalidRequestError, ModelNotFoundError, RequestFailedError
 from pdserve.engine.worker_messages import TokenDelta
+from pdserve.router import openapi
 from pdserve.router.auth import ApiKeys, owner
 from pdserve.router.errors import OverloadedError, WorkerError
 from pdserve.router.openai_protocol import ChatRequest, CompletionRequest
@@ -83,8 +85,12 @@ class _TooLarge(HTTPException):
 def create_app(router: Router, keys: ApiKeys = ApiKeys()) -> FastAPI:
     """/health and /ready stay open to probes; /v1/* and /metrics need a key when
     keys are set."""
-    app = FastAPI(title="pdserve")
+    app = FastAPI(title="pdserve", version=_version(),
+                  description="OpenAI-compatible completions served by pdserve.")
     app.add_middleware(_BodyLimit, limit=router.config.max_request_bytes)
+    openapi.install(app, model=router.model.name, vocab_size=router.model.vocab_size,
+                    max_model_len=router.model.max_model_len,
+                    max_prompt_chars=router.max_prompt_chars, requires_key=keys.enabled)
 
     def caller(request: Request) -> str:
         key = keys.check(request.headers.get("authorization"))
@@ -103,9 +109,7 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys()) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"] if p != "body")
-        return _error(400, f"{field}: {first['msg']}", field or None)
+        return _error(400, *_validation_message(exc.errors()))
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request, exc: InvalidRequestError):
@@ -124,7 +128,7 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys()) -> FastAPI:
         status, kind = _FAILURES[_failure_type(exc)]
         return _error(status, str(exc), kind=kind)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "A worker is out of service"}})
     async def health():
         """200 while every worker is in service; 503 while one is out (restarting after
         its process died, or given up), with each worker's state."""
@@ -133,41 +137,34 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys()) -> FastAPI:
             return JSONResponse({"status": "degraded", "workers": workers}, status_code=503)
         return {"status": "ok", "workers": workers}
 
-    @app.get("/ready")
+    @app.get("/ready", responses=openapi.errors(503))
     async def ready():
         if not router.ready:
             return _error(503, "a worker pool has no live worker", kind="service_unavailable")
         return {"status": "ready"}
 
-    @app.get("/metrics", dependencies=[Depends(caller)])
+    @app.get("/metrics", dependencies=[Depends(caller)], responses={
+        200: {"description": "Prometheus text format",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}, **openapi.errors(401)})
     async def metrics():
         await router.refresh_stats()
         return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=[Depends(caller)])
+    @app.get("/v1/models", dependencies=[Depends(caller)], responses=openapi.errors(401))
     async def models():
         return {"object": "list", "data": [{
             "id": model.name, "object": "model", "created": 0, "owned_by": "pdserve",
             "max_model_len": model.max_model_len}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=openapi.GENERATE)
     async def completions(body: CompletionRequest, request: Request,
                           who: str = Depends(caller)):
         _check_model(body.model, model.name)
-        if body.echo:
-            raise InvalidRequestError("echo", "echo is not supported")
-        params = body.sampling_params()
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise InvalidRequestError("prompt", "batched prompts are not supported; "
-                                          "send one request per prompt")
-            prompt = prompt[0]
-        accepted = await router.accept(prompt, params, owner=who)
+        accepted = await router.accept(body.prompt_input(), body.sampling_params(), owner=who)
         shape = _CompletionShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=openapi.GENERATE)
     async def chat(body: ChatRequest, request: Request, who: str = Depends(caller)):
         _check_model(body.model, model.name)
         if not router.tokenizer.chat_template:
@@ -178,6 +175,25 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys()) -> FastAPI:
         return await _respond(router, accepted, shape, body, request)
 
     return app
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for pydantic's errors: the top-level field is the param; the
+    message is the most specific error (a union reports one per alternative)."""
+    first = errors[0]
+    loc = [p for p in first["loc"] if p != "body"]
+    param = str(loc[0]) if loc else None
+    same = [e for e in errors if [p for p in e["loc"] if p != "body"][:1] == loc[:1]]
+    deepest = max(same, key=lambda e: len(e["loc"]))
+    where = ".".join(str(p) for p in deepest["loc"] if p != "body")
+    return f"{where}: {deepest['msg']}" if where else deepest["msg"], param
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _check_model(requested: str | None, served: str) -> None:

@@ -1,18 +1,27 @@
-"""The OpenAI request bodies (/v1/completions, /v1/chat/completions).
+"""The OpenAI request bodies (/v1/completions, /v1/chat/completions) and the error
+body every failure answers with.
 
-Sampling fields are derived from SamplingParams (name, type, default, description):
-only those whose OpenAI form differs are declared here, so a new SamplingParams
-field reaches HTTP without an edit here."""
+Sampling fields are derived from SamplingParams (name, type, default, description,
+range): only those whose OpenAI form differs are declared here, so a new
+SamplingParams field reaches HTTP without an edit here. Every rule a schema can state
+is stated here, so the OpenAPI document says what the server accepts; the rest (a
+prompt's tokens within the vocabulary, prompt plus max_tokens within the context) is
+checked by the engine's validation and documented by the front end."""
 from __future__ import annotations
 
+import types
 import typing
 from dataclasses import fields
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from annotated_types import Ge, Le
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.options import help_of
-from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from pdserve.engine.options import bounds_of, help_of
+from pdserve.engine.sampling_params import (MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                            MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
+                                            SamplingParams)
 from pdserve.engine.validation import check_text
 
 # SamplingParams fields whose OpenAI spelling differs: nullable max_tokens, stop as a
@@ -21,45 +30,83 @@ OPENAI_SHAPED = ("max_tokens", "stop", "stop_token_ids", "logprobs", "top_logpro
 DERIVED = tuple(f.name for f in fields(SamplingParams) if f.name not in OPENAI_SHAPED)
 
 
+def _integral(value):
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def json_int(ge: int | None = None, le: int | None = None):
+    """JSON Schema's integer: 3 and 3.0, never true or "3" (the models are strict)."""
+    bounds = [b for b in (ge is not None and Ge(ge), le is not None and Le(le)) if b]
+    return Annotated[(int, *bounds, BeforeValidator(_integral))]
+
+
+JsonInt = json_int()
+
+
+def _json_type(hint):
+    if hint is int:
+        return JsonInt
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.Union[tuple(_json_type(h) for h in typing.get_args(hint))]
+    return hint
+
+
 def _derived_fields() -> dict:
     hints = typing.get_type_hints(SamplingParams)
-    return {f.name: (hints[f.name], Field(f.default, description=help_of(f)))
+    return {f.name: (_json_type(hints[f.name]),
+                     Field(f.default, description=help_of(f), **bounds_of(f)))
             for f in fields(SamplingParams) if f.name in DERIVED}
 
 
-_SamplingFields = create_model("SamplingFields", __config__=ConfigDict(extra="ignore"),
+_SamplingFields = create_model("SamplingFields",
+                               __config__=ConfigDict(extra="ignore", strict=True),
                                **_derived_fields())
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str  # invalid_request_error, rate_limit_error, server_error, ...
+    param: str | None = None  # the offending field, where there is one
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx body, OpenAI's shape."""
+    error: ErrorDetail
+
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = json_int(ge=0)
+MaxTokens = json_int(ge=1)
+TopLogprobs = json_int(ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class _Sampling(_SamplingFields):
     # OpenAI fields we do not use are accepted (extra="ignore", inherited).
     model: str | None = None
-    max_tokens: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
+    max_tokens: MaxTokens | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] \
+        | None = None
+    stop_token_ids: Annotated[list[JsonInt], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
-    # Known fields this server does not implement: refused when set, never ignored.
-    best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int = 0
+    # Known fields this server does not implement: only their no-op values pass.
+    n: JsonInt = Field(1, ge=1, le=1, description="only 1 is supported")
+    best_of: json_int(ge=1, le=1) | None = Field(
+        None, description="only 1 is supported")
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(
+        None, description="not supported: only an empty map")
+    min_tokens: JsonInt = Field(0, ge=0, le=0, description="not supported: only 0")
 
     def _params(self, max_tokens: int | None, logprobs: bool,
                 top_logprobs: int) -> SamplingParams:
-        if self.n != 1:
-            raise InvalidRequestError("n", "only n=1 is supported")
-        if self.best_of not in (None, 1):
-            raise InvalidRequestError("best_of", "only best_of=1 is supported")
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias", "logit_bias is not supported")
-        if self.min_tokens:
-            raise InvalidRequestError("min_tokens", "min_tokens is not supported")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             max_tokens=SamplingParams.max_tokens if max_tokens is None else max_tokens,
@@ -69,31 +116,38 @@ class _Sampling(_SamplingFields):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
-    logprobs: int | None = None  # the chosen token's and this many top logprobs
-    echo: bool = False
+    prompt: (NonEmpty | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]) = Field(
+        description="text, token ids, or a list of one text (batched prompts are not "
+        "supported)")
+    logprobs: TopLogprobs | None = Field(
+        None, description="the chosen token's logprob and this many top logprobs")
+    echo: Literal[False] = Field(False, description="not supported: only false")
 
     def sampling_params(self) -> SamplingParams:
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         return self._params(self.max_tokens, self.logprobs is not None, self.logprobs or 0)
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt: a list of one text is that text."""
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
+            return self.prompt[0]
+        return self.prompt
 
 
 class ChatMessage(BaseModel):
-    role: str
+    model_config = ConfigDict(strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
     content: str
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
 
     def template_messages(self) -> list[dict]:
         """The messages as the chat template takes them, checked."""
-        if not self.messages:
-            raise InvalidRequestError("messages", "must not be empty")
         for i, message in enumerate(self.messages):
             check_text(f"messages[{i}].content", message.content)
             check_text(f"messages[{i}].role", message.role)

@@ -143,12 +143,16 @@ class Router:
         return self._accepted(ids, params, request_id, owner)
 
     def _chat_token_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages)
+        text = self.tokenizer.render_chat(messages)
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template has them
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """Longer text cannot fit the context, whatever it tokenizes to."""
+        return self.model.max_model_len * self.tokenizer.max_token_chars
+
     def _check_chars(self, field: str, chars: int) -> None:
-        limit = self.model.max_model_len * self.tokenizer.max_token_chars
-        if chars > limit:
+        if chars > self.max_prompt_chars:
             raise InvalidRequestError(field, f"{chars} characters cannot fit the model's "
                                       f"context of {self.model.max_model_len} tokens")
 
