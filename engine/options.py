@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import Field, field
 from typing import Any
 
-
 BOUNDS = ("ge", "gt", "le")  # pydantic's names: >=, >, <=
 
 

@@ -19,9 +19,13 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.options import bounds_of, help_of
-from pdserve.engine.sampling_params import (MAX_STOP_CHARS, MAX_STOP_STRINGS,
-                                            MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS,
-                                            SamplingParams)
+from pdserve.engine.sampling_params import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+)
 from pdserve.engine.validation import check_text
 
 # SamplingParams fields whose OpenAI spelling differs: nullable max_tokens, stop as a
