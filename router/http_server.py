@@ -182,7 +182,10 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     message is the most specific error (a union reports one per alternative)."""
     first = errors[0]
     loc = [p for p in first["loc"] if p != "body"]
-    param = str(loc[0]) if loc else None
+    if not loc:  # not a JSON object at all
+        return ("the body must be a JSON object (Content-Type: application/json): "
+                f"{first['msg']}"), None
+    param = str(loc[0])
     same = [e for e in errors if [p for p in e["loc"] if p != "body"][:1] == loc[:1]]
     deepest = max(same, key=lambda e: len(e["loc"]))
     where = ".".join(str(p) for p in deepest["loc"] if p != "body")

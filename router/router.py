@@ -55,6 +55,8 @@ class ModelInfo:
 # Text up to this long is tokenized on the event loop (well under a millisecond);
 # longer text in a thread.
 _INLINE_TOKENIZE_CHARS = 16384
+# A client-chosen request id names the request in logs and aborts: an id, not a payload.
+MAX_REQUEST_ID_CHARS = 256
 
 
 class _Cancelled(Exception):
@@ -164,6 +166,9 @@ class Router:
     def _accepted(self, ids: list[int], params: SamplingParams, request_id: str,
                   owner: str) -> Accepted:
         check_length(len(ids), params.max_tokens, self.model.max_model_len)
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} "
+                                      "characters")
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         return Accepted(rid, ids, params, time.time(), owner)
 
