@@ -22,7 +22,8 @@ class DecodeWorkerActor:
         self._loop = asyncio.get_event_loop()
         self._batches: asyncio.Queue[StepBatch] = asyncio.Queue()
         self.worker = DecodeWorker(worker_id, engine_config, transfer, on_batch=self._publish,
-                                   on_death=exit_for_restart)
+                                   on_death=exit_for_restart,
+                                   kv_host=ray.util.get_node_ip_address())
 
     def _publish(self, batch: StepBatch) -> None:  # any thread
         self._loop.call_soon_threadsafe(self._batches.put_nowait, batch)

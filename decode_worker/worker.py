@@ -28,11 +28,14 @@ class DecodeWorker:
     def __init__(self, worker_id: str, engine_config: EngineConfig,
                  transfer: TransferConfig = TransferConfig(),
                  on_batch: Callable[[StepBatch], None] | None = None,
-                 on_death: Callable[[BaseException], None] | None = None):
+                 on_death: Callable[[BaseException], None] | None = None,
+                 kv_host: str = "127.0.0.1"):
+        """kv_host: the address its KV rendezvous binds (the node's, on a cluster)."""
         self.worker_id = worker_id
         self.on_batch = on_batch
         engine = LLMEngine(engine_config)
-        self.receiver = KVReceiver(engine.runner.kv_caches, transfer, on_release=engine.abort)
+        self.receiver = KVReceiver(engine.runner.kv_caches, transfer, kv_host,
+                                   on_release=engine.abort)
         self._reserving = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reserve")
         self._aborted: dict[str, float] = {}  # request id -> when its abort arrived
         self._tombstone_s = transfer.begin_lease_s

@@ -26,11 +26,15 @@ _IDLE = datetime.timedelta(days=365)
 
 
 class PairChannel:
-    def __init__(self, store: dist.Store, pair: str, rank: int):
+    def __init__(self, store: dist.Store, pair: str, rank: int, host: str):
+        """`host`: the address this side's gloo connections bind to (its node's)."""
         self.pair = pair
         self.peer = SENDER_RANK if rank == RECEIVER_RANK else RECEIVER_RANK
         prefixed = dist.PrefixStore(f"pair/{pair}/", store)
-        self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, _IDLE)
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        options._timeout = _IDLE
+        self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, options)
         self._send_lock = threading.Lock()
 
     @property

@@ -1,7 +1,7 @@
 """Transfer settings, frozen and validated where built."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 BACKENDS = ("auto", "gloo")
 # NCCL is not offered: it ignores send/recv tags (matching is by issue order), and this
@@ -19,6 +19,9 @@ class TransferConfig:
     # The router bounds its prefill queues so that no admitted request waits this long.
     begin_lease_s: float = 120.0
     start_lease_s: float = 30.0
+    # Names the key space of every receiver's rendezvous store: only workers of the
+    # same cluster (launch makes one per cluster) can read it or pair. "" = none.
+    secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "connect_timeout_s", "begin_lease_s", "start_lease_s"):

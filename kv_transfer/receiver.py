@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from pdserve.kv_transfer import protocol as P
+from pdserve.kv_transfer import rendezvous
 from pdserve.kv_transfer.buffer_pool import BufferPool
 from pdserve.kv_transfer.channel import CONTROL_TAG, RECEIVER_RANK, PairChannel
 from pdserve.kv_transfer.config import TransferConfig
@@ -73,9 +73,10 @@ class KVReceiver:
         self.on_release = on_release
         self._clock = clock  # leases and deadlines read it (tests pass a fake)
         self.device = kv_caches[0].device
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=config.connect_timeout_s))
-        self.address = f"{host}:{self.store.port}"
+        self.host = host
+        self._server = rendezvous.serve(host, config.connect_timeout_s)
+        self.address = f"{host}:{self._server.port}"
+        self.store = rendezvous.scoped(self._server, config.secret)
         self.store.set(P.LAYOUT_KEY, json.dumps(self.layout.to_dict()))
         self.bytes_received = 0
         self.lease_expiries = dict.fromkeys(LEASES, 0)
@@ -152,7 +153,7 @@ class KVReceiver:
 
     def _serve_pair(self, record: P.JoinRecord) -> None:
         try:
-            channel = PairChannel(self.store, record.pair, RECEIVER_RANK)
+            channel = PairChannel(self.store, record.pair, RECEIVER_RANK, self.host)
         except Exception:
             return  # the sender gave up before the rendezvous finished
         self._pairs[record.pair] = channel

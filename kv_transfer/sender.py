@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.kv_transfer import protocol as P
+from pdserve.kv_transfer import rendezvous
 from pdserve.kv_transfer.buffer_pool import BufferPool
 from pdserve.kv_transfer.channel import CONTROL_TAG, SENDER_RANK, PairChannel
 from pdserve.kv_transfer.config import TransferConfig
@@ -67,8 +68,10 @@ class SendHandle:
 
 class KVSender:
     def __init__(self, sender_id: str, kv_caches: list[torch.Tensor],
-                 config: TransferConfig = TransferConfig()):
+                 config: TransferConfig = TransferConfig(), host: str = "127.0.0.1"):
+        """`host`: the address this side's pair connections bind to (its node's)."""
         self.sender_id = sender_id
+        self.host = host
         self.kv_caches = kv_caches
         self.layout = KVLayout.of(kv_caches)
         self._layout_dict = self.layout.to_dict()
@@ -272,12 +275,17 @@ class KVSender:
 
     def _connect(self, address: str) -> _Peer:
         host, port = address.rsplit(":", 1)
-        timeout = datetime.timedelta(seconds=self.config.connect_timeout_s)
+        timeout_s = self.config.connect_timeout_s
         try:
-            store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-            theirs = KVLayout(**json.loads(store.get(P.LAYOUT_KEY)))
+            store = rendezvous.scoped(rendezvous.connect(host, int(port), timeout_s),
+                                      self.config.secret)
+            known = store.check([P.LAYOUT_KEY])
+            theirs = KVLayout(**json.loads(store.get(P.LAYOUT_KEY))) if known else None
         except Exception as exc:
             raise PeerLostError(None, f"cannot reach receiver at {address}: {exc}") from None
+        if theirs is None:
+            raise PeerLostError(None, f"the receiver at {address} is not of this cluster "
+                                "(its rendezvous has no layout under our secret)")
         diffs = self.layout.differences(theirs)
         if diffs:
             raise LayoutMismatchError(None, f"receiver at {address} has another KV layout: "
@@ -287,7 +295,7 @@ class KVSender:
         index = store.add(P.JOIN_COUNTER, 1)
         store.set(P.join_key(index), P.JoinRecord(self.sender_id, pair, "gloo").encode())
         try:
-            channel = PairChannel(store, pair, SENDER_RANK)
+            channel = PairChannel(store, pair, SENDER_RANK, self.host)
         except Exception as exc:
             raise PeerLostError(None, f"pair rendezvous with {address} failed: {exc}") from None
         return _Peer(store, channel)

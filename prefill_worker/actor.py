@@ -18,7 +18,8 @@ from pdserve.prefill_worker.worker import PrefillWorker
 class PrefillWorkerActor:
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig):
         self.worker = PrefillWorker(worker_id, engine_config, transfer,
-                                    on_death=exit_for_restart)
+                                    on_death=exit_for_restart,
+                                    kv_host=ray.util.get_node_ip_address())
 
     async def prefill(self, job: PrefillJob) -> PrefillResult:
         return await asyncio.wrap_future(self.worker.prefill(job))

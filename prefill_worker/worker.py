@@ -40,10 +40,12 @@ class _Job:
 class PrefillWorker:
     def __init__(self, worker_id: str, engine_config: EngineConfig,
                  transfer: TransferConfig = TransferConfig(),
-                 on_death: Callable[[BaseException], None] | None = None):
+                 on_death: Callable[[BaseException], None] | None = None,
+                 kv_host: str = "127.0.0.1"):
+        """kv_host: the address its KV pairs bind (the node's, on a cluster)."""
         self.worker_id = worker_id
         engine = LLMEngine(engine_config)
-        self.sender = KVSender(worker_id, engine.runner.kv_caches, transfer)
+        self.sender = KVSender(worker_id, engine.runner.kv_caches, transfer, kv_host)
         self._jobs: dict[str, _Job] = {}
         self._lanes: dict[str, _Lane] = {}  # receiver address -> its thread
         self._pairing: dict[str, Future] = {}  # receiver address -> its pair being opened

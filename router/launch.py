@@ -1,6 +1,7 @@
 """Start the worker pools as Ray actors and build a Router over them."""
 from __future__ import annotations
 
+import secrets
 from dataclasses import replace
 
 import ray
@@ -24,6 +25,8 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     """Blocking: actors are up and have reported their KV capacity when it returns.
     Call Router.start() on the event loop that will serve it."""
     served = served_model_name or engine_config.model
+    # One secret per cluster names its KV rendezvous keys (kv_transfer/rendezvous.py).
+    transfer = replace(transfer, secret=transfer.secret or secrets.token_hex(16))
     model_dir = resolve_model_path(engine_config.model)  # build `tiny` once, here
     engine_config = replace(engine_config, model=str(model_dir))
     # Workers share cores with each other and the router: OpenMP threads that
