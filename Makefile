@@ -34,6 +34,7 @@ bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/engine_throughput.py
 	$(BIN)/python benchmarks/kv_transfer.py
 	$(BIN)/python benchmarks/serving_overhead.py
+	$(BIN)/python benchmarks/router_responsiveness.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

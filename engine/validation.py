@@ -2,8 +2,27 @@
 with the same field-named error before any state changes."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """What can fit the context, checked from sizes alone, before any per-token or
+    per-character work (a 4 MB body must not cost a tokenizer pass to refuse)."""
+    max_model_len: int
+    max_prompt_chars: int  # longer text cannot fit, whatever it tokenizes to
+
+    def check_chars(self, field: str, chars: int) -> None:
+        if chars > self.max_prompt_chars:
+            raise InvalidRequestError(field, f"{chars} characters cannot fit the model's "
+                                      f"context of {self.max_model_len} tokens")
+
+    def check_ids(self, field: str, count: int) -> None:
+        if count >= self.max_model_len:
+            raise InvalidRequestError(field, _no_room(count, self.max_model_len))
 
 
 def check_text(field: str, text: str) -> None:
@@ -32,10 +51,13 @@ def prompt_token_ids(prompt, tokenizer: Tokenizer, vocab_size: int) -> list[int]
 
 def check_length(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
     if num_prompt >= max_model_len:
-        raise InvalidRequestError(
-            "prompt", f"{num_prompt} prompt tokens leave no room in the model's "
-            f"context of {max_model_len} tokens")
+        raise InvalidRequestError("prompt", _no_room(num_prompt, max_model_len))
     if num_prompt + max_tokens > max_model_len:
         raise InvalidRequestError(
             "max_tokens", f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) "
             f"exceeds the model's context of {max_model_len} tokens")
+
+
+def _no_room(num_prompt: int, max_model_len: int) -> str:
+    return (f"{num_prompt} prompt tokens leave no room in the model's context of "
+            f"{max_model_len} tokens")

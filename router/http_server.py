@@ -14,11 +14,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from pdserve.engine.errors import InvalidRequestError, ModelNotFoundError, RequestFailedError
 from pdserve.engine.worker_messages import TokenDelta
 from pdserve.router import openapi
 from pdserve.router.auth import ApiKeys, owner
+from pdserve.router.body_parser import BodyParser, InvalidBody, validation_message
 from pdserve.router.errors import OverloadedError, WorkerError
 from pdserve.router.openai_protocol import ChatRequest, CompletionRequest
 from pdserve.router.router import Accepted, Router
@@ -88,9 +90,10 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys()) -> FastAPI:
     app = FastAPI(title="pdserve", version=_version(),
                   description="OpenAI-compatible completions served by pdserve.")
     app.add_middleware(_BodyLimit, limit=router.config.max_request_bytes)
-    openapi.install(app, model=router.model.name, vocab_size=router.model.vocab_size,
+    app.state.body_parser = parser = BodyParser(router.limits)
+    openapi.install(app, bodies=(CompletionRequest, ChatRequest), model=router.model.name, vocab_size=router.model.vocab_size,
                     max_model_len=router.model.max_model_len,
-                    max_prompt_chars=router.max_prompt_chars, requires_key=keys.enabled)
+                    max_prompt_chars=router.limits.max_prompt_chars, requires_key=keys.enabled)
 
     def caller(request: Request) -> str:
         key = keys.check(request.headers.get("authorization"))
@@ -108,8 +111,12 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys()) -> FastAPI:
     model = router.model
 
     @app.exception_handler(RequestValidationError)
-    async def _bad_body(request, exc: RequestValidationError):
-        return _error(400, *_validation_message(exc.errors()))
+    async def _bad_request(request, exc: RequestValidationError):
+        return _error(400, *validation_message(exc.errors()))
+
+    @app.exception_handler(InvalidBody)
+    async def _bad_body(request, exc: InvalidBody):
+        return _error(400, exc.message, exc.param)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request, exc: InvalidRequestError):
@@ -156,16 +163,19 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys()) -> FastAPI:
             "id": model.name, "object": "model", "created": 0, "owned_by": "pdserve",
             "max_model_len": model.max_model_len}]}
 
-    @app.post("/v1/completions", responses=openapi.GENERATE)
-    async def completions(body: CompletionRequest, request: Request,
-                          who: str = Depends(caller)):
+    @app.post("/v1/completions", responses=openapi.GENERATE,
+              openapi_extra=openapi.request_body(CompletionRequest))
+    async def completions(request: Request, who: str = Depends(caller)):
+        body = await _body(parser, CompletionRequest, request)
         _check_model(body.model, model.name)
         accepted = await router.accept(body.prompt_input(), body.sampling_params(), owner=who)
         shape = _CompletionShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)
 
-    @app.post("/v1/chat/completions", responses=openapi.GENERATE)
-    async def chat(body: ChatRequest, request: Request, who: str = Depends(caller)):
+    @app.post("/v1/chat/completions", responses=openapi.GENERATE,
+              openapi_extra=openapi.request_body(ChatRequest))
+    async def chat(request: Request, who: str = Depends(caller)):
+        body = await _body(parser, ChatRequest, request)
         _check_model(body.model, model.name)
         if not router.tokenizer.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template")
@@ -177,19 +187,16 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys()) -> FastAPI:
     return app
 
 
-def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """(message, param) for pydantic's errors: the top-level field is the param; the
-    message is the most specific error (a union reports one per alternative)."""
-    first = errors[0]
-    loc = [p for p in first["loc"] if p != "body"]
-    if not loc:  # not a JSON object at all
-        return ("the body must be a JSON object (Content-Type: application/json): "
-                f"{first['msg']}"), None
-    param = str(loc[0])
-    same = [e for e in errors if [p for p in e["loc"] if p != "body"][:1] == loc[:1]]
-    deepest = max(same, key=lambda e: len(e["loc"]))
-    where = ".".join(str(p) for p in deepest["loc"] if p != "body")
-    return f"{where}: {deepest['msg']}" if where else deepest["msg"], param
+async def _body(parser: BodyParser, model: type, request: Request):
+    """The validated body (415 unless it is JSON, 400 naming what is wrong)."""
+    kind = request.headers.get("content-type", "application/json").split(";")[0].strip()
+    if kind != "application/json" and not kind.endswith("+json"):
+        raise HTTPException(415, f"Content-Type must be application/json, not {kind!r}")
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone while sending: nobody reads an answer
+        raise HTTPException(499, "the client disconnected") from None
+    return await parser.parse(model, raw)
 
 
 def _version() -> str:

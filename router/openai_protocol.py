@@ -26,7 +26,7 @@ from pdserve.engine.sampling_params import (
     MAX_TOP_LOGPROBS,
     SamplingParams,
 )
-from pdserve.engine.validation import check_text
+from pdserve.engine.validation import PromptLimits, check_text
 
 # SamplingParams fields whose OpenAI spelling differs: nullable max_tokens, stop as a
 # string or a list, logprobs as a count (completions) or a flag + top_logprobs (chat).
@@ -131,6 +131,14 @@ class CompletionRequest(_Sampling):
     def sampling_params(self) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs is not None, self.logprobs or 0)
 
+    def check_size(self, limits: PromptLimits) -> None:
+        """Refuses a prompt that cannot fit the context, from its size alone."""
+        prompt = self.prompt_input()
+        if isinstance(prompt, str):
+            limits.check_chars("prompt", len(prompt))
+        else:
+            limits.check_ids("prompt", len(prompt))
+
     def prompt_input(self) -> str | list[int]:
         """The one prompt: a list of one text is that text."""
         if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
@@ -149,6 +157,9 @@ class ChatRequest(_Sampling):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+
+    def check_size(self, limits: PromptLimits) -> None:
+        limits.check_chars("messages", sum(len(m.content) for m in self.messages))
 
     def template_messages(self) -> list[dict]:
         """The messages as the chat template takes them, checked."""

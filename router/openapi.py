@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 
 from pdserve.router.openai_protocol import ErrorResponse
 
@@ -17,6 +18,7 @@ MEANING = {
     401: "A valid API key is required (Authorization: Bearer <key>).",
     404: "The requested model is not served here (code model_not_found).",
     413: "The request body exceeds the server's --max-request-bytes.",
+    415: "The body is not JSON (Content-Type must be application/json).",
     429: "Overloaded: retry after the Retry-After header's seconds.",
     500: "A step failed for this request alone; the server goes on serving.",
     503: "A worker failed, or no worker is in service.",
@@ -39,20 +41,31 @@ GENERATE = {200: {"description": "The completion (application/json), or with str
                   "true its chunks as server-sent events, ending `data: [DONE]` (an error "
                   "after the first chunk is an `error` event before it).",
                   "content": {"text/event-stream": {"schema": SSE_EVENT}}},
-            **errors(400, 401, 404, 413, 429, 500, 503)}
+            **errors(400, 401, 404, 413, 415, 429, 500, 503)}
 
 
-def install(app: FastAPI, *, model: str, vocab_size: int, max_model_len: int,
-            max_prompt_chars: int, requires_key: bool) -> None:
+def request_body(model: type[BaseModel]) -> dict:
+    """openapi_extra for a route that reads and validates its body itself (off the
+    event loop): the body's schema, by reference (install adds the component, given
+    the model in `bodies`)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def install(app: FastAPI, *, bodies: tuple[type[BaseModel], ...], model: str,
+            vocab_size: int, max_model_len: int, max_prompt_chars: int,
+            requires_key: bool) -> None:
     """Replaces app.openapi with the document described above (built once)."""
     def openapi() -> dict:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
                               description=app.description)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
             for path in doc["paths"].values():
                 for operation in path.values():
                     operation["responses"].pop("422", None)
-            schemas = doc["components"]["schemas"]
+            for body in bodies:
+                _add_component(schemas, body)
             for name in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(name, None)
             _model_limits(schemas, model, vocab_size, max_model_len, max_prompt_chars)
@@ -61,6 +74,12 @@ def install(app: FastAPI, *, model: str, vocab_size: int, max_model_len: int,
             app.openapi_schema = doc
         return app.openapi_schema
     app.openapi = openapi
+
+
+def _add_component(schemas: dict, model: type[BaseModel]) -> None:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(schema.pop("$defs", {}))
+    schemas[model.__name__] = schema
 
 
 def _model_limits(schemas: dict, model: str, vocab_size: int, max_model_len: int,

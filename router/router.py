@@ -14,6 +14,7 @@ phase holds, whatever ended it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -25,7 +26,7 @@ from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.errors import InvalidRequestError, RequestFailedError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.validation import check_length, prompt_token_ids
+from pdserve.engine.validation import PromptLimits, check_length, prompt_token_ids
 from pdserve.engine.worker_messages import PrefillJob, PrefillResult, Reservation, TokenDelta
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import (
@@ -130,7 +131,9 @@ class Router:
         Text that cannot fit the context is refused before tokenizing, and long text is
         tokenized off the event loop, which serves every other request meanwhile."""
         if isinstance(prompt, str):
-            self._check_chars("prompt", len(prompt))
+            self.limits.check_chars("prompt", len(prompt))
+        elif isinstance(prompt, (list, tuple)):
+            self.limits.check_ids("prompt", len(prompt))
         ids = await self._tokenize(len(prompt) if isinstance(prompt, str) else 0,
                                    prompt_token_ids, prompt, self.tokenizer,
                                    self.model.vocab_size)
@@ -140,7 +143,7 @@ class Router:
                           request_id: str = "", owner: str = "") -> Accepted:
         """The chat template applied to checked messages, then as accept()."""
         chars = sum(len(m["content"]) for m in messages)
-        self._check_chars("messages", chars)
+        self.limits.check_chars("messages", chars)
         ids = await self._tokenize(chars, self._chat_token_ids, messages)
         return self._accepted(ids, params, request_id, owner)
 
@@ -148,15 +151,10 @@ class Router:
         text = self.tokenizer.render_chat(messages)
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template has them
 
-    @property
-    def max_prompt_chars(self) -> int:
-        """Longer text cannot fit the context, whatever it tokenizes to."""
-        return self.model.max_model_len * self.tokenizer.max_token_chars
-
-    def _check_chars(self, field: str, chars: int) -> None:
-        if chars > self.max_prompt_chars:
-            raise InvalidRequestError(field, f"{chars} characters cannot fit the model's "
-                                      f"context of {self.model.max_model_len} tokens")
+    @functools.cached_property
+    def limits(self) -> PromptLimits:
+        return PromptLimits(self.model.max_model_len,
+                            self.model.max_model_len * self.tokenizer.max_token_chars)
 
     async def _tokenize(self, chars: int, fn, *args) -> list[int]:
         if chars <= _INLINE_TOKENIZE_CHARS:

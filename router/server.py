@@ -42,7 +42,8 @@ class RouterServer:
     async def _start_http(self, port: int):
         tls = {} if self.tls is None else {"ssl_certfile": self.tls.certfile,
                                            "ssl_keyfile": self.tls.keyfile}
-        config = uvicorn.Config(create_app(self.router, self.keys), host=self.host, port=port,
+        self.app = create_app(self.router, self.keys)
+        config = uvicorn.Config(self.app, host=self.host, port=port,
                                 log_level="warning", lifespan="off", **tls)
         server = uvicorn.Server(config)
         self._http_task = self.loop.create_task(server.serve())
@@ -65,6 +66,7 @@ class RouterServer:
             await asyncio.wait_for(self._http_task, grace_s + 5)
             await self._grpc.stop(grace_s)
             await self.router.stop()
+            self.app.state.body_parser.close()
         self._run(shutdown(), timeout=grace_s + 10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)

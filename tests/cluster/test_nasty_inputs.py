@@ -101,9 +101,10 @@ HTTP = [
     Http("JSON array body", b"[]", 400),
     Http("JSON null body", b"null", 400),
     Http("empty body", b"", 400),
+    Http("invalid UTF-8", b'{"prompt": "\xff\xfe"}', 400),
     Http("deeply nested JSON", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400),
     Http("body over the limit", b'{"prompt": "' + b"a" * (5 << 20) + b'"}', 413),
-    Http("text/plain body", json.dumps(OK_BODY).encode(), 400,
+    Http("text/plain body", json.dumps(OK_BODY).encode(), 415,
          headers=(("content-type", "text/plain"),)),
     Http("stream_options.include_usage a string", completion(
         stream=True, stream_options={"include_usage": "yes"}), 400, "stream_options"),

@@ -7,17 +7,18 @@ import asyncio
 import time
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.config import RouterConfig
 from pdserve.router.router import ModelInfo, Router
 from pdserve.router.workers import DecodeHandle
 from tests.router.fakes import FakeActor, resolve
 
 
-def test_a_worker_that_never_answers_abort_does_not_hold_a_cancelled_stream():
+def test_a_worker_that_never_answers_abort_does_not_hold_a_cancelled_stream(llama_dir):
     async def scenario() -> tuple:
         actor = FakeActor(submit=resolve(None))  # abort never answers
         worker = DecodeHandle("engine-0", actor, num_blocks=8, free_blocks=8)
-        router = Router(None, ModelInfo("m", 64, 100, 16), [], [worker],
+        router = Router(Tokenizer(llama_dir), ModelInfo("m", 64, 100, 16), [], [worker],
                         RouterConfig(control_timeout_s=0.2), colocated=True)
         stream = router.generate(await router.accept([1, 2, 3], SamplingParams(max_tokens=4)))
         first = asyncio.ensure_future(stream.__anext__())
