@@ -7,7 +7,8 @@ request and, while it is in flight, a /health probe every 10 ms; the baseline is
 same probes with nothing else in flight, in the same run.
   delay = p50 / max of probe latency while the large request is in flight
           - p50 of probe latency alone                          target: max <= ~100 ms
-Large requests: a 10 MB body (over the default 4 MiB limit: refused by its length),
+Large requests: over gRPC, 4 MB of token ids and 4 MB of text (under its 4 MiB
+message limit); over HTTP, a 10 MB body (over the default 4 MiB limit: refused by its length),
 the same 10 MB body with the limit raised to 16 MiB (parsed, then refused because its
 text cannot fit the context), a 4 MB text prompt, and a 4 MB list of token ids (the
 costliest to parse: about a million integers). Each --repeats times.
@@ -34,9 +35,14 @@ from pdserve.router.server import RouterServer
 MB = 1_000_000
 
 
-def bodies() -> dict[str, bytes]:
+def bodies() -> dict:
+    from pdserve.v1 import generate_pb2 as pb
     ten = json.dumps({"prompt": "word " * (10 * MB // 5), "max_tokens": 4}).encode()
+    ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[300] * (4 * MB // 2)))  # 2 B each
+    text = pb.GenerateRequest(text="word " * (4 * MB // 5))
     return {
+        "gRPC: 4 MB of token ids (INVALID_ARGUMENT)": ("grpc", ids.SerializeToString()),
+        "gRPC: 4 MB text (INVALID_ARGUMENT)": ("grpc", text.SerializeToString()),
         "10 MB text, default limit (413)": ten,
         "10 MB text, 16 MiB limit (400)": ten,
         "4 MB text (400)": json.dumps({"prompt": "word " * (4 * MB // 5)}).encode(),
@@ -44,12 +50,29 @@ def bodies() -> dict[str, bytes]:
     }
 
 
-async def probe_while(url: str, body: bytes | None) -> tuple[list[float], int | None]:
-    """Probe latencies (s) every 10 ms while `body` is posted (or for 2 s without)."""
+async def grpc_generate(target: str, message: bytes) -> str:
+    import grpc
+    async with grpc.aio.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", 16 << 20)]) as channel:
+        call = channel.unary_stream("/pdserve.v1.GenerateService/Generate",
+                                    request_serializer=lambda b: b)(message, timeout=120)
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as err:
+            return err.code().name
+        return "OK"
+
+
+async def probe_while(url: str, body, target: str) -> tuple[list[float], object]:
+    """Probe latencies (s) every 10 ms while `body` is posted (or for 2 s without);
+    a body of ("grpc", message) goes to the gRPC front end instead."""
     import httpx
     async with httpx.AsyncClient(timeout=120) as http:
         big = None
-        if body is not None:
+        if isinstance(body, tuple):
+            big = asyncio.ensure_future(grpc_generate(target, body[1]))
+        elif body is not None:
             big = asyncio.ensure_future(http.post(f"{url}/v1/completions", content=body,
                                                   headers={"content-type": "application/json"}))
         latencies, end = [], time.monotonic() + 2.0
@@ -58,16 +81,20 @@ async def probe_while(url: str, body: bytes | None) -> tuple[list[float], int | 
             assert (await http.get(f"{url}/health")).status_code == 200
             latencies.append(time.monotonic() - t0)
             await asyncio.sleep(0.01)
-        return latencies, (await big).status_code if big is not None else None
+        if big is None:
+            return latencies, None
+        result = await big
+        return latencies, result if isinstance(result, str) else result.status_code
 
 
-def client(url: str, body: bytes | None, conn) -> None:
-    conn.send(asyncio.run(probe_while(url, body)))
+def client(url: str, body, target: str, conn) -> None:
+    conn.send(asyncio.run(probe_while(url, body, target)))
 
 
-def run_client(url: str, body: bytes | None):
+def run_client(server: RouterServer, body):
     parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=client, args=(url, body, child))
+    proc = mp.get_context("spawn").Process(target=client, args=(
+        server.http_url, body, server.grpc_target, child))
     proc.start()
     result = parent.recv()
     proc.join()
@@ -87,7 +114,7 @@ def main() -> int:
         router = launch(config, PoolSpec(0, 1, mode="colocated"),
                         router_config=RouterConfig(max_request_bytes=limit))
         server = RouterServer(router)
-        alone = [x for _ in range(args.repeats) for x in run_client(server.http_url, None)[0]]
+        alone = [x for _ in range(args.repeats) for x in run_client(server, None)[0]]
         results.setdefault("probe alone p50 ms", {})[f"limit {limit >> 20} MiB"] = \
             1000 * statistics.median(alone)
         for name, body in bodies().items():
@@ -97,7 +124,7 @@ def main() -> int:
                 continue
             delays, statuses = [], set()
             for _ in range(args.repeats):
-                latencies, status = run_client(server.http_url, body)
+                latencies, status = run_client(server, body)
                 statuses.add(status)
                 delays.append((1000 * statistics.median(latencies),
                                1000 * max(latencies)))

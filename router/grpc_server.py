@@ -41,6 +41,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             if request.WhichOneof("prompt") == "text":
                 prompt = request.text
             elif request.WhichOneof("prompt") == "token_ids":
+                # Sized before copying: 2M ids take 0.2 s to copy on the event loop.
+                self.router.limits.check_ids("prompt", len(request.token_ids.ids))
                 prompt = list(request.token_ids.ids)
             else:
                 raise InvalidRequestError("prompt", "set text or token_ids")
