@@ -35,6 +35,7 @@ bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/kv_transfer.py
 	$(BIN)/python benchmarks/serving_overhead.py
 	$(BIN)/python benchmarks/router_responsiveness.py
+	$(BIN)/python benchmarks/decide.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

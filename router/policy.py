@@ -1,49 +1,56 @@
-"""The pure routing choice (no I/O, no Ray): which workers to try, in order.
+"""The one decision point: `decide(request, ClusterState) -> Decision`, pure (no I/O,
+no Ray, no clock). The router calls it for every request, and again only when a
+worker it chose refused (the refusal is news the next snapshot carries).
 
-This issue's policy: decode workers by fewest requests in flight, then most free KV;
-prefill workers by fewest queued prompt tokens, within a bounded queue. Goodput-aware
-routing replaces it later behind the same signatures.
-"""
+This policy is load balancing: colocate on the least-loaded worker of role both when
+the cluster has no prefill worker; otherwise disaggregate onto the prefill worker
+with the fewest queued prompt tokens whose queue has room, and the decode worker
+with the fewest requests in flight, then the most free KV. The goodput policy
+replaces it behind the same signature."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
+from pdserve.router.decision import Colocate, Decision, Disaggregate, Reject
 
 
-@dataclass(frozen=True)
-class DecodeLoad:
-    worker_id: str
-    inflight: int  # reserved + running, as the router counts them
-    free_blocks: int  # as last reported
-    num_blocks: int
-    alive: bool = True
+def decide(request: RequestView, state: ClusterState) -> Decision:
+    pool = [w for w in state.workers if w.role == "prefill"]
+    if not pool:
+        return _colocate(request, state)
+    prefill = [w for w in pool if w.alive]
+    if not prefill:
+        return Reject("no prefill worker is in service", state.retry_after_s)
+    room = [w for w in prefill if _has_room(w, request, state)]
+    if not room:
+        return Reject("every prefill worker's queue is full", state.retry_after_s)
+    decode = _best_decode(request, [w for w in state.workers if w.alive and w.decodes])
+    if decode is None:
+        return Reject("no decode worker has room for this request's KV",
+                      state.retry_after_s)
+    chosen = min(room, key=lambda w: (w.queued_tokens, w.queued, w.worker_id))
+    return Disaggregate(chosen.worker_id, decode.worker_id)
 
 
-@dataclass(frozen=True)
-class PrefillLoad:
-    worker_id: str
-    queued: int  # prefills sent and not yet answered
-    queued_tokens: int  # their prompt tokens
-    alive: bool = True
+def _colocate(request: RequestView, state: ClusterState) -> Decision:
+    best = _best_decode(request, [w for w in state.workers if w.alive and w.role == "both"])
+    if best is None:
+        return Reject("no engine worker has room for this request", state.retry_after_s)
+    return Colocate(best.worker_id)
 
 
-def decode_order(loads: list[DecodeLoad], blocks_needed: int) -> list[str]:
-    """Every live decode worker, best first. Those that lacked room when last heard
-    from go last rather than being skipped: that figure is stale by the time it is
-    read, and asking costs one refusal."""
-    def rank(w: DecodeLoad):
-        return (w.free_blocks < blocks_needed, w.inflight, -w.free_blocks, w.worker_id)
-    return [w.worker_id for w in sorted((w for w in loads if w.alive), key=rank)]
+def _best_decode(request: RequestView, workers: list[WorkerState]) -> WorkerState | None:
+    """Fewest in flight, then most free KV; workers that refused this request are not
+    asked again. One that lacked room when last heard from ranks last rather than
+    being skipped: that figure is stale by the time it is read, and asking costs one
+    refusal."""
+    def rank(w: WorkerState):
+        short = w.free_blocks is not None and w.free_blocks < request.blocks_needed
+        return (short, w.inflight, -(w.free_blocks or 0), w.worker_id)
+    return min((w for w in workers if w.worker_id not in request.refused), key=rank,
+               default=None)
 
 
-def prefill_choice(loads: list[PrefillLoad], num_tokens: int,
-                   max_queued_tokens: int = 0) -> str | None:
-    """The prefill worker with the fewest queued tokens whose queue has room for this
-    prompt (an empty queue always has: one long prompt must not be refused forever);
-    None when every live queue is full. max_queued_tokens 0 = unbounded."""
-    def has_room(w: PrefillLoad) -> bool:
-        return (not max_queued_tokens or w.queued == 0
-                or w.queued_tokens + num_tokens <= max_queued_tokens)
-    open_ = [w for w in loads if w.alive and has_room(w)]
-    if not open_:
-        return None
-    return min(open_, key=lambda w: (w.queued_tokens, w.queued, w.worker_id)).worker_id
+def _has_room(w: WorkerState, request: RequestView, state: ClusterState) -> bool:
+    """An empty queue always has room: one long prompt must not be refused forever."""
+    limit = state.max_queued_prefill_tokens
+    return not limit or w.queued == 0 or w.queued_tokens + request.num_prompt_tokens <= limit

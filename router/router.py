@@ -1,11 +1,14 @@
 """The router core, shared by the gRPC and HTTP front ends.
 
-Disaggregated (a prefill pool exists): validate + tokenize -> admit to a prefill
-worker's bounded queue (full everywhere: 429) -> reserve KV on a decode worker (in
-policy order; none has room: 429) -> prefill, which streams the KV to the reserved
-blocks and samples token #1 (sent at once, with its text) -> start on the decode
-worker -> its step stream feeds this request's queue until it finishes.
-Colocated (no prefill pool): the least-loaded engine worker takes the whole request.
+Every request is placed by one pure decision, policy.decide(request, ClusterState),
+over a snapshot of the workers; the router carries it out.
+Disaggregated (a prefill pool exists): validate + tokenize -> decide (a prefill
+worker whose bounded queue has room and a decode worker; none: 429) -> admit to that
+prefill queue -> reserve KV on that decode worker (it refuses: decide again without
+it) -> prefill, which streams the KV to the reserved blocks and samples token #1
+(sent at once, with its text) -> start on the decode worker -> its step stream feeds
+this request's queue until it finishes.
+Colocated (no prefill pool): the decided engine worker takes the whole request.
 
 A request's state is its Flight (lifecycle.py); `generate` is the happy path and
 its `finally` releases the flight once, freeing on the workers exactly what its
@@ -28,7 +31,9 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import PromptLimits, check_length, prompt_token_ids
 from pdserve.engine.worker_messages import PrefillJob, PrefillResult, Reservation, TokenDelta
+from pdserve.router.cluster_state import ClusterState, RequestView
 from pdserve.router.config import RouterConfig
+from pdserve.router.decision import Colocate, Decision, Disaggregate
 from pdserve.router.errors import (
     OverloadedError,
     WorkerError,
@@ -38,7 +43,7 @@ from pdserve.router.errors import (
 )
 from pdserve.router.lifecycle import Accepted, Flight, Phase
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import decode_order, prefill_choice
+from pdserve.router.policy import decide
 from pdserve.router.workers import DecodeHandle, PrefillHandle
 
 __all__ = ["Accepted", "ModelInfo", "Router"]
@@ -74,6 +79,8 @@ class Router:
         self.config = config
         self.prefill = {w.worker_id: w for w in prefill}
         self.decode = {w.worker_id: w for w in decode}
+        for worker in decode:
+            worker.role = "both" if colocated else "decode"
         self.metrics = RouterMetrics(model.name)
         self._flights: dict[str, Flight] = {}
         self._ids = itertools.count()
@@ -230,13 +237,12 @@ class Router:
         return flight
 
     async def _prefill_and_start(self, flight: Flight) -> tuple[TokenDelta, int]:
-        """Admission to a prefill queue, KV reservation, prefill, start. Returns token
+        """Placement (prefill queue and KV reservation), prefill, start. Returns token
         #1 as a delta with its text, and how much of that text the decode worker's
         first delta repeats."""
         req = flight.req
-        prefill = self._admit_prefill(len(req.prompt_token_ids))
+        prefill, reservation = await self._place(flight)
         try:
-            reservation = await self._reserve(flight)
             result = await self._prefill(flight, prefill, reservation)
         finally:
             prefill.unqueue(len(req.prompt_token_ids))
@@ -252,42 +258,63 @@ class Router:
                            len(req.prompt_token_ids), 0, 1, tops)
         return first, len(text)
 
-    def _admit_prefill(self, num_tokens: int) -> PrefillHandle:
-        worker_id = prefill_choice([w.load() for w in self.prefill.values()], num_tokens,
-                                   self.config.max_queued_prefill_tokens)
-        if worker_id is None:
-            raise OverloadedError("every prefill worker's queue is full",
-                                  self.config.retry_after_s)
-        worker = self.prefill[worker_id]
-        worker.enqueue(num_tokens)
-        return worker
+    def _decide(self, req: Accepted, refused: frozenset[str] = frozenset()) -> Decision:
+        """The policy's decision on a snapshot of now; a rejection raises (429)."""
+        view = RequestView(len(req.prompt_token_ids),
+                           -(-(len(req.prompt_token_ids) + 1) // self.model.block_size),
+                           refused)
+        state = ClusterState(tuple(w.state() for w in [*self.prefill.values(),
+                                                       *self.decode.values()]),
+                             self.config.max_queued_prefill_tokens, self.config.retry_after_s)
+        decision = decide(view, state)
+        if not isinstance(decision, (Colocate, Disaggregate)):
+            raise OverloadedError(decision.reason, decision.retry_after_s)
+        return decision
 
-    async def _reserve(self, flight: Flight) -> Reservation:
-        req = flight.req
-        needed = -(-(len(req.prompt_token_ids) + 1) // self.model.block_size)
-        for worker_id in decode_order([w.load() for w in self.decode.values()], needed):
-            worker = self.decode[worker_id]
-            self._hold(flight, worker, Phase.RESERVING)
+    async def _place(self, flight: Flight) -> tuple[PrefillHandle, Reservation]:
+        """Carries out the decision: admits the prompt to the prefill worker's queue
+        (before any KV is held, so nothing admitted outwaits its lease) and reserves KV
+        on the decode worker. A worker that refuses (no room) is news: the policy
+        decides again without it."""
+        req, refused = flight.req, frozenset()
+        num_tokens = len(req.prompt_token_ids)
+        while True:
+            decision = self._decide(req, refused)
+            prefill, decode = self.prefill[decision.prefill], self.decode[decision.decode]
+            prefill.enqueue(num_tokens)
             try:
-                reservation = await self._until(flight, worker.actor.reserve.remote(
-                    req.request_id, req.prompt_token_ids, req.params, req.arrival_time),
-                    self.config.reserve_timeout_s)
-            except _Cancelled:
+                reservation = await self._reserve(flight, decode)
+            except BaseException:
+                prefill.unqueue(num_tokens)
                 raise
-            except Exception as exc:
-                if isinstance(cause_of(exc), InvalidRequestError):
-                    raise cause_of(exc) from None  # it can never fit: 400, not 429
-                if is_worker_death(exc):
-                    self._worker_died(worker)
-                reservation = None  # no answer in time: the worker may reserve late
-                self._abort_on(worker, req.request_id)
             if reservation is not None:
-                flight.phase = Phase.RESERVED
-                return reservation
-            self._unhold(flight)
-            self._refresh_soon()  # its free-KV figure was stale
-        raise OverloadedError("no decode worker has room for this request's KV",
-                              self.config.retry_after_s)
+                return prefill, reservation
+            prefill.unqueue(num_tokens)
+            refused |= {decode.worker_id}
+
+    async def _reserve(self, flight: Flight, worker: DecodeHandle) -> Reservation | None:
+        """The reservation, or None when the worker has no room (or no answer in time)."""
+        req = flight.req
+        self._hold(flight, worker, Phase.RESERVING)
+        try:
+            reservation = await self._until(flight, worker.actor.reserve.remote(
+                req.request_id, req.prompt_token_ids, req.params, req.arrival_time),
+                self.config.reserve_timeout_s)
+        except _Cancelled:
+            raise
+        except Exception as exc:
+            if isinstance(cause_of(exc), InvalidRequestError):
+                raise cause_of(exc) from None  # it can never fit: 400, not 429
+            if is_worker_death(exc):
+                self._worker_died(worker)
+            reservation = None  # no answer in time: the worker may reserve late
+            self._abort_on(worker, req.request_id)
+        if reservation is not None:
+            flight.phase = Phase.RESERVED
+            return reservation
+        self._unhold(flight)
+        self._refresh_soon()  # its free-KV figure was stale
+        return None
 
     async def _prefill(self, flight: Flight, worker: PrefillHandle,
                        target: Reservation) -> PrefillResult:
@@ -321,10 +348,7 @@ class Router:
     async def _submit(self, flight: Flight) -> None:
         """Colocated mode: the least-loaded engine worker takes the whole request."""
         req = flight.req
-        order = decode_order([w.load() for w in self.decode.values()], 0)
-        if not order:
-            raise OverloadedError("no engine worker", self.config.retry_after_s)
-        worker = self.decode[order[0]]
+        worker = self.decode[self._decide(req).worker]
         self._hold(flight, worker, Phase.SUBMITTING)
         try:
             await self._until(flight, worker.actor.submit.remote(

@@ -9,8 +9,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pdserve.router.cluster_state import WorkerState
 from pdserve.router.errors import WorkerError, WorkerStalled, short_reason
-from pdserve.router.policy import DecodeLoad, PrefillLoad
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +23,9 @@ class PrefillHandle:
     queued_tokens: int = 0
     alive: bool = True
 
-    def load(self) -> PrefillLoad:
-        return PrefillLoad(self.worker_id, self.queued, self.queued_tokens, self.alive)
+    def state(self) -> WorkerState:
+        return WorkerState(self.worker_id, "prefill", self.alive, self.queued,
+                           self.queued_tokens)
 
     def enqueue(self, num_tokens: int) -> None:
         self.queued += 1
@@ -42,15 +43,16 @@ class DecodeHandle:
     num_blocks: int
     free_blocks: int
     address: str = ""  # its kv_transfer rendezvous, which prefill workers pair with
+    role: str = "decode"  # or "both": takes whole requests (colocated)
     inflight: int = 0
     alive: bool = True  # false once its step stream ended with an error
     # request id -> its TokenDeltas (or the error that ends it)
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)
     pump: asyncio.Task | None = None
 
-    def load(self) -> DecodeLoad:
-        return DecodeLoad(self.worker_id, self.inflight, self.free_blocks, self.num_blocks,
-                          self.alive)
+    def state(self) -> WorkerState:
+        return WorkerState(self.worker_id, self.role, self.alive, inflight=self.inflight,
+                           free_blocks=self.free_blocks, num_blocks=self.num_blocks)
 
     def start_pump(self, stall_timeout_s: float,
                    on_death: Callable[["DecodeHandle"], None] = lambda worker: None) -> None:

@@ -1,0 +1,73 @@
+"""How long the one decision point takes: decide(request, ClusterState) at 10, 100
+and 1,000 workers (half prefill, half decode; loads drawn at random, seeded), and the
+snapshot the router builds for it. Target: decide under 1 ms at 1,000 workers.
+Medians over --repeats calls after a warm-up, with the spread (p10-p90); prints JSON,
+then each size's decide time as a fraction of the 1 ms budget last; writes --out."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from pdserve.router.cluster_state import ClusterState, RequestView
+from pdserve.router.policy import decide
+from pdserve.router.workers import DecodeHandle, PrefillHandle
+
+BUDGET_S = 1e-3
+
+
+def handles(n: int, rng: random.Random):
+    prefill = [PrefillHandle(f"p{i}", None, queued=rng.randrange(4),
+                             queued_tokens=rng.randrange(4000)) for i in range(n // 2)]
+    decode = [DecodeHandle(f"d{i}", None, 1000, rng.randrange(1000),
+                           inflight=rng.randrange(64)) for i in range(n - n // 2)]
+    return prefill, decode
+
+
+def timed(fn, repeats: int) -> dict:
+    for _ in range(min(repeats, 100)):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    q = statistics.quantiles(samples, n=10)
+    return {"median_us": 1e6 * statistics.median(samples), "p10_us": 1e6 * q[0],
+            "p90_us": 1e6 * q[-1]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeats", type=int, default=2000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench-results/decide.json")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    request = RequestView(num_prompt_tokens=700, blocks_needed=44)
+    results = {}
+    for n in (10, 100, 1000):
+        prefill, decode = handles(n, rng)
+        workers = [*prefill, *decode]
+
+        def snapshot() -> ClusterState:
+            return ClusterState(tuple(w.state() for w in workers), 32768, 1.0)
+        state = snapshot()
+        results[n] = {"decide": timed(lambda: decide(request, state), args.repeats),
+                      "snapshot": timed(snapshot, args.repeats)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    for n, r in results.items():
+        share = r["decide"]["median_us"] * 1e-6 / BUDGET_S
+        print(f"{n} workers: decide {r['decide']['median_us']:.1f} us = {share:.3f} of the "
+              f"1 ms budget (snapshot {r['snapshot']['median_us']:.1f} us)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

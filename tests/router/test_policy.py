@@ -1,0 +1,71 @@
+"""The one decision point, without Ray: decide(request, ClusterState) colocates,
+disaggregates or rejects; dead workers and those that refused the request are never
+chosen; a stale "full" figure ranks a worker last but does not exclude it."""
+from __future__ import annotations
+
+from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
+from pdserve.router.decision import Colocate, Disaggregate, Reject
+from pdserve.router.policy import decide
+
+REQ = RequestView(num_prompt_tokens=100, blocks_needed=7)
+
+
+def P(wid, queued=0, tokens=0, alive=True):
+    return WorkerState(wid, "prefill", alive, queued=queued, queued_tokens=tokens)
+
+
+def D(wid, inflight=0, free=100, alive=True, role="decode"):
+    return WorkerState(wid, role, alive, inflight=inflight, free_blocks=free, num_blocks=100)
+
+
+def state(*workers, limit=1000):
+    return ClusterState(tuple(workers), max_queued_prefill_tokens=limit, retry_after_s=2.0)
+
+
+def test_disaggregates_onto_the_least_loaded_prefill_and_decode_workers():
+    decision = decide(REQ, state(P("p0", 2, 300), P("p1", 1, 100), D("d0", 3), D("d1", 1)))
+    assert decision == Disaggregate("p1", "d1")
+
+
+def test_colocates_when_the_cluster_has_no_prefill_pool():
+    workers = [D("e0", 2, role="both"), D("e1", 1, role="both")]
+    assert decide(REQ, state(*workers)) == Colocate("e1")
+
+
+def test_rejects_with_retry_after_when_every_prefill_queue_is_full():
+    decision = decide(REQ, state(P("p0", 1, 950), P("p1", 2, 990), D("d0")))
+    assert isinstance(decision, Reject) and decision.retry_after_s == 2.0
+    assert "queue is full" in decision.reason
+
+
+def test_an_empty_queue_takes_even_a_prompt_longer_than_the_limit():
+    long = RequestView(num_prompt_tokens=5000, blocks_needed=320)
+    assert decide(long, state(P("p0"), D("d0"))) == Disaggregate("p0", "d0")
+
+
+def test_dead_workers_are_never_chosen():
+    decision = decide(REQ, state(P("p0", alive=False), P("p1", 5, 500), D("d0", alive=False),
+                                 D("d1", 9)))
+    assert decision == Disaggregate("p1", "d1")
+    assert isinstance(decide(REQ, state(P("p0", alive=False), D("d0"))), Reject)
+    assert isinstance(decide(REQ, state(P("p0"), D("d0", alive=False))), Reject)
+    assert isinstance(decide(REQ, state(D("e0", alive=False, role="both"))), Reject)
+
+
+def test_a_worker_that_refused_the_request_is_not_asked_again():
+    refused = RequestView(100, 7, refused=frozenset({"d0"}))
+    assert decide(refused, state(P("p0"), D("d0"), D("d1", 5))) == Disaggregate("p0", "d1")
+    everyone = RequestView(100, 7, refused=frozenset({"d0", "d1"}))
+    decision = decide(everyone, state(P("p0"), D("d0"), D("d1")))
+    assert isinstance(decision, Reject) and "KV" in decision.reason
+
+
+def test_a_worker_last_reported_full_ranks_last_but_is_still_asked():
+    assert decide(REQ, state(P("p0"), D("d0", 0, free=3), D("d1", 4))) == \
+        Disaggregate("p0", "d1")
+    assert decide(REQ, state(P("p0"), D("d0", 0, free=3))) == Disaggregate("p0", "d0")
+
+
+def test_unknown_free_kv_is_not_taken_as_full():
+    unknown = WorkerState("d0", "decode", inflight=0, free_blocks=None)
+    assert decide(REQ, state(P("p0"), unknown, D("d1", 2))) == Disaggregate("p0", "d0")
