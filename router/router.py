@@ -82,6 +82,8 @@ class Router:
         for worker in decode:
             worker.role = "both" if colocated else "decode"
         self.metrics = RouterMetrics(model.name)
+        # Names this router to the workers, which stream it its own requests only.
+        self.router_id = f"router-{uuid.uuid4().hex[:12]}"
         self._flights: dict[str, Flight] = {}
         self._ids = itertools.count()
         self._refreshing: asyncio.Task | None = None
@@ -121,7 +123,7 @@ class Router:
 
     async def start(self) -> None:
         for worker in self.decode.values():
-            worker.start_pump(self.config.stall_timeout_s, self._worker_died)
+            worker.start_pump(self.config.stall_timeout_s, self._worker_died, self.router_id)
 
     async def stop(self) -> None:
         for task in self._reviving.values():
@@ -298,7 +300,8 @@ class Router:
         self._hold(flight, worker, Phase.RESERVING)
         try:
             reservation = await self._until(flight, worker.actor.reserve.remote(
-                req.request_id, req.prompt_token_ids, req.params, req.arrival_time),
+                req.request_id, req.prompt_token_ids, req.params, req.arrival_time,
+                self.router_id),
                 self.config.reserve_timeout_s)
         except _Cancelled:
             raise
@@ -352,7 +355,8 @@ class Router:
         self._hold(flight, worker, Phase.SUBMITTING)
         try:
             await self._until(flight, worker.actor.submit.remote(
-                req.request_id, req.prompt_token_ids, req.params, req.arrival_time),
+                req.request_id, req.prompt_token_ids, req.params, req.arrival_time,
+                self.router_id),
                 self.config.start_timeout_s)
         except (_Cancelled, asyncio.CancelledError):
             raise
@@ -530,7 +534,7 @@ class Router:
                                                 timeout_s)
                                for p in self.prefill.values() if p.alive])
         worker.num_blocks, worker.free_blocks = stats["num_blocks"], stats["free_blocks"]
-        worker.start_pump(self.config.stall_timeout_s, self._worker_died)
+        worker.start_pump(self.config.stall_timeout_s, self._worker_died, self.router_id)
 
     def _changed(self) -> None:
         for listener in self.on_change:

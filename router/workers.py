@@ -55,19 +55,21 @@ class DecodeHandle:
                            free_blocks=self.free_blocks, num_blocks=self.num_blocks)
 
     def start_pump(self, stall_timeout_s: float,
-                   on_death: Callable[["DecodeHandle"], None] = lambda worker: None) -> None:
+                   on_death: Callable[["DecodeHandle"], None] = lambda worker: None,
+                   subscriber: str = "") -> None:
+        """Subscribes to the deltas of this router's requests (`subscriber` names it)."""
         self.alive = True
-        self.pump = asyncio.get_running_loop().create_task(self._pump(stall_timeout_s,
-                                                                      on_death))
+        self.pump = asyncio.get_running_loop().create_task(
+            self._pump(stall_timeout_s, on_death, subscriber))
 
     async def _pump(self, stall_timeout_s: float,
-                    on_death: Callable[["DecodeHandle"], None]) -> None:
+                    on_death: Callable[["DecodeHandle"], None], subscriber: str) -> None:
         """The worker sends a batch every step and a heartbeat while idle (only while
         its engine loop makes progress), so no item within the bound means it stalled:
         every request on it fails then, with a typed error, and the wait goes on. A
         stream that ends with an error (the process or its engine loop died) fails them
         too, and on_death hears of it."""
-        steps = self.actor.steps.remote(stall_timeout_s)
+        steps = self.actor.steps.remote(stall_timeout_s, subscriber)
         pending = None
         try:
             while True:

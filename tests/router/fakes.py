@@ -43,7 +43,7 @@ class FakeActor:
         actor = self
 
         class _Steps:
-            def remote(self, stall_timeout_s):
+            def remote(self, stall_timeout_s, subscriber=""):
                 return _StepStream(actor.batches)
         return _Steps()
 
@@ -75,7 +75,7 @@ def resolve(value):
 
 
 def reserve_ok(worker_address: str = "fake:0"):
-    def answer(future, request_id, prompt, params, arrival):
+    def answer(future, request_id, prompt, params, arrival, subscriber=""):
         blocks = list(range(-(-(len(prompt) + 1) // 16)))
         future.set_result(Reservation(request_id, worker_address, blocks, 0))
     return answer
