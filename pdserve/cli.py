@@ -117,8 +117,13 @@ def _serve(args) -> int:
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         raise SystemExit("pdserve serve: give --ssl-certfile and --ssl-keyfile together")
     tls = TLSConfig(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
-    srv = RouterServer(launch_cluster(args), args.host, args.grpc_port, args.http_port, keys,
-                       tls)
+    from pdserve.router.placement import PlacementError
+    try:
+        router = launch_cluster(args)
+    except PlacementError as err:
+        ray.shutdown()
+        raise SystemExit(f"pdserve serve: {err}") from None
+    srv = RouterServer(router, args.host, args.grpc_port, args.http_port, keys, tls)
     print(f"pdserve serving {args.model!r} ({args.mode}): gRPC {srv.grpc_target}  "
           f"HTTP {srv.http_url}", flush=True)
     stop = threading.Event()

@@ -14,6 +14,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import TransferConfig
 from pdserve.prefill_worker.actor import PrefillWorkerActor
 from pdserve.router.config import PoolSpec, RouterConfig
+from pdserve.router.placement import PlacementError, unplaceable
 from pdserve.router.router import ModelInfo, Router
 from pdserve.router.workers import DecodeHandle, PrefillHandle
 
@@ -35,6 +36,14 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     options = {"num_cpus": pools.num_cpus_per_worker, "num_gpus": pools.num_gpus_per_worker,
                "max_restarts": pools.max_restarts,
                "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
+    demand = {k: v for k, v in (("CPU", pools.num_cpus_per_worker),
+                                ("GPU", pools.num_gpus_per_worker)) if v}
+    names = [f"prefill-{i}" for i in range(pools.num_prefill)] + \
+        [f"decode-{i}" for i in range(pools.num_engine)]
+    problem = unplaceable({name: demand for name in names},
+                          [n["Resources"] for n in ray.nodes() if n["Alive"]])
+    if problem is not None:
+        raise PlacementError(problem)
     prefill = [PrefillWorkerActor.options(**options).remote(f"prefill-{i}", engine_config,
                                                             transfer)
                for i in range(pools.num_prefill)]
@@ -61,6 +70,6 @@ def _get(refs: list, config: RouterConfig, what: str) -> list:
     try:
         return ray.get(refs, timeout=config.startup_timeout_s)
     except ray.exceptions.GetTimeoutError:
-        raise TimeoutError(
+        raise PlacementError(
             f"the workers did not {what} within {config.startup_timeout_s:g}s: Ray may "
             f"lack the resources to place them (see `ray status`)") from None

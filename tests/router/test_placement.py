@@ -1,0 +1,29 @@
+"""Workers Ray could never place are refused before any actor exists, with what they
+need and what the nodes have (pure: no Ray)."""
+from pdserve.router.placement import unplaceable
+
+ONE_CPU = {"CPU": 1.0}
+
+
+def test_three_one_cpu_workers_do_not_fit_two_cpus():
+    reason = unplaceable({"prefill-0": ONE_CPU, "decode-0": ONE_CPU, "decode-1": ONE_CPU},
+                         [{"CPU": 2.0, "memory": 1e10}])
+    assert reason is not None
+    assert "3 workers need 3 CPU" in reason and "have 2 CPU" in reason
+    assert "--num-cpus-per-worker" in reason
+
+
+def test_workers_that_fit_on_some_node_each():
+    workers = {"p": {"CPU": 1.0, "GPU": 1.0}, "d0": {"CPU": 1.0, "GPU": 1.0},
+               "d1": {"CPU": 1.0, "GPU": 1.0}}
+    assert unplaceable(workers, [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 1.0}]) is None
+
+
+def test_a_total_that_suffices_is_not_enough_when_no_node_holds_one_worker():
+    reason = unplaceable({"p": {"GPU": 2.0}}, [{"GPU": 1.0}, {"GPU": 1.0}])
+    assert reason is not None and "p (2 GPU)" in reason
+
+
+def test_a_custom_resource_no_node_has():
+    reason = unplaceable({"d0": {"CPU": 1.0, "decode_node": 1.0}}, [{"CPU": 4.0}])
+    assert reason is not None and "decode_node" in reason
