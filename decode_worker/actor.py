@@ -14,6 +14,7 @@ import ray
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import exit_for_restart
+from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.worker_messages import Reservation, StepBatch
 from pdserve.kv_transfer import TransferConfig
@@ -44,16 +45,20 @@ class DecodeWorkerActor:
         for owner, deltas in by_subscriber.items():
             self._subscribers[owner].put_nowait(StepBatch(batch.worker_id, deltas))
 
-    async def _owned(self, request_id: str, subscriber: str, call):
-        """Runs a call that may start a request, owned by `subscriber` from before its
-        first delta can be published; ownership is dropped if nothing started."""
+    async def _owned(self, request_id: str, subscriber: str, start):
+        """Runs start() (which may start a request) with the request owned by
+        `subscriber` from before its first delta can be published; ownership is
+        dropped if nothing started. An id another subscriber's request holds is
+        refused before anything is called: it is theirs."""
+        if request_id in self._owners:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use "
+                                      "on this worker")
         self._owners[request_id] = subscriber
         try:
-            result = await call
+            return await start()
         except BaseException:
             self._owners.pop(request_id, None)
             raise
-        return result
 
     async def address(self) -> str:
         return self.worker.address
@@ -61,7 +66,7 @@ class DecodeWorkerActor:
     async def reserve(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, arrival_time: float,
                       subscriber: str = "") -> Reservation | None:
-        reservation = await self._owned(request_id, subscriber, asyncio.wrap_future(
+        reservation = await self._owned(request_id, subscriber, lambda: asyncio.wrap_future(
             self.worker.reserve(request_id, prompt_token_ids, params, arrival_time)))
         if reservation is None:
             self._owners.pop(request_id, None)
@@ -70,13 +75,17 @@ class DecodeWorkerActor:
     async def submit(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, arrival_time: float,
                      subscriber: str = "") -> None:
-        await self._owned(request_id, subscriber, asyncio.wrap_future(
+        await self._owned(request_id, subscriber, lambda: asyncio.wrap_future(
             self.worker.submit(request_id, prompt_token_ids, params, arrival_time)))
 
     async def start(self, request_id: str, first_token: int) -> None:
         await asyncio.wrap_future(self.worker.start(request_id, first_token))
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, subscriber: str = "") -> None:
+        """Another subscriber's request of the same id is not this caller's to end."""
+        owner = self._owners.get(request_id)
+        if owner is not None and owner != subscriber:
+            return
         # It waits for the engine's state lock: not on this loop, which streams steps.
         await asyncio.to_thread(self.worker.abort, request_id)
 

@@ -68,7 +68,8 @@ class ModelRunner:
     def _sample_each(self, logits: torch.Tensor, samplers: list[Request],
                      batch_error: Exception, failed: dict[str, str]) -> list[tuple]:
         """The batch failed to sample: each row alone, recording the rows that fail.
-        None failing alone means the error is not one request's: re-raised."""
+        None failing alone, or all of several, means the error is not one request's:
+        re-raised."""
         rows = []
         for i, request in enumerate(samplers):
             try:
@@ -76,8 +77,10 @@ class ModelRunner:
                                         self.sampler.sample(logits[i:i + 1], [request]))))
             except Exception as exc:
                 log.exception("sampling failed for request %s alone", request.request_id)
-                failed[request.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
-        if not failed:
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                failed[request.request_id] = f"sampling failed: {type(exc).__name__}: {first}"
+        if not failed or (len(failed) == len(samplers) > 1):
+            failed.clear()  # no row, or every row: not one request's doing
             raise batch_error
         return rows
 

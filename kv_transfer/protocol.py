@@ -22,6 +22,8 @@ pair registers under `join/<n>`; a failure's message waits under `reason/<pair>/
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 from dataclasses import asdict, dataclass
 
@@ -109,10 +111,22 @@ class JoinRecord:
     sender_id: str
     pair: str  # store prefix and name of the pair, unique per sender incarnation
     backend: str  # "gloo" (the field leaves room for a GPU-to-GPU data plane)
+    proof: str = ""  # HMAC-SHA256 of `pair` under the cluster's secret
 
     def encode(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def decode(cls, raw: bytes) -> "JoinRecord":
-        return cls(**json.loads(raw))
+        """A well-formed record, or ValueError (anyone who reaches the store can write)."""
+        try:
+            fields = json.loads(raw)
+            return cls(**{k: str(fields[k]) for k in ("sender_id", "pair", "backend")},
+                       proof=str(fields.get("proof", "")))
+        except (ValueError, TypeError, KeyError) as err:
+            raise ValueError(f"malformed join record: {err}") from None
+
+
+def join_proof(secret: str, pair: str) -> str:
+    """What a join must carry: only a holder of the cluster's secret can compute it."""
+    return hmac.new(secret.encode(), pair.encode(), hashlib.sha256).hexdigest()

@@ -13,6 +13,7 @@ and every ending take the transfer's lock, so they cannot interleave.
 from __future__ import annotations
 
 import datetime
+import hmac
 import itertools
 import json
 import threading
@@ -85,6 +86,8 @@ class KVReceiver:
         self._by_request: dict[str, _Incoming] = {}
         self._by_seq: dict[tuple[str, int], _Incoming] = {}
         self._pairs: dict[str, PairChannel] = {}
+        self._joined: set[str] = set()  # pair names seen in join records
+        self.refused_joins = 0  # joins without the secret's proof, or replayed
         self._closed = threading.Event()
         self._threads = [threading.Thread(target=self._accept_loop, daemon=True),
                          threading.Thread(target=self._deadline_loop, daemon=True)]
@@ -147,9 +150,28 @@ class KVReceiver:
             # check() rather than a timed wait(): an idle receiver logs nothing.
             if not self.store.check([P.join_key(next_join)]):
                 continue
-            record = P.JoinRecord.decode(self.store.get(P.join_key(next_join)))
+            raw = self.store.get(P.join_key(next_join))
             next_join += 1
+            try:
+                record = P.JoinRecord.decode(raw)
+            except ValueError:
+                self.refused_joins += 1
+                continue
+            if not self._admits(record):
+                self.refused_joins += 1
+                continue
             threading.Thread(target=self._serve_pair, args=(record,), daemon=True).start()
+
+    def _admits(self, record: P.JoinRecord) -> bool:
+        """Anyone who reaches the store can list and read its keys and write a join:
+        only one proven with the cluster's secret opens a pair, and each pair once (a
+        join replayed from the store is refused)."""
+        proven = hmac.compare_digest(record.proof,
+                                     P.join_proof(self.config.secret, record.pair))
+        with self._lock:
+            fresh = record.pair not in self._joined
+            self._joined.add(record.pair)
+        return proven and fresh
 
     def _serve_pair(self, record: P.JoinRecord) -> None:
         try:

@@ -1,12 +1,14 @@
 """Where a receiver's pairs meet: its TCPStore, bound to one address, and a key space
 named by the cluster's secret.
 
-torch's TCPStore has no authentication and its server listens on every interface.
-Here it listens only on the address given (the node's, as Ray reports it), through a
-socket bound before the store takes it; and every key lives under the cluster's
-secret, so a stranger who reaches the port can neither read the layout and the
-transfer records nor join a pair (it cannot name their keys). Traffic is not
-encrypted: keep the ports on a private network (see SECURITY.md)."""
+torch's TCPStore has no authentication, its clients may list every key, and by
+default its server listens on every interface. Here it listens only on the address
+given (the node's, as Ray reports it), through a socket bound before the store takes
+it. Keys live under the cluster's secret, which keeps clusters apart but hides
+nothing from a client that lists them; what keeps strangers out of the data path is
+that a join must carry an HMAC of its pair name under the secret, and each pair name
+opens once (receiver.py). Traffic is not encrypted, and an attacker on the cluster
+network can still disturb a pair's rendezvous: keep the ports private (SECURITY.md)."""
 from __future__ import annotations
 
 import datetime

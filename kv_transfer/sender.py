@@ -293,7 +293,8 @@ class KVSender:
         self._connections += 1  # a reconnect must not meet the old pair's store keys
         pair = f"{self.sender_id}-{self._incarnation}-{self._connections}"
         index = store.add(P.JOIN_COUNTER, 1)
-        store.set(P.join_key(index), P.JoinRecord(self.sender_id, pair, "gloo").encode())
+        store.set(P.join_key(index), P.JoinRecord(
+            self.sender_id, pair, "gloo", P.join_proof(self.config.secret, pair)).encode())
         try:
             channel = PairChannel(store, pair, SENDER_RANK, self.host)
         except Exception as exc:

@@ -12,11 +12,13 @@ import asyncio
 import json
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from pydantic import BaseModel, ValidationError
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.validation import PromptLimits
+from pdserve.router.errors import WorkerError
 
 INLINE_BYTES = 256 << 10
 
@@ -70,8 +72,12 @@ class BodyParser:
         if len(raw) <= INLINE_BYTES:
             result = parse(model, raw, self.limits)
         else:
-            result = await asyncio.get_running_loop().run_in_executor(
-                self._executor(), parse, model, raw, self.limits)
+            try:
+                result = await asyncio.get_running_loop().run_in_executor(
+                    self._executor(), parse, model, raw, self.limits)
+            except BrokenProcessPool:  # its process died (memory?): a new one next time
+                self._pool = None
+                raise WorkerError("the body parser's process failed; retry") from None
         if isinstance(result, tuple):
             raise InvalidBody(*result)
         return result

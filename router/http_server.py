@@ -190,6 +190,7 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys()) -> FastAPI:
 async def _body(parser: BodyParser, model: type, request: Request):
     """The validated body (415 unless it is JSON, 400 naming what is wrong)."""
     kind = request.headers.get("content-type", "application/json").split(";")[0].strip()
+    kind = kind.lower()
     if kind != "application/json" and not kind.endswith("+json"):
         raise HTTPException(415, f"Content-Type must be application/json, not {kind!r}")
     try:

@@ -479,8 +479,9 @@ class Router:
 
     def _abort_on(self, worker, request_id: str) -> None:
         """Fire and forget, bounded: a hung worker must not hold a caller's stream."""
-        task = asyncio.ensure_future(asyncio.wait_for(worker.actor.abort.remote(request_id),
-                                                      self.config.control_timeout_s))
+        call = (worker.actor.abort.remote(request_id, self.router_id)
+                if isinstance(worker, DecodeHandle) else worker.actor.abort.remote(request_id))
+        task = asyncio.ensure_future(asyncio.wait_for(call, self.config.control_timeout_s))
         self._aborting.add(task)
         task.add_done_callback(_forget_abort(self._aborting))
 
@@ -492,9 +493,8 @@ class Router:
             return
         worker.alive = False
         log.error("worker %s died; waiting for its restart", worker.worker_id)
-        task = asyncio.get_running_loop().create_task(self._revive(worker))
-        self._reviving[worker.worker_id] = task
-        task.add_done_callback(lambda _: self._reviving.pop(worker.worker_id, None))
+        self._reviving[worker.worker_id] = asyncio.get_running_loop().create_task(
+            self._revive(worker))
         self._changed()
 
     async def _revive(self, worker: PrefillHandle | DecodeHandle) -> None:
@@ -509,15 +509,18 @@ class Router:
                 await self._rejoin(worker)
                 break
             except asyncio.CancelledError:
+                self._reviving.pop(worker.worker_id, None)
                 raise
             except Exception as exc:
                 if loop.time() + backoff > deadline:
                     log.error("worker %s did not come back within %gs: %s", worker.worker_id,
                               self.config.revive_timeout_s, short_reason(exc))
+                    self._reviving.pop(worker.worker_id, None)
                     self._changed()
                     return
                 await asyncio.sleep(backoff)  # polling Ray, which has no restart event
                 backoff = min(2 * backoff, 2.0)
+        self._reviving.pop(worker.worker_id, None)
         log.warning("worker %s is back in service", worker.worker_id)
         self._changed()
 
@@ -525,16 +528,28 @@ class Router:
         timeout_s = self.config.control_timeout_s
         stats = await asyncio.wait_for(worker.actor.stats.remote(), timeout_s)
         if isinstance(worker, PrefillHandle):
-            addresses = [d.address for d in self.decode.values() if d.alive]
-            await asyncio.wait_for(worker.actor.connect.remote(addresses), timeout_s)
+            await self._pair([(worker, d.address) for d in self.decode.values() if d.alive])
             worker.alive = True
             return
         worker.address = await asyncio.wait_for(worker.actor.address.remote(), timeout_s)
-        await asyncio.gather(*[asyncio.wait_for(p.actor.connect.remote([worker.address]),
-                                                timeout_s)
-                               for p in self.prefill.values() if p.alive])
+        await self._pair([(p, worker.address) for p in self.prefill.values() if p.alive])
         worker.num_blocks, worker.free_blocks = stats["num_blocks"], stats["free_blocks"]
         worker.start_pump(self.config.stall_timeout_s, self._worker_died, self.router_id)
+
+    async def _pair(self, pairs: list[tuple[PrefillHandle, str]]) -> None:
+        """Pairs prefill workers with decode addresses ahead of traffic, best effort: a
+        pair that fails now opens on its first request instead, and a prefill worker
+        found dead on the way is taken out of service."""
+        timeout_s = self.config.control_timeout_s
+        results = await asyncio.gather(*[
+            asyncio.wait_for(p.actor.connect.remote([address]), timeout_s)
+            for p, address in pairs], return_exceptions=True)
+        for (prefill, address), result in zip(pairs, results):
+            if isinstance(result, Exception):
+                log.warning("pairing %s with %s failed: %s", prefill.worker_id, address,
+                            short_reason(result))
+                if is_worker_death(result):
+                    self._worker_died(prefill)
 
     def _changed(self) -> None:
         for listener in self.on_change:

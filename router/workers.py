@@ -57,7 +57,10 @@ class DecodeHandle:
     def start_pump(self, stall_timeout_s: float,
                    on_death: Callable[["DecodeHandle"], None] = lambda worker: None,
                    subscriber: str = "") -> None:
-        """Subscribes to the deltas of this router's requests (`subscriber` names it)."""
+        """Subscribes to the deltas of this router's requests (`subscriber` names it),
+        replacing an earlier subscription (a revived worker's)."""
+        if self.pump is not None and not self.pump.done():
+            self.pump.cancel()
         self.alive = True
         self.pump = asyncio.get_running_loop().create_task(
             self._pump(stall_timeout_s, on_death, subscriber))
@@ -91,6 +94,8 @@ class DecodeHandle:
                 pending.cancel()
             raise
         except Exception as exc:  # the worker died, or its engine loop did
+            if self.pump is not asyncio.current_task():
+                return  # a stream replaced since: its end is old news
             self.alive = False
             log.error("decode worker %s stream ended: %s", self.worker_id, short_reason(exc))
             self._fail_all(WorkerError(f"decode worker {self.worker_id} failed: "

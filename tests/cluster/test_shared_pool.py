@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.client import AsyncClient
+from pdserve.client import AsyncClient, InvalidArgumentError
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec
@@ -60,4 +60,29 @@ def test_each_router_gets_exactly_its_own_requests_tokens(two_routers, llama_dir
     assert [out.token_ids for out in outs] == expected
     for srv in two_routers:
         assert srv.router.num_inflight == 0
+    wait_all_blocks_free(two_routers[0])
+
+
+def test_an_id_one_router_has_in_flight_is_refused_to_the_other(two_routers, llama_dir):
+    # The second router's reservation of the same id must neither take over nor
+    # abort the first router's request: it is refused, and the first finishes exact.
+    prompt = [5, 6, 7, 8, 9]
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=32 << 20, max_model_len=512)
+    expected = llm.generate([prompt], params)[0].token_ids
+
+    async def collide():
+        async with AsyncClient(two_routers[0].grpc_target) as a, \
+                AsyncClient(two_routers[1].grpc_target) as b:
+            chunks = a.generate_stream(prompt, request_id="shared-id", max_tokens=400,
+                                       temperature=0, ignore_eos=True)
+            tokens = list((await chunks.__anext__()).token_ids)  # in flight on the worker
+            with pytest.raises(InvalidArgumentError) as err:
+                await b.generate([11, 12], request_id="shared-id", max_tokens=4)
+            async for chunk in chunks:
+                tokens += chunk.token_ids
+            return tokens, err.value
+
+    tokens, err = asyncio.run(collide())
+    assert tokens == expected and "already in use" in str(err)
     wait_all_blocks_free(two_routers[0])

@@ -58,3 +58,13 @@ def test_request_failed_error_crosses_process_boundaries():
     err = pickle.loads(pickle.dumps(RequestFailedError("r1", "sampling failed: x")))
     assert (err.request_id, err.reason) == ("r1", "sampling failed: x")
     assert "r1" in str(err)
+
+
+def test_every_row_failing_alone_is_the_steps_not_each_requests(llm, monkeypatch):
+    engine = llm.engine
+    monkeypatch.setattr(engine.runner, "sampler",
+                        FaultySampler(engine.runner.sampler, lambda r: True))
+    engine.add_request("a", PROMPTS["a"], GREEDY)
+    engine.add_request("b", PROMPTS["b"], GREEDY)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.step()

@@ -1,8 +1,10 @@
 """The KV rendezvous is not open to strangers: the receiver's store listens on its own
-address only, and a party without the cluster's secret can neither read its keys nor
-pair with it, while the cluster's own sender transfers as before."""
+address only, and a party without the cluster's secret cannot pair with it (a join
+must carry an HMAC under the secret; a join replayed from the store is refused),
+while the cluster's own sender transfers as before."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -37,11 +39,8 @@ def test_the_store_listens_on_its_own_address_only(receiver):
     rendezvous.connect(HOST, port_of(receiver), timeout_s=5)
 
 
-def test_without_the_secret_nothing_can_be_read_or_paired(receiver):
+def test_without_the_secret_no_pair_opens(receiver):
     receiver, caches = receiver
-    stranger = rendezvous.connect(HOST, port_of(receiver), timeout_s=5)
-    assert not stranger.check([P.LAYOUT_KEY])  # the layout is there, under the secret
-    assert rendezvous.scoped(stranger, CONFIG.secret).check([P.LAYOUT_KEY])
     guesser = Worker("sender", "guesser", SPEC, seed=3, config=replace(CONFIG, secret="guess"))
     try:
         with pytest.raises(RemoteError) as err:
@@ -59,3 +58,27 @@ def test_without_the_secret_nothing_can_be_read_or_paired(receiver):
     want = sender_cache(SPEC, 9)
     for layer in range(SPEC.num_layers):
         assert torch.equal(caches[layer][:, [4, 5]], want[layer][:, [1, 2]])
+
+
+def test_a_forged_or_replayed_join_opens_nothing(receiver):
+    receiver, _ = receiver
+    stranger = rendezvous.connect(HOST, port_of(receiver), timeout_s=5)
+    # TCPStore hides nothing from a client that asks: the secret's key space shows.
+    assert any(CONFIG.secret in key for key in stranger.list_keys())
+    scoped = rendezvous.scoped(stranger, CONFIG.secret)
+    member = Worker("sender", "member", SPEC, seed=9, config=CONFIG)
+    try:
+        receiver.expect("r1", [4, 5])
+        member.call("transfer", [("r1", receiver.address, [1, 2], [4, 5])])
+        receiver.wait("r1")
+    finally:
+        member.stop()
+    legit = scoped.get(P.join_key(1))
+    forged = P.JoinRecord("evil", "evil-pair", "gloo", proof="0" * 64).encode()
+    for record in (forged, legit):  # a made-up proof, and the member's own join again
+        scoped.set(P.join_key(scoped.add(P.JOIN_COUNTER, 1)), record)
+    deadline = time.monotonic() + 10
+    while receiver.refused_joins < 2:  # the accept loop polls the store
+        assert time.monotonic() < deadline, receiver.refused_joins
+        time.sleep(0.01)
+    assert "evil-pair" not in receiver._pairs
