@@ -16,6 +16,7 @@ import datetime
 import hmac
 import itertools
 import json
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -43,6 +44,8 @@ _POLL_S = 0.05
 
 
 LEASES = ("begin", "transfer", "start")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,7 +90,6 @@ class KVReceiver:
         self._by_seq: dict[tuple[str, int], _Incoming] = {}
         self._pairs: dict[str, PairChannel] = {}
         self._joined: set[str] = set()  # pair names seen in join records
-        self.refused_joins = 0  # joins without the secret's proof, or replayed
         self._closed = threading.Event()
         self._threads = [threading.Thread(target=self._accept_loop, daemon=True),
                          threading.Thread(target=self._deadline_loop, daemon=True)]
@@ -154,11 +156,12 @@ class KVReceiver:
             next_join += 1
             try:
                 record = P.JoinRecord.decode(raw)
-            except ValueError:
-                self.refused_joins += 1
+            except ValueError as err:
+                log.warning("kv rendezvous %s: refused a join: %s", self.address, err)
                 continue
             if not self._admits(record):
-                self.refused_joins += 1
+                log.warning("kv rendezvous %s: refused a join for pair %r (no proof of the "
+                            "cluster secret, or replayed)", self.address, record.pair[:64])
                 continue
             threading.Thread(target=self._serve_pair, args=(record,), daemon=True).start()
 

@@ -4,7 +4,7 @@ must carry an HMAC under the secret; a join replayed from the store is refused),
 while the cluster's own sender transfers as before."""
 from __future__ import annotations
 
-import time
+import threading
 from dataclasses import replace
 
 import pytest
@@ -48,13 +48,7 @@ def test_without_the_secret_no_pair_opens(receiver):
         assert err.value.kind == "PeerLostError" and "not of this cluster" in str(err.value)
     finally:
         guesser.stop()
-    member = Worker("sender", "member", SPEC, seed=9, config=CONFIG)
-    try:
-        receiver.expect("r1", [4, 5])
-        member.call("transfer", [("r1", receiver.address, [1, 2], [4, 5])])
-        receiver.wait("r1")
-    finally:
-        member.stop()
+    transfer_as_member(receiver)
     want = sender_cache(SPEC, 9)
     for layer in range(SPEC.num_layers):
         assert torch.equal(caches[layer][:, [4, 5]], want[layer][:, [1, 2]])
@@ -66,6 +60,27 @@ def test_a_forged_or_replayed_join_opens_nothing(receiver):
     # TCPStore hides nothing from a client that asks: the secret's key space shows.
     assert any(CONFIG.secret in key for key in stranger.list_keys())
     scoped = rendezvous.scoped(stranger, CONFIG.secret)
+    transfer_as_member(receiver)
+    verdicts, judged = [], threading.Event()
+    admits = receiver._admits
+
+    def recorded(record):  # the receiver's verdict on each join, as it gives it
+        verdicts.append((record.pair, admits(record)))
+        if len(verdicts) == 2:
+            judged.set()
+        return verdicts[-1][1]
+    receiver._admits = recorded
+    legit = scoped.get(P.join_key(1))
+    forged = P.JoinRecord("evil", "evil-pair", "gloo", proof="0" * 64).encode()
+    for record in (forged, legit):  # a made-up proof, and the member's own join again
+        scoped.set(P.join_key(scoped.add(P.JOIN_COUNTER, 1)), record)
+    assert judged.wait(10), verdicts
+    assert verdicts == [("evil-pair", False), (P.JoinRecord.decode(legit).pair, False)]
+    assert "evil-pair" not in receiver._pairs
+
+
+def transfer_as_member(receiver: KVReceiver) -> None:
+    """One transfer from a sender of the cluster (seed 9's blocks 1, 2 -> 4, 5)."""
     member = Worker("sender", "member", SPEC, seed=9, config=CONFIG)
     try:
         receiver.expect("r1", [4, 5])
@@ -73,12 +88,3 @@ def test_a_forged_or_replayed_join_opens_nothing(receiver):
         receiver.wait("r1")
     finally:
         member.stop()
-    legit = scoped.get(P.join_key(1))
-    forged = P.JoinRecord("evil", "evil-pair", "gloo", proof="0" * 64).encode()
-    for record in (forged, legit):  # a made-up proof, and the member's own join again
-        scoped.set(P.join_key(scoped.add(P.JOIN_COUNTER, 1)), record)
-    deadline = time.monotonic() + 10
-    while receiver.refused_joins < 2:  # the accept loop polls the store
-        assert time.monotonic() < deadline, receiver.refused_joins
-        time.sleep(0.01)
-    assert "evil-pair" not in receiver._pairs
