@@ -136,7 +136,7 @@ def main() -> int:
                 "added max ms (median over repeats)":
                     statistics.median(d[1] for d in delays) - base}
         server.stop()
-        for worker in router.decode.values():
+        for worker in router.workers.values():
             ray.kill(worker.actor)
     ray.shutdown()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,11 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         # A request's block ids live on `request.block_ids`, in token order.
         self._num_hashed: dict[str, int] = {}  # request id -> leading blocks registered
+        # Prefix-cache events since take_prefix_events(), kept only when asked for (a
+        # worker reports them so routers can index which worker holds which prefix).
+        self.record_prefix_events = False
+        self._stored: list[bytes] = []
+        self._evicted: list[bytes] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -110,6 +115,8 @@ class BlockManager:
             first = i * self.block_size
             block.token_ids = tuple(request.token_ids(first, first + self.block_size))
             self._cached[block_hash] = block.block_id
+            if self.record_prefix_events:
+                self._stored.append(block_hash)
         self._num_hashed[rid] = num_full
 
     def free(self, request: Request) -> None:
@@ -121,6 +128,14 @@ class BlockManager:
                 self._free[block_id] = None
         request.block_ids = []
         self._num_hashed.pop(request.request_id, None)
+
+    def take_prefix_events(self) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        """The hashes of blocks made findable and of blocks evicted since the last
+        call, in order (a hash may be stored again after its eviction)."""
+        stored, evicted = tuple(self._stored), tuple(self._evicted)
+        self._stored.clear()
+        self._evicted.clear()
+        return stored, evicted
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int,
                         new_computed_blocks) -> int:
@@ -140,6 +155,8 @@ class BlockManager:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
+                if self.record_prefix_events:
+                    self._evicted.append(block.block_hash)
             block.block_hash = None
             block.token_ids = ()
         block.ref_cnt = 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections import deque
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
@@ -31,6 +32,7 @@ from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.engine.step_shape import StepShape, StepTiming
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import check_length, prompt_token_ids
 
@@ -67,6 +69,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self._tracked: dict[str, _Tracked] = {}
+        # The last steps' shapes and durations (telemetry; the latency model's input).
+        self.step_timings: deque[StepTiming] = deque(maxlen=256)
+        self.num_steps = 0
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
 
     @classmethod
@@ -134,11 +139,13 @@ class LLMEngine:
         `state_lock` is held while the scheduler and block manager change (schedule,
         update) and released for the forward pass, which reads only the scheduled
         requests: another thread holding it may reserve blocks meanwhile."""
+        began = time.perf_counter()
         with state_lock:
             outputs = self._apply_aborts()
             out = self.scheduler.schedule()
             if out.is_empty:
                 return outputs
+            shape = StepShape.of(out)
             now = time.time()
             for request in out.requests:
                 metrics = self._tracked[request.request_id].metrics
@@ -152,6 +159,8 @@ class LLMEngine:
                 outputs.append(self._emit(self._tracked[rid], now))
             for rid in result.failed:
                 outputs.append(self._output(self._tracked[rid], [], "", now))
+            self.step_timings.append(StepTiming(shape, time.perf_counter() - began, now))
+            self.num_steps += 1
         return outputs
 
     def score(self, token_ids: list[int]) -> torch.Tensor:

@@ -2,9 +2,14 @@
 no tensors, no Ray; KV bytes only ever travel through kv_transfer."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.step_shape import StepTiming
+
+# A worker's roles: prefill (prompts for another worker's decode), decode (requests
+# prefilled elsewhere), both (whole requests, prefill included: colocated).
+ROLES = ("prefill", "decode", "both")
 
 
 @dataclass(frozen=True)
@@ -59,14 +64,49 @@ class TokenDelta:
 
 
 @dataclass(frozen=True)
+class WorkerTelemetry:
+    """A worker's load as it measured it, published with every engine step and at
+    least once a second while idle. The gauges are as of `time`; `steps` and the
+    prefix-cache events are those since the previous report."""
+    worker_id: str
+    role: str  # prefill | decode | both
+    time: float  # wall clock on the worker
+    waiting: int  # requests queued for their (first) prefill chunk
+    waiting_tokens: int  # their prompt tokens still to compute
+    running: int  # requests in the batch
+    context_tokens: int  # tokens the running requests hold in KV
+    reserved: int  # decode role: blocks held for a prompt whose KV is on its way
+    free_blocks: int
+    num_blocks: int
+    num_preemptions: int  # cumulative
+    steps: tuple[StepTiming, ...] = ()
+    # Block hashes (as the block manager chains them) made findable / evicted.
+    prefix_stored: tuple[bytes, ...] = ()
+    prefix_evicted: tuple[bytes, ...] = ()
+
+    def merged(self, later: "WorkerTelemetry") -> "WorkerTelemetry":
+        """`later`'s gauges with both reports' steps and events, in order."""
+        return replace(later, steps=self.steps + later.steps,
+                       prefix_stored=self.prefix_stored + later.prefix_stored,
+                       prefix_evicted=self.prefix_evicted + later.prefix_evicted)
+
+
+@dataclass(frozen=True)
 class StepBatch:
-    """One or more engine steps' new tokens for every request they advanced."""
+    """One or more engine steps' new tokens for every request they advanced (a
+    subscriber's own requests only), with the worker's telemetry as of the last one
+    (None: nothing measured since the previous batch)."""
     worker_id: str
     deltas: list[TokenDelta]
+    telemetry: WorkerTelemetry | None = None
 
     def merged(self, later: "StepBatch") -> "StepBatch":
         by_request = {d.request_id: d for d in self.deltas}
         for d in later.deltas:
             earlier = by_request.get(d.request_id)
             by_request[d.request_id] = d if earlier is None else earlier.merged(d)
-        return StepBatch(self.worker_id, list(by_request.values()))
+        telemetry = self.telemetry
+        if later.telemetry is not None:
+            telemetry = later.telemetry if telemetry is None else telemetry.merged(
+                later.telemetry)
+        return StepBatch(self.worker_id, list(by_request.values()), telemetry)

@@ -1,12 +1,14 @@
 """Router settings, frozen and validated where built."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.options import option
 
 MODES = ("disaggregated", "colocated")
+STRATEGIES = ("default", "spread")  # Ray's scheduling strategies, as for actors
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,12 @@ class RouterConfig:
     # A decode worker that sends neither a step nor a heartbeat for this long fails
     # every request it holds (WorkerStalled).
     stall_timeout_s: float = 30.0
+    # A worker's telemetry older than this counts as unknown (it reports every step
+    # and at least twice a second while idle).
+    telemetry_stale_s: float = 5.0
+    # How long drain_worker (and a role change or removal) waits for the worker's
+    # requests to finish.
+    drain_timeout_s: float = 300.0
     retry_after_s: float = 1.0  # told to clients on overload
     max_inflight: int = 0  # 0 = no router-side cap
     # Prompt tokens admitted to one prefill worker and not yet prefilled; beyond it
@@ -34,7 +42,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         for name in ("reserve_timeout_s", "prefill_timeout_s", "start_timeout_s",
                      "control_timeout_s", "startup_timeout_s", "revive_timeout_s",
-                     "stall_timeout_s", "retry_after_s"):
+                     "stall_timeout_s", "retry_after_s", "telemetry_stale_s",
+                     "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.max_request_bytes < 1:
@@ -54,6 +63,13 @@ class PoolSpec:
     num_gpus_per_worker: float = option(0.0, "Ray GPUs per worker actor (1 on GPU machines)")
     max_restarts: int = option(-1, "times Ray restarts a worker whose process died "
                                "(-1: always, 0: never)")
+    prefill_resources: str = option("", "custom Ray resources a prefill worker needs, as "
+                                    "JSON (e.g. '{\"prefill_node\": 1}'): pins it to nodes "
+                                    "that offer them")
+    decode_resources: str = option("", "custom Ray resources a decode (colocated: engine) "
+                                   "worker needs, as JSON")
+    placement: str = option("default", "Ray scheduling strategy for the workers: default "
+                            "(pack) or spread (across nodes)", choices=STRATEGIES)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -64,6 +80,34 @@ class PoolSpec:
             raise ValueError("colocated mode needs at least one engine worker")
         if self.max_restarts < -1:
             raise ValueError("max_restarts must be >= -1")
+        if self.placement not in STRATEGIES:
+            raise ValueError(f"placement must be one of {STRATEGIES}")
+        for role in ("prefill", "decode"):
+            self.resources(role)
+
+    def resources(self, role: str) -> dict[str, float]:
+        """The custom resources a worker of `role` needs (decode for decode and both)."""
+        name = "prefill_resources" if role == "prefill" else "decode_resources"
+        text = getattr(self, name)
+        try:
+            value = json.loads(text) if text else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not JSON: {exc.msg}") from None
+        if not isinstance(value, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                and v > 0 for k, v in value.items()):
+            raise ValueError(f"{name} must be a JSON object of resource name -> amount > 0")
+        if {"CPU", "GPU", "memory"} & value.keys():
+            raise ValueError(f"{name}: set CPU and GPU with num_cpus_per_worker / "
+                             "num_gpus_per_worker")
+        return {k: float(v) for k, v in value.items()}
+
+    @property
+    def roles(self) -> list[str]:
+        """The role of each worker to launch, in order."""
+        if self.mode == "colocated":
+            return ["both"] * self.num_engine
+        return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
 
     @property
     def num_prefill(self) -> int:

@@ -1,69 +1,112 @@
-"""Start the worker pools as Ray actors and build a Router over them."""
+"""Start the workers as Ray actors and build a Router over them. The same
+WorkerSpawner starts workers at run time (Router.add_worker, the replacement of an
+evicted worker)."""
 from __future__ import annotations
 
+import asyncio
+import itertools
 import secrets
+from collections import defaultdict
 from dataclasses import replace
 
 import ray
 
-from pdserve.decode_worker.actor import DecodeWorkerActor
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_path import resolve_model_path
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import TransferConfig
-from pdserve.prefill_worker.actor import PrefillWorkerActor
 from pdserve.router.config import PoolSpec, RouterConfig
 from pdserve.router.placement import PlacementError, unplaceable
 from pdserve.router.router import ModelInfo, Router
-from pdserve.router.workers import DecodeHandle, PrefillHandle
+from pdserve.router.workers import WorkerHandle
+from pdserve.worker.actor import WorkerActor
+
+
+class WorkerSpawner:
+    """Creates worker actors of a role with the pool's resources, placement and
+    restart policy. Worker ids are `<role it started in>-<n>`, never reused."""
+
+    def __init__(self, engine_config: EngineConfig, pools: PoolSpec,
+                 transfer: TransferConfig, router_config: RouterConfig):
+        self.engine_config, self.pools = engine_config, pools
+        self.transfer, self.router_config = transfer, router_config
+        self._numbers: defaultdict[str, itertools.count] = defaultdict(itertools.count)
+
+    def demand(self, role: str) -> dict[str, float]:
+        pools = self.pools
+        fixed = {k: v for k, v in (("CPU", pools.num_cpus_per_worker),
+                                   ("GPU", pools.num_gpus_per_worker)) if v}
+        return {**fixed, **pools.resources(role)}
+
+    def create(self, role: str) -> tuple[str, object]:
+        """A new actor (loading in the background) and its id."""
+        worker_id = f"{role}-{next(self._numbers[role])}"
+        pools = self.pools
+        options = {"num_cpus": pools.num_cpus_per_worker,
+                   "num_gpus": pools.num_gpus_per_worker,
+                   "resources": pools.resources(role) or None,
+                   "max_restarts": pools.max_restarts,
+                   # Workers share cores with each other and the router: OpenMP
+                   # threads that spin-wait after every parallel region would steal
+                   # them (measured: the gRPC path's throughput 0.75 -> 0.87 of
+                   # in-process with passive waiting).
+                   "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
+        if pools.placement == "spread":
+            options["scheduling_strategy"] = "SPREAD"
+        actor = WorkerActor.options(**options).remote(worker_id, self.engine_config,
+                                                      self.transfer, role)
+        return worker_id, actor
+
+    async def __call__(self, role: str) -> WorkerHandle:
+        """A loaded worker of `role`, not yet paired or subscribed (Router.join does
+        that). Raises PlacementError if Ray does not place it within the startup
+        bound; the pending actor is ended then."""
+        worker_id, actor = self.create(role)
+        try:
+            stats = await asyncio.wait_for(actor.stats.remote(),
+                                           self.router_config.startup_timeout_s)
+        except asyncio.TimeoutError:
+            ray.kill(actor, no_restart=True)
+            raise PlacementError(f"worker {worker_id} was not placed and loaded within "
+                                 f"{self.router_config.startup_timeout_s:g}s: Ray may "
+                                 f"lack the resources ({self.demand(role)})") from None
+        return WorkerHandle(worker_id, actor, role, num_blocks=stats["num_blocks"])
 
 
 def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
            transfer: TransferConfig = TransferConfig(),
            router_config: RouterConfig = RouterConfig(),
            served_model_name: str | None = None) -> Router:
-    """Blocking: actors are up and have reported their KV capacity when it returns.
-    Call Router.start() on the event loop that will serve it."""
+    """Blocking: actors are up, paired and have reported their KV capacity when it
+    returns. Call Router.start() on the event loop that will serve it."""
     served = served_model_name or engine_config.model
-    # One secret per cluster names its KV rendezvous keys (kv_transfer/rendezvous.py).
+    # One secret per cluster keys its KV rendezvous (kv_transfer/rendezvous.py).
     transfer = replace(transfer, secret=transfer.secret or secrets.token_hex(16))
     model_dir = resolve_model_path(engine_config.model)  # build `tiny` once, here
     engine_config = replace(engine_config, model=str(model_dir))
-    # Workers share cores with each other and the router: OpenMP threads that
-    # spin-wait after every parallel region would steal them (measured here: the
-    # gRPC path's throughput 0.75 -> 0.87 of in-process with passive waiting).
-    options = {"num_cpus": pools.num_cpus_per_worker, "num_gpus": pools.num_gpus_per_worker,
-               "max_restarts": pools.max_restarts,
-               "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
-    demand = {k: v for k, v in (("CPU", pools.num_cpus_per_worker),
-                                ("GPU", pools.num_gpus_per_worker)) if v}
-    names = [f"prefill-{i}" for i in range(pools.num_prefill)] + \
-        [f"decode-{i}" for i in range(pools.num_engine)]
-    problem = unplaceable({name: demand for name in names},
+    spawner = WorkerSpawner(engine_config, pools, transfer, router_config)
+    roles = pools.roles
+    problem = unplaceable({f"{role}-{i}": spawner.demand(role) for i, role in enumerate(roles)},
                           [n["Resources"] for n in ray.nodes() if n["Alive"]])
     if problem is not None:
         raise PlacementError(problem)
-    prefill = [PrefillWorkerActor.options(**options).remote(f"prefill-{i}", engine_config,
-                                                            transfer)
-               for i in range(pools.num_prefill)]
-    decode = [DecodeWorkerActor.options(**options).remote(f"decode-{i}", engine_config,
-                                                          transfer)
-              for i in range(pools.num_engine)]
-    decode_stats = _get([d.stats.remote() for d in decode], router_config, "start")
-    addresses = _get([d.address.remote() for d in decode], router_config, "start")
+    created = [spawner.create(role) for role in roles]
+    stats = _get([actor.stats.remote() for _, actor in created], router_config, "start")
+    workers = [WorkerHandle(worker_id, actor, role, num_blocks=s["num_blocks"])
+               for (worker_id, actor), role, s in zip(created, roles, stats)]
+    decoders = [w for w in workers if w.role == "decode"]
+    addresses = _get([w.actor.address.remote() for w in decoders], router_config, "start")
+    for worker, address in zip(decoders, addresses):
+        worker.address = address
     # every pair, before traffic
-    _get([p.connect.remote(addresses) for p in prefill], router_config, "pair up")
+    _get([w.actor.connect.remote(addresses) for w in workers if w.role == "prefill"],
+         router_config, "pair up")
     model = ModelConfig.from_dir(model_dir)
     max_len = min(engine_config.max_model_len or model.max_position_embeddings,
                   model.max_position_embeddings)
-    info = ModelInfo(served, max_len, model.vocab_size,
-                     engine_config.cache.block_size)
-    return Router(Tokenizer(model_dir), info,
-                  [PrefillHandle(f"prefill-{i}", a) for i, a in enumerate(prefill)],
-                  [DecodeHandle(f"decode-{i}", a, s["num_blocks"], s["free_blocks"], address)
-                   for i, (a, s, address) in enumerate(zip(decode, decode_stats, addresses))],
-                  router_config, colocated=pools.mode == "colocated")
+    info = ModelInfo(served, max_len, model.vocab_size, engine_config.cache.block_size)
+    return Router(Tokenizer(model_dir), info, workers, router_config, spawner)
 
 
 def _get(refs: list, config: RouterConfig, what: str) -> list:

@@ -55,8 +55,8 @@ class Accepted:
 class Flight:
     req: Accepted
     phase: Phase = Phase.ACCEPTED
-    decode: object | None = None  # DecodeHandle the request is reserved / running on
-    prefill: object | None = None  # PrefillHandle computing its KV
+    decode: object | None = None  # WorkerHandle the request is reserved / running on
+    prefill: object | None = None  # WorkerHandle computing its KV
     # request id's TokenDeltas from the decode worker's pump (or the error ending it)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # Router.abort

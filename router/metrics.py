@@ -1,4 +1,6 @@
-"""Prometheus metrics with vLLM's names (prefix `pdserve:`), one registry per router."""
+"""Prometheus metrics with vLLM's names (prefix `pdserve:`), one registry per router.
+The router's own request counts are `pdserve:router_*`; each worker's telemetry is
+exported under vLLM's per-engine names with `worker` and `role` labels."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -18,20 +20,39 @@ class RouterMetrics:
                              labels, buckets=_LATENCY, registry=r).labels(model)
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "End-to-end latency",
                              labels, buckets=_LATENCY, registry=r).labels(model)
-        self.running = Gauge("pdserve:num_requests_running", "Requests decoding",
-                             labels, registry=r).labels(model)
-        self.waiting = Gauge("pdserve:num_requests_waiting",
-                             "Requests accepted and not yet decoding", labels,
+        self.running = Gauge("pdserve:router_num_requests_running",
+                             "Requests of this router past their first token", labels,
                              registry=r).labels(model)
-        self.kv_usage = Gauge("pdserve:kv_cache_usage_perc",
-                              "Decode KV cache usage (1 = full)", labels, registry=r).labels(model)
+        self.waiting = Gauge("pdserve:router_num_requests_waiting",
+                             "Requests of this router before their first token", labels,
+                             registry=r).labels(model)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens", labels,
                                      registry=r).labels(model)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens",
                                          labels, registry=r).labels(model)
-        self.preemptions = Gauge("pdserve:num_preemptions",
-                                 "Preemptions on the decode workers (cumulative)", labels,
-                                 registry=r).labels(model)
+        per_worker = labels + ["worker", "role"]
+        self._worker_gauges = {
+            name: Gauge(f"pdserve:{metric}", doc, per_worker, registry=r)
+            for name, metric, doc in (
+                ("running", "num_requests_running", "Requests in the worker's batch"),
+                ("waiting", "num_requests_waiting", "Requests waiting for their prefill"),
+                ("waiting_tokens", "num_waiting_prompt_tokens",
+                 "Prompt tokens the waiting requests still need computed"),
+                ("context_tokens", "num_context_tokens",
+                 "Tokens the running requests hold in KV"),
+                ("reserved", "num_requests_reserved",
+                 "Requests holding KV blocks while their prompt's KV arrives"),
+                ("kv_usage", "kv_cache_usage_perc", "KV cache usage (1 = full)"),
+                ("free_blocks", "num_free_kv_blocks", "Free KV blocks"),
+                ("preemptions", "num_preemptions", "Preemptions (cumulative)"),
+            )}
+        self._step_seconds = Histogram("pdserve:step_duration_seconds",
+                                       "Engine step duration (forward pass included)",
+                                       per_worker, buckets=_LATENCY, registry=r)
+        self._prefix_events = Counter("pdserve:prefix_cache_block_events",
+                                      "Prefix-cache blocks made findable / evicted",
+                                      per_worker + ["event"], registry=r)
+        self._roles: dict[str, str] = {}  # worker -> the role its series carry
         self.lease_expiries = Gauge(
             "pdserve:kv_lease_expiries",
             "Decode-side KV released by a lease (cumulative): a reservation never begun, "
@@ -40,6 +61,44 @@ class RouterMetrics:
         self.requests = Counter("pdserve:request_success", "Finished requests",
                                 labels + ["finished_reason"], registry=r)
         self._model = model
+
+    def observe_worker(self, t) -> None:
+        """One WorkerTelemetry report."""
+        if self._roles.get(t.worker_id, t.role) != t.role:
+            self.forget_worker(t.worker_id)  # its series under the old role end
+        self._roles[t.worker_id] = t.role
+        key = (self._model, t.worker_id, t.role)
+        g = self._worker_gauges
+        for name in ("running", "waiting", "waiting_tokens", "context_tokens", "reserved",
+                     "free_blocks"):
+            g[name].labels(*key).set(getattr(t, name))
+        g["kv_usage"].labels(*key).set(1 - t.free_blocks / t.num_blocks if t.num_blocks else 0)
+        g["preemptions"].labels(*key).set(t.num_preemptions)
+        if t.steps:
+            step_seconds = self._step_seconds.labels(*key)
+            for step in t.steps:
+                step_seconds.observe(step.duration_s)
+        if t.prefix_stored:
+            self._prefix_events.labels(*key, "stored").inc(len(t.prefix_stored))
+        if t.prefix_evicted:
+            self._prefix_events.labels(*key, "evicted").inc(len(t.prefix_evicted))
+
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker that left (or changed role): its series end."""
+        role = self._roles.pop(worker_id, None)
+        if role is None:
+            return
+        key = (self._model, worker_id, role)
+        for metric in [*self._worker_gauges.values(), self._step_seconds]:
+            try:
+                metric.remove(*key)
+            except KeyError:
+                pass
+        for event in ("stored", "evicted"):
+            try:
+                self._prefix_events.remove(*key, event)
+            except KeyError:
+                pass
 
     def finished(self, reason: str) -> None:
         self.requests.labels(self._model, reason).inc()

@@ -4,9 +4,10 @@ worker it chose refused (the refusal is news the next snapshot carries).
 
 This policy is load balancing: colocate on the least-loaded worker of role both when
 the cluster has no prefill worker; otherwise disaggregate onto the prefill worker
-with the fewest queued prompt tokens whose queue has room, and the decode worker
-with the fewest requests in flight, then the most free KV. The goodput policy
-replaces it behind the same signature."""
+with the fewest queued prompt tokens whose queue has room, and the decode-capable
+worker with the fewest requests in flight, then the most free KV (as last reported;
+a stale report is unknown). Draining, dead and stalled workers take nothing new.
+The goodput policy replaces it behind the same signature."""
 from __future__ import annotations
 
 from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
@@ -17,13 +18,14 @@ def decide(request: RequestView, state: ClusterState) -> Decision:
     pool = [w for w in state.workers if w.role == "prefill"]
     if not pool:
         return _colocate(request, state)
-    prefill = [w for w in pool if w.alive]
+    prefill = [w for w in pool if w.available]
     if not prefill:
         return Reject("no prefill worker is in service", state.retry_after_s)
     room = [w for w in prefill if _has_room(w, request, state)]
     if not room:
         return Reject("every prefill worker's queue is full", state.retry_after_s)
-    decode = _best_decode(request, [w for w in state.workers if w.alive and w.decodes])
+    decode = _best_decode(request, state, [w for w in state.workers
+                                           if w.available and w.decodes])
     if decode is None:
         return Reject("no decode worker has room for this request's KV",
                       state.retry_after_s)
@@ -32,20 +34,23 @@ def decide(request: RequestView, state: ClusterState) -> Decision:
 
 
 def _colocate(request: RequestView, state: ClusterState) -> Decision:
-    best = _best_decode(request, [w for w in state.workers if w.alive and w.role == "both"])
+    best = _best_decode(request, state, [w for w in state.workers
+                                         if w.available and w.role == "both"])
     if best is None:
         return Reject("no engine worker has room for this request", state.retry_after_s)
     return Colocate(best.worker_id)
 
 
-def _best_decode(request: RequestView, workers: list[WorkerState]) -> WorkerState | None:
+def _best_decode(request: RequestView, state: ClusterState,
+                 workers: list[WorkerState]) -> WorkerState | None:
     """Fewest in flight, then most free KV; workers that refused this request are not
     asked again. One that lacked room when last heard from ranks last rather than
     being skipped: that figure is stale by the time it is read, and asking costs one
     refusal."""
     def rank(w: WorkerState):
-        short = w.free_blocks is not None and w.free_blocks < request.blocks_needed
-        return (short, w.inflight, -(w.free_blocks or 0), w.worker_id)
+        free = state.free_blocks(w)
+        short = free is not None and free < request.blocks_needed
+        return (short, w.inflight, -(free or 0), w.worker_id)
     return min((w for w in workers if w.worker_id not in request.refused), key=rank,
                default=None)
 

@@ -1,14 +1,17 @@
 """The router core, shared by the gRPC and HTTP front ends.
 
 Every request is placed by one pure decision, policy.decide(request, ClusterState),
-over a snapshot of the workers; the router carries it out.
-Disaggregated (a prefill pool exists): validate + tokenize -> decide (a prefill
-worker whose bounded queue has room and a decode worker; none: 429) -> admit to that
-prefill queue -> reserve KV on that decode worker (it refuses: decide again without
-it) -> prefill, which streams the KV to the reserved blocks and samples token #1
-(sent at once, with its text) -> start on the decode worker -> its step stream feeds
-this request's queue until it finishes.
-Colocated (no prefill pool): the decided engine worker takes the whole request.
+over a snapshot of the workers (their roles and telemetry); the router carries it out.
+Disaggregate(P, D): validate + tokenize -> admit to P's bounded prefill queue ->
+reserve KV on D (it refuses: decide again without it) -> prefill, which streams the
+KV to the reserved blocks and samples token #1 (sent at once, with its text) -> start
+on D -> D's step stream feeds this request's queue until it finishes.
+Colocate(W): W (role both) takes the whole request.
+
+Membership is live (add_worker, drain_worker, set_worker_role, remove_worker): a
+worker joins paired and subscribed, leaves once its requests are done, and one that
+died and did not come back in time is evicted and, when the router can spawn
+workers, replaced.
 
 A request's state is its Flight (lifecycle.py); `generate` is the happy path and
 its `finally` releases the flight once, freeing on the workers exactly what its
@@ -23,17 +26,26 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Awaitable
+from typing import AsyncIterator, Awaitable, Callable
+
+import ray
 
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.errors import InvalidRequestError, RequestFailedError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import PromptLimits, check_length, prompt_token_ids
-from pdserve.engine.worker_messages import PrefillJob, PrefillResult, Reservation, TokenDelta
+from pdserve.engine.worker_messages import (
+    ROLES,
+    PrefillJob,
+    PrefillResult,
+    Reservation,
+    TokenDelta,
+    WorkerTelemetry,
+)
 from pdserve.router.cluster_state import ClusterState, RequestView
 from pdserve.router.config import RouterConfig
-from pdserve.router.decision import Colocate, Decision, Disaggregate
+from pdserve.router.decision import Colocate, Decision, Reject
 from pdserve.router.errors import (
     OverloadedError,
     WorkerError,
@@ -44,9 +56,9 @@ from pdserve.router.errors import (
 from pdserve.router.lifecycle import Accepted, Flight, Phase
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import decide
-from pdserve.router.workers import DecodeHandle, PrefillHandle
+from pdserve.router.workers import WorkerHandle
 
-__all__ = ["Accepted", "ModelInfo", "Router"]
+__all__ = ["Accepted", "MembershipError", "ModelInfo", "Router"]
 log = logging.getLogger(__name__)
 
 
@@ -69,19 +81,33 @@ class _Cancelled(Exception):
     """Router.abort asked this request to end."""
 
 
+class MembershipError(RuntimeError):
+    """An admin call that cannot be carried out (unknown worker, no spawner, a worker
+    that would not drain in time); `status` is the HTTP status that says why."""
+
+    def __init__(self, message: str, status: int = 409):
+        super().__init__(message)
+        self.status = status
+
+
+# Spawns a fresh worker actor of a role, loaded and ready, not yet paired or
+# subscribed (launch.WorkerSpawner).
+Spawner = Callable[[str], Awaitable[WorkerHandle]]
+
+
 class Router:
-    def __init__(self, tokenizer: Tokenizer, model: ModelInfo, prefill: list[PrefillHandle],
-                 decode: list[DecodeHandle], config: RouterConfig = RouterConfig(),
-                 colocated: bool = False):
+    def __init__(self, tokenizer: Tokenizer, model: ModelInfo, workers: list[WorkerHandle],
+                 config: RouterConfig = RouterConfig(), spawner: Spawner | None = None):
+        """workers: paired already (launch pairs them before traffic); `spawner`
+        makes add_worker and the replacement of dead workers possible."""
         self.tokenizer = tokenizer
-        self.colocated = colocated  # engine workers only (in `decode`), no prefill pool
         self.model = model
         self.config = config
-        self.prefill = {w.worker_id: w for w in prefill}
-        self.decode = {w.worker_id: w for w in decode}
-        for worker in decode:
-            worker.role = "both" if colocated else "decode"
+        self.spawner = spawner
+        self.workers: dict[str, WorkerHandle] = {}
         self.metrics = RouterMetrics(model.name)
+        for worker in workers:
+            self._admit(worker)
         # Names this router to the workers, which stream it its own requests only.
         self.router_id = f"router-{uuid.uuid4().hex[:12]}"
         self._flights: dict[str, Flight] = {}
@@ -91,23 +117,40 @@ class Router:
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
         self._reviving: dict[str, asyncio.Task] = {}  # worker id -> its revival
+        self._replacing: set[asyncio.Task] = set()  # fresh workers for evicted ones
+        self._started = False
         # Called (on the event loop) whenever a worker leaves or rejoins service.
         self.on_change: list = []
 
     @property
+    def prefill(self) -> dict[str, WorkerHandle]:
+        """The prefill pool: workers in role prefill."""
+        return {k: w for k, w in self.workers.items() if w.role == "prefill"}
+
+    @property
+    def decode(self) -> dict[str, WorkerHandle]:
+        """Workers that run requests' decode: roles decode and both."""
+        return {k: w for k, w in self.workers.items() if w.decodes}
+
+    @property
     def ready(self) -> bool:
-        """Whether every pool the mode needs has a live worker."""
-        live = any(w.alive for w in self.decode.values())
-        return live and (self.colocated or any(w.alive for w in self.prefill.values()))
+        """Whether a request could be placed now: a worker in role both, or a prefill
+        and a decode worker, in service."""
+        live = [w for w in self.workers.values() if w.alive and not w.draining]
+        return any(w.role == "both" for w in live) or (
+            any(w.role == "prefill" for w in live) and any(w.decodes for w in live))
 
     def worker_states(self) -> dict[str, str]:
-        """Every worker's id -> "serving", "restarting" (its process died and Ray is
-        restarting it) or "dead" (given up)."""
+        """Every worker's id -> "serving", "draining", "stalled" (no step or report
+        within the stall bound), "restarting" (its process died and Ray is restarting
+        it) or "dead" (given up; evicted soon)."""
         def state(w) -> str:
+            if w.worker_id in self._reviving:
+                return "restarting"
             if w.alive:
-                return "serving"
-            return "restarting" if w.worker_id in self._reviving else "dead"
-        return {w.worker_id: state(w) for w in [*self.prefill.values(), *self.decode.values()]}
+                return "draining" if w.draining else "serving"
+            return "stalled" if w.pump is not None and not w.pump.done() else "dead"
+        return {w.worker_id: state(w) for w in self.workers.values()}
 
     @property
     def num_inflight(self) -> int:
@@ -122,15 +165,15 @@ class Router:
         return True
 
     async def start(self) -> None:
-        for worker in self.decode.values():
-            worker.start_pump(self.config.stall_timeout_s, self._worker_died, self.router_id)
+        self._started = True
+        for worker in self.workers.values():
+            self._subscribe(worker)
 
     async def stop(self) -> None:
-        for task in self._reviving.values():
+        for task in [*self._reviving.values(), *self._replacing]:
             task.cancel()
-        for worker in self.decode.values():
-            if worker.pump is not None:
-                worker.pump.cancel()
+        for worker in self.workers.values():
+            worker.stop_pump()
         if self._aborting:
             await asyncio.wait(self._aborting, timeout=self.config.control_timeout_s)
 
@@ -184,13 +227,10 @@ class Router:
         flight = self._claim(req)
         track = _Tracker(self.metrics, req)
         try:
-            if self.colocated:
-                await self._submit(flight)
-                skip_text = 0
-            else:
-                first, skip_text = await self._prefill_and_start(flight)
+            first, skip_text = await self._begin(flight)
+            if first is not None:
                 yield track.observe(first)
-            async for delta in self._stream(flight, skip_text):
+            async for delta in self._stream(flight, skip_text, skip_token=first is not None):
                 yield track.observe(delta)
         except _Cancelled:
             yield track.observe(TokenDelta(req.request_id, [], "", [], True, "abort"))
@@ -209,20 +249,14 @@ class Router:
         return True
 
     async def refresh_stats(self) -> None:
-        """Worker-side free KV (for the policy) and gauges (KV usage, preemptions) for
-        /metrics."""
+        """What telemetry does not carry, for /metrics: the decode side's KV lease
+        expiries. (Load figures arrive with every step: WorkerTelemetry.)"""
         workers = list(self.decode.values())
         timeout_s = self.config.control_timeout_s
         results = await asyncio.gather(*[asyncio.wait_for(w.actor.stats.remote(), timeout_s)
                                          for w in workers], return_exceptions=True)
         stats = [r for r in results if isinstance(r, dict)]
-        for worker, result in zip(workers, results):
-            if isinstance(result, dict):
-                worker.free_blocks = result["free_blocks"]
         if stats:
-            used = sum(s["num_blocks"] - s["free_blocks"] for s in stats)
-            self.metrics.kv_usage.set(used / sum(s["num_blocks"] for s in stats))
-            self.metrics.preemptions.set(sum(s["num_preemptions"] for s in stats))
             for lease in stats[0]["lease_expiries"]:  # the receiver's LEASES
                 self.metrics.lease_expiries.labels(self.model.name, lease).set(
                     sum(s["lease_expiries"][lease] for s in stats))
@@ -238,17 +272,33 @@ class Router:
         self._idle.clear()
         return flight
 
-    async def _prefill_and_start(self, flight: Flight) -> tuple[TokenDelta, int]:
-        """Placement (prefill queue and KV reservation), prefill, start. Returns token
-        #1 as a delta with its text, and how much of that text the decode worker's
-        first delta repeats."""
-        req = flight.req
-        prefill, reservation = await self._place(flight)
-        try:
-            result = await self._prefill(flight, prefill, reservation)
-        finally:
-            prefill.unqueue(len(req.prompt_token_ids))
-        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+    async def _begin(self, flight: Flight) -> tuple[TokenDelta | None, int]:
+        """Carries out the decision. Colocated: the worker takes the whole request
+        (None, 0). Disaggregated: admits the prompt to the prefill worker's queue
+        (before any KV is held, so nothing admitted outwaits its lease), reserves KV on
+        the decode worker, prefills and starts; returns token #1 as a delta with its
+        text, and how much of that text the decode worker's first delta repeats. A
+        decode worker that refuses (no room) is news: the policy decides again
+        without it."""
+        req, refused = flight.req, frozenset()
+        num_tokens = len(req.prompt_token_ids)
+        while True:
+            decision = self._decide(req, refused)
+            if isinstance(decision, Colocate):
+                await self._submit(flight, self.workers[decision.worker])
+                return None, 0
+            prefill, decode = self.workers[decision.prefill], self.workers[decision.decode]
+            prefill.enqueue(num_tokens)
+            try:
+                reservation = await self._reserve(flight, decode)
+                if reservation is not None:
+                    result = await self._prefill(flight, prefill, reservation)
+            finally:
+                prefill.unqueue(num_tokens)
+            if reservation is not None:
+                break
+            refused |= {decode.worker_id}
+        self.metrics.prompt_tokens.inc(num_tokens)
         self._start(flight, result.first_token)
         # The decode worker detokenizes from the same state: its first delta's text
         # begins with exactly this, which the stream then skips.
@@ -257,7 +307,7 @@ class Router:
         logprobs = [result.first_logprob] if result.first_logprob is not None else []
         tops = [result.first_top_logprobs] if result.first_top_logprobs else []
         first = TokenDelta(req.request_id, [result.first_token], text, logprobs, False, None,
-                           len(req.prompt_token_ids), 0, 1, tops)
+                           num_tokens, 0, 1, tops)
         return first, len(text)
 
     def _decide(self, req: Accepted, refused: frozenset[str] = frozenset()) -> Decision:
@@ -265,36 +315,18 @@ class Router:
         view = RequestView(len(req.prompt_token_ids),
                            -(-(len(req.prompt_token_ids) + 1) // self.model.block_size),
                            refused)
-        state = ClusterState(tuple(w.state() for w in [*self.prefill.values(),
-                                                       *self.decode.values()]),
-                             self.config.max_queued_prefill_tokens, self.config.retry_after_s)
-        decision = decide(view, state)
-        if not isinstance(decision, (Colocate, Disaggregate)):
+        decision = decide(view, self.snapshot())
+        if isinstance(decision, Reject):
             raise OverloadedError(decision.reason, decision.retry_after_s)
         return decision
 
-    async def _place(self, flight: Flight) -> tuple[PrefillHandle, Reservation]:
-        """Carries out the decision: admits the prompt to the prefill worker's queue
-        (before any KV is held, so nothing admitted outwaits its lease) and reserves KV
-        on the decode worker. A worker that refuses (no room) is news: the policy
-        decides again without it."""
-        req, refused = flight.req, frozenset()
-        num_tokens = len(req.prompt_token_ids)
-        while True:
-            decision = self._decide(req, refused)
-            prefill, decode = self.prefill[decision.prefill], self.decode[decision.decode]
-            prefill.enqueue(num_tokens)
-            try:
-                reservation = await self._reserve(flight, decode)
-            except BaseException:
-                prefill.unqueue(num_tokens)
-                raise
-            if reservation is not None:
-                return prefill, reservation
-            prefill.unqueue(num_tokens)
-            refused |= {decode.worker_id}
+    def snapshot(self) -> ClusterState:
+        """Every worker's state now, as the policy sees it."""
+        return ClusterState(tuple(w.state() for w in self.workers.values()), time.monotonic(),
+                            self.config.telemetry_stale_s,
+                            self.config.max_queued_prefill_tokens, self.config.retry_after_s)
 
-    async def _reserve(self, flight: Flight, worker: DecodeHandle) -> Reservation | None:
+    async def _reserve(self, flight: Flight, worker: WorkerHandle) -> Reservation | None:
         """The reservation, or None when the worker has no room (or no answer in time)."""
         req = flight.req
         self._hold(flight, worker, Phase.RESERVING)
@@ -316,10 +348,9 @@ class Router:
             flight.phase = Phase.RESERVED
             return reservation
         self._unhold(flight)
-        self._refresh_soon()  # its free-KV figure was stale
         return None
 
-    async def _prefill(self, flight: Flight, worker: PrefillHandle,
+    async def _prefill(self, flight: Flight, worker: WorkerHandle,
                        target: Reservation) -> PrefillResult:
         req = flight.req
         flight.prefill, flight.phase = worker, Phase.PREFILLING
@@ -348,10 +379,9 @@ class Router:
         flight.starting = asyncio.ensure_future(
             asyncio.wait_for(call, self.config.start_timeout_s))
 
-    async def _submit(self, flight: Flight) -> None:
-        """Colocated mode: the least-loaded engine worker takes the whole request."""
+    async def _submit(self, flight: Flight, worker: WorkerHandle) -> None:
+        """The worker (role both) takes the whole request."""
         req = flight.req
-        worker = self.decode[self._decide(req).worker]
         self._hold(flight, worker, Phase.SUBMITTING)
         try:
             await self._until(flight, worker.actor.submit.remote(
@@ -370,10 +400,10 @@ class Router:
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         flight.phase = Phase.STREAMING
 
-    async def _stream(self, flight: Flight, skip_text: int) -> AsyncIterator[TokenDelta]:
+    async def _stream(self, flight: Flight, skip_text: int,
+                      skip_token: bool) -> AsyncIterator[TokenDelta]:
         """The decode worker's deltas. Disaggregated, the first repeats token #1 (sent
         already): its id and its text are dropped."""
-        skip_token = not self.colocated
         while True:
             item = await self._next_delta(flight)
             if skip_token and item.token_ids:
@@ -448,7 +478,7 @@ class Router:
 
     # ---- holding and releasing ------------------------------------------------------
 
-    def _hold(self, flight: Flight, worker: DecodeHandle, phase: Phase) -> None:
+    def _hold(self, flight: Flight, worker: WorkerHandle, phase: Phase) -> None:
         flight.decode, flight.phase = worker, phase
         worker.inflight += 1
         worker.streams[flight.request_id] = flight.queue
@@ -479,17 +509,119 @@ class Router:
 
     def _abort_on(self, worker, request_id: str) -> None:
         """Fire and forget, bounded: a hung worker must not hold a caller's stream."""
-        call = (worker.actor.abort.remote(request_id, self.router_id)
-                if isinstance(worker, DecodeHandle) else worker.actor.abort.remote(request_id))
+        call = worker.actor.abort.remote(request_id, self.router_id)
         task = asyncio.ensure_future(asyncio.wait_for(call, self.config.control_timeout_s))
         self._aborting.add(task)
         task.add_done_callback(_forget_abort(self._aborting))
 
+    # ---- membership -----------------------------------------------------------------
+
+    async def add_worker(self, role: str) -> str:
+        """Spawns a worker of `role`, pairs it and subscribes to it, then gives it
+        traffic. Returns its id."""
+        if role not in ROLES:
+            raise InvalidRequestError("role", f"must be one of {', '.join(ROLES)}")
+        if self.spawner is None:
+            raise MembershipError("this router cannot spawn workers", 501)
+        worker = await self.spawner(role)
+        await self.join(worker)
+        return worker.worker_id
+
+    async def join(self, worker: WorkerHandle) -> None:
+        """Puts a loaded worker into service: paired with every worker of the other
+        side (off the engine threads, before any traffic), subscribed, then chosen."""
+        if worker.worker_id in self.workers:
+            raise MembershipError(f"worker {worker.worker_id} is already a member")
+        worker.draining = True  # no traffic until paired and subscribed
+        self._admit(worker)
+        await self._pair_with_cluster(worker)
+        if self._started:
+            self._subscribe(worker)
+        worker.draining = False
+        log.warning("worker %s (%s) joined", worker.worker_id, worker.role)
+        self._changed()
+
+    async def drain_worker(self, worker_id: str, timeout_s: float | None = None) -> None:
+        """Stops new work on the worker and waits until this router's requests on it
+        are done. It stays a member, draining, until resumed, re-roled or removed.
+        Raises MembershipError (504) if they are not done within timeout_s; it stays
+        draining then."""
+        worker = self._member(worker_id)
+        drained = worker.drain()
+        self._changed()
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        try:
+            await asyncio.wait_for(drained.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise MembershipError(f"worker {worker_id} still holds {worker.inflight + worker.queued} "
+                                  f"request(s) after {timeout_s:g}s", 504) from None
+
+    def resume_worker(self, worker_id: str) -> None:
+        """A drained (or draining) worker takes new requests again."""
+        self._member(worker_id).draining = False
+        self._changed()
+
+    async def set_worker_role(self, worker_id: str, role: str) -> None:
+        """Drains the worker, changes its role (its weights stay loaded), pairs it for
+        the new role and resumes it."""
+        if role not in ROLES:
+            raise InvalidRequestError("role", f"must be one of {', '.join(ROLES)}")
+        worker = self._member(worker_id)
+        await self.drain_worker(worker_id)
+        try:
+            await asyncio.wait_for(worker.actor.set_role.remote(role),
+                                   self.config.control_timeout_s)
+        except Exception as exc:
+            raise MembershipError(f"worker {worker_id} could not change role: "
+                                  f"{short_reason(exc)}") from None
+        worker.role = role
+        await self._pair_with_cluster(worker)
+        self.resume_worker(worker_id)
+        log.warning("worker %s is now in role %s", worker_id, role)
+
+    async def remove_worker(self, worker_id: str, timeout_s: float | None = None,
+                            kill: bool = True) -> None:
+        """Drains the worker, then it leaves: unsubscribed, forgotten and (kill) its
+        actor ended."""
+        worker = self._member(worker_id)
+        if worker.alive:
+            await self.drain_worker(worker_id, timeout_s)
+        self._leave(worker, kill)
+
+    def _member(self, worker_id: str) -> WorkerHandle:
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            raise MembershipError(f"no worker {worker_id!r}", 404)
+        return worker
+
+    def _admit(self, worker: WorkerHandle) -> None:
+        self.workers[worker.worker_id] = worker
+        worker.on_report = self._reported
+
+    def _subscribe(self, worker: WorkerHandle) -> None:
+        worker.start_pump(self.config.stall_timeout_s, self._worker_died, self.router_id)
+
+    def _leave(self, worker: WorkerHandle, kill: bool) -> None:
+        worker.stop_pump()
+        revival = self._reviving.pop(worker.worker_id, None)
+        if revival is not None:
+            revival.cancel()
+        self.workers.pop(worker.worker_id, None)
+        self.metrics.forget_worker(worker.worker_id)
+        if kill:
+            _kill(worker.actor)
+        log.warning("worker %s left", worker.worker_id)
+        self._changed()
+
+    def _reported(self, worker: WorkerHandle, telemetry: WorkerTelemetry) -> None:
+        self.metrics.observe_worker(telemetry)
+
     # ---- workers leaving and rejoining service ---------------------------------------
 
-    def _worker_died(self, worker: PrefillHandle | DecodeHandle) -> None:
-        """Its process died: out of service now, back once Ray has restarted it."""
-        if worker.worker_id in self._reviving:
+    def _worker_died(self, worker: WorkerHandle) -> None:
+        """Its process died: out of service now, back once Ray has restarted it, or
+        evicted (and replaced) if it is not back within revive_timeout_s."""
+        if worker.worker_id in self._reviving or worker.worker_id not in self.workers:
             return
         worker.alive = False
         log.error("worker %s died; waiting for its restart", worker.worker_id)
@@ -497,10 +629,11 @@ class Router:
             self._revive(worker))
         self._changed()
 
-    async def _revive(self, worker: PrefillHandle | DecodeHandle) -> None:
+    async def _revive(self, worker: WorkerHandle) -> None:
         """Waits for the restarted process to answer (its model loads first), pairs it
-        with the live workers of the other pool, and puts it back in service. Gives
-        up after revive_timeout_s (Ray's max_restarts spent, or it cannot be placed)."""
+        with the live workers of the other side, and puts it back in service. Gives
+        up after revive_timeout_s (Ray's max_restarts spent, or it cannot be placed):
+        the worker is evicted and, if the router can spawn, replaced by a fresh one."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.revive_timeout_s
         backoff = 0.05
@@ -513,10 +646,11 @@ class Router:
                 raise
             except Exception as exc:
                 if loop.time() + backoff > deadline:
-                    log.error("worker %s did not come back within %gs: %s", worker.worker_id,
-                              self.config.revive_timeout_s, short_reason(exc))
+                    log.error("worker %s did not come back within %gs: %s; evicting it",
+                              worker.worker_id, self.config.revive_timeout_s,
+                              short_reason(exc))
                     self._reviving.pop(worker.worker_id, None)
-                    self._changed()
+                    self._evict(worker)
                     return
                 await asyncio.sleep(backoff)  # polling Ray, which has no restart event
                 backoff = min(2 * backoff, 2.0)
@@ -524,19 +658,46 @@ class Router:
         log.warning("worker %s is back in service", worker.worker_id)
         self._changed()
 
-    async def _rejoin(self, worker: PrefillHandle | DecodeHandle) -> None:
+    def _evict(self, worker: WorkerHandle) -> None:
+        self._leave(worker, kill=True)
+        if self.spawner is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._replace(worker.role))
+        self._replacing.add(task)
+        task.add_done_callback(self._replacing.discard)
+
+    async def _replace(self, role: str) -> None:
+        try:
+            worker_id = await self.add_worker(role)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.error("no replacement %s worker could be started: %s", role,
+                      short_reason(exc))
+            return
+        log.warning("worker %s replaces an evicted %s worker", worker_id, role)
+
+    async def _rejoin(self, worker: WorkerHandle) -> None:
         timeout_s = self.config.control_timeout_s
         stats = await asyncio.wait_for(worker.actor.stats.remote(), timeout_s)
-        if isinstance(worker, PrefillHandle):
-            await self._pair([(worker, d.address) for d in self.decode.values() if d.alive])
-            worker.alive = True
-            return
-        worker.address = await asyncio.wait_for(worker.actor.address.remote(), timeout_s)
-        await self._pair([(p, worker.address) for p in self.prefill.values() if p.alive])
-        worker.num_blocks, worker.free_blocks = stats["num_blocks"], stats["free_blocks"]
-        worker.start_pump(self.config.stall_timeout_s, self._worker_died, self.router_id)
+        worker.num_blocks = stats["num_blocks"]
+        await self._pair_with_cluster(worker)
+        self._subscribe(worker)
 
-    async def _pair(self, pairs: list[tuple[PrefillHandle, str]]) -> None:
+    async def _pair_with_cluster(self, worker: WorkerHandle) -> None:
+        """Pairs a prefill worker with every decode-capable worker, or every prefill
+        worker with a decode-capable one, ahead of traffic (workers in role both run
+        whole requests and open no pairs)."""
+        timeout_s = self.config.control_timeout_s
+        if worker.decodes and not worker.address:
+            worker.address = await asyncio.wait_for(worker.actor.address.remote(), timeout_s)
+        live = [w for w in self.workers.values() if w.alive and w is not worker]
+        if worker.role == "prefill":
+            await self._pair([(worker, d.address) for d in live if d.decodes])
+        elif worker.decodes:
+            await self._pair([(p, worker.address) for p in live if p.role == "prefill"])
+
+    async def _pair(self, pairs: list[tuple[WorkerHandle, str]]) -> None:
         """Pairs prefill workers with decode addresses ahead of traffic, best effort: a
         pair that fails now opens on its first request instead, and a prefill worker
         found dead on the way is taken out of service."""
@@ -555,10 +716,13 @@ class Router:
         for listener in self.on_change:
             listener()
 
-    def _refresh_soon(self) -> None:
-        """One stats refresh in the background, however many refusals ask for it."""
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.get_running_loop().create_task(self.refresh_stats())
+
+def _kill(actor) -> None:
+    """Ends a worker actor for good (no restart); one already gone is fine."""
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as exc:  # a fake at the Ray boundary, or an actor long gone
+        log.debug("could not kill a leaving worker: %r", exc)
 
 
 def _forget_abort(tasks: set):

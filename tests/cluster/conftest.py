@@ -39,7 +39,7 @@ def stop_cluster(srv: RouterServer) -> None:
     """Stops the front ends and kills the worker actors, so their Ray CPUs are free
     for the next cluster a test starts."""
     srv.stop()
-    for worker in [*srv.router.prefill.values(), *srv.router.decode.values()]:
+    for worker in srv.router.workers.values():
         ray.kill(worker.actor)
 
 
@@ -51,8 +51,7 @@ def generate_concurrently(srv: RouterServer, prompts: list[list[int]], max_token
 
 
 def wait_all_blocks_free(srv: RouterServer, timeout_s: float = 30.0) -> None:
-    actors = [w.actor for w in srv.router.prefill.values()] + \
-             [w.actor for w in srv.router.decode.values()]
+    actors = [w.actor for w in srv.router.workers.values()]
     deadline = time.monotonic() + timeout_s
     while True:
         stats = ray.get([a.stats.remote() for a in actors])

@@ -16,7 +16,7 @@ from pdserve.router.config import PoolSpec
 from pdserve.router.launch import launch
 from pdserve.router.router import Router
 from pdserve.router.server import RouterServer
-from pdserve.router.workers import DecodeHandle, PrefillHandle
+from pdserve.router.workers import WorkerHandle
 from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
 
 MAX_TOKENS = 16
@@ -25,9 +25,8 @@ MAX_TOKENS = 16
 def second_router(router: Router) -> Router:
     """Another router over the same worker actors (its own handles and counts)."""
     return Router(router.tokenizer, router.model,
-                  [PrefillHandle(w.worker_id, w.actor) for w in router.prefill.values()],
-                  [DecodeHandle(w.worker_id, w.actor, w.num_blocks, w.free_blocks, w.address)
-                   for w in router.decode.values()], router.config)
+                  [WorkerHandle(w.worker_id, w.actor, w.role, w.address, w.num_blocks)
+                   for w in router.workers.values()], router.config)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
-"""Prefill and decode workers as real Ray actors, driven the way the router drives
-them: reserve on D, prefill on P (KV streamed P -> D), start on D, read D's step
-stream. Greedy outputs equal HF transformers; an abort frees every block."""
+"""Workers as real Ray actors, driven the way the router drives them: reserve on D,
+prefill on P (KV streamed P -> D), start on D, read D's step stream. Greedy outputs
+equal HF transformers; an abort frees every block; the two swap roles at run time
+(weights loaded once) and stay exact; the stream carries telemetry of every step."""
 from __future__ import annotations
 
 import random
@@ -12,11 +13,10 @@ import pytest
 import ray
 
 from pdserve import SamplingParams
-from pdserve.decode_worker.actor import DecodeWorkerActor
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.worker_messages import PrefillJob
 from pdserve.kv_transfer import TransferConfig
-from pdserve.prefill_worker.actor import PrefillWorkerActor
+from pdserve.worker.actor import WorkerActor
 from tests.engine.test_hf_oracle import Oracle
 
 TRANSFER = TransferConfig(timeout_s=30)
@@ -28,6 +28,7 @@ class StepReader:
     def __init__(self, decode):
         self.tokens: dict[str, list[int]] = defaultdict(list)
         self.finished: dict[str, str] = {}
+        self.reports = []  # WorkerTelemetry, in order
         self._cv = threading.Condition()
         self._stream = decode.steps.remote(30.0)  # stall bound: heartbeats while idle
         threading.Thread(target=self._read, daemon=True).start()
@@ -41,6 +42,8 @@ class StepReader:
 
     def _take(self, batch) -> None:
         with self._cv:
+            if batch.telemetry is not None:
+                self.reports.append(batch.telemetry)
             for d in batch.deltas:
                 self.tokens[d.request_id] += d.token_ids
                 if d.finished:
@@ -58,8 +61,8 @@ class StepReader:
 def workers(ray_local, llama_dir):
     config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=32 << 20,
                                       long_prefill_token_threshold=32)
-    prefill = PrefillWorkerActor.options(num_cpus=1).remote("p0", config, TRANSFER)
-    decode = DecodeWorkerActor.options(num_cpus=1).remote("d0", config, TRANSFER)
+    prefill = WorkerActor.options(num_cpus=1).remote("p0", config, TRANSFER, "prefill")
+    decode = WorkerActor.options(num_cpus=1).remote("d0", config, TRANSFER, "decode")
     reader = StepReader(decode)
     return prefill, decode, reader
 
@@ -105,3 +108,52 @@ def test_abort_mid_stream_frees_blocks_on_both_workers(workers):
     for worker in (decode, prefill):
         stats = ray.get(worker.stats.remote())
         assert stats["free_blocks"] == stats["num_blocks"], stats
+
+
+def test_the_stream_reports_every_step_with_its_shape_and_prefix_events(workers):
+    prefill, decode, reader = workers
+    before = len(reader.reports)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = list(range(100, 164))  # 4 full blocks
+    run(prefill, decode, {"t0": prompt}, params)
+    reader.wait(["t0"])
+    reports = reader.reports[before:]
+    steps = [s for r in reports for s in r.steps]
+    # the prompt's KV arrived: the decode worker runs 5 decode steps (token #1 came
+    # from the prefill worker), each of one sequence over the growing context
+    assert [s.shape.decode_seqs for s in steps][-5:] == [1] * 5
+    assert [s.shape.context_tokens for s in steps][-5:] == list(range(64, 69))
+    assert all(s.shape.prefill_tokens == 0 and s.duration_s > 0 for s in steps)
+    stored = [h for r in reports for h in r.prefix_stored]
+    assert len(stored) == 4 and len(set(stored)) == 4  # the prompt's full blocks
+    last = reports[-1]
+    assert last.role == "decode" and last.running == 0 and last.reserved == 0
+    assert last.free_blocks == last.num_blocks
+
+
+def test_a_worker_refuses_calls_of_another_role_and_swaps_roles_when_idle(workers, llama_dir):
+    prefill, decode, reader = workers
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with pytest.raises(ray.exceptions.RayTaskError, match="WrongRoleError"):
+        ray.get(prefill.reserve.remote("x", [1, 2, 3], params, time.time()))
+    # busy (a reservation held): no role change
+    assert ray.get(decode.reserve.remote("held", list(range(10, 40)), params, time.time()))
+    with pytest.raises(ray.exceptions.RayTaskError, match="WorkerBusyError"):
+        ray.get(decode.set_role.remote("prefill"))
+    ray.get(decode.abort.remote("held"))
+    deadline = time.monotonic() + 30
+    while ray.get(decode.stats.remote())["reserved"]:
+        assert time.monotonic() < deadline, "the aborted reservation was not freed"
+        time.sleep(0.02)
+    pids = ray.get([prefill.pid.remote(), decode.pid.remote()])
+    ray.get([prefill.set_role.remote("decode"), decode.set_role.remote("prefill")])
+    new_decode, new_prefill = prefill, decode
+    swapped = StepReader(new_decode)
+    oracle = Oracle(llama_dir)
+    prompts = {f"s{i}": list(range(200 + i, 240 + 7 * i)) for i in range(3)}
+    run(new_prefill, new_decode, prompts, params)
+    swapped.wait(prompts)
+    for rid, prompt in prompts.items():
+        assert swapped.tokens[rid] == oracle.generate(prompt, 8)[0], rid
+    assert ray.get([prefill.pid.remote(), decode.pid.remote()]) == pids  # no reload
+    ray.get([prefill.set_role.remote("prefill"), decode.set_role.remote("decode")])

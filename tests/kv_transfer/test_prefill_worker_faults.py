@@ -10,7 +10,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.worker_messages import PrefillJob, Reservation
 from pdserve.kv_transfer import KVTransferError, TransferConfig
-from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.worker.worker import Worker as EngineWorker
 from tests.kv_transfer.harness import CacheSpec, Worker
 
 # The test Llama's KV layout: 3 layers, 2 KV heads of 16.
@@ -20,8 +20,8 @@ SPEC = CacheSpec(num_layers=3, num_blocks=64, block_size=16, num_kv_heads=2, hea
 def test_dead_receiver_fails_one_request_and_the_worker_keeps_serving(llama_dir):
     dead = Worker("receiver", "dead", SPEC)
     live = Worker("receiver", "live", SPEC)
-    worker = PrefillWorker("p", EngineConfig.from_kwargs(
-        str(llama_dir), kv_cache_memory_bytes=16 << 20), TransferConfig(timeout_s=10))
+    worker = EngineWorker("p", EngineConfig.from_kwargs(
+        str(llama_dir), kv_cache_memory_bytes=16 << 20), TransferConfig(timeout_s=10), "prefill")
     try:
         worker.connect([dead.address, live.address])
         prompt = list(range(10, 150))  # 9 blocks
@@ -52,8 +52,8 @@ def test_dead_receiver_fails_one_request_and_the_worker_keeps_serving(llama_dir)
 def test_a_send_failing_mid_forward_fails_only_that_request(llama_dir):
     from pdserve.kv_transfer import PeerLostError
     live = Worker("receiver", "live", SPEC)
-    worker = PrefillWorker("p", EngineConfig.from_kwargs(
-        str(llama_dir), kv_cache_memory_bytes=16 << 20), TransferConfig(timeout_s=10))
+    worker = EngineWorker("p", EngineConfig.from_kwargs(
+        str(llama_dir), kv_cache_memory_bytes=16 << 20), TransferConfig(timeout_s=10), "prefill")
     real_send = worker.sender.send_layer
 
     def flaky(handle, layer):  # the peer of "broken" vanishes after layer 0
@@ -93,8 +93,8 @@ def test_a_hung_decode_worker_delays_only_its_own_requests(llama_dir):
     import signal
     hung, live = Worker("receiver", "hung", SPEC), Worker("receiver", "live", SPEC)
     transfer = TransferConfig(timeout_s=20, connect_timeout_s=5)
-    worker = PrefillWorker("p", EngineConfig.from_kwargs(
-        str(llama_dir), kv_cache_memory_bytes=16 << 20), transfer)
+    worker = EngineWorker("p", EngineConfig.from_kwargs(
+        str(llama_dir), kv_cache_memory_bytes=16 << 20), transfer, "prefill")
     try:
         worker.connect([live.address])
         params = SamplingParams(max_tokens=5, temperature=0)

@@ -64,8 +64,8 @@ def test_a_built_wheel_holds_only_the_pdserve_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"pdserve"}
     for module in ("engine/scheduler.py", "engine/model/llama.py", "router/router.py",
-                   "kv_transfer/sender.py", "prefill_worker/worker.py",
-                   "decode_worker/worker.py", "bench/driver.py", "v1/generate_pb2.py"):
+                   "kv_transfer/sender.py", "prefill_worker/role.py", "worker/actor.py",
+                   "decode_worker/role.py", "bench/driver.py", "v1/generate_pb2.py"):
         assert f"pdserve/{module}" in names
     assert not [n for n in names if n.startswith("benchmarks")]  # repository scripts
 

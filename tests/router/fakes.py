@@ -6,7 +6,14 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
-from pdserve.engine.worker_messages import PrefillResult, Reservation, StepBatch, TokenDelta
+from pdserve.engine.worker_messages import (
+    PrefillResult,
+    Reservation,
+    StepBatch,
+    TokenDelta,
+    WorkerTelemetry,
+)
+from pdserve.router.workers import WorkerHandle
 
 
 class _Method:
@@ -91,3 +98,18 @@ def batch(worker_id: str, request_id: str, tokens: list[int], text: str,
           finish: str | None = None) -> StepBatch:
     return StepBatch(worker_id, [TokenDelta(request_id, tokens, text, [], finish is not None,
                                             finish)])
+
+
+def telemetry(worker_id: str, role: str, free_blocks: int, num_blocks: int = 100,
+              running: int = 0) -> WorkerTelemetry:
+    return WorkerTelemetry(worker_id, role, 0.0, 0, 0, running, 0, 0, free_blocks,
+                           num_blocks, 0)
+
+
+def worker(worker_id: str, actor: FakeActor, role: str, free_blocks: int | None = None,
+           num_blocks: int = 100) -> WorkerHandle:
+    """A handle on a stand-in actor; with free_blocks, as if it had just reported."""
+    handle = WorkerHandle(worker_id, actor, role, num_blocks=num_blocks)
+    if free_blocks is not None:
+        handle.heard(telemetry(worker_id, role, free_blocks, num_blocks))
+    return handle

@@ -24,8 +24,7 @@ from pdserve.kv_transfer import (
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import OverloadedError, WorkerError, WorkerStalled
 from pdserve.router.router import ModelInfo, Router
-from pdserve.router.workers import DecodeHandle, PrefillHandle
-from tests.router.fakes import FakeActor, batch, prefill_ok, reserve_ok, resolve
+from tests.router.fakes import FakeActor, batch, prefill_ok, reserve_ok, resolve, worker
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0)
 
@@ -38,8 +37,7 @@ def tok(llama_dir):
 def _disaggregated(tok, decode: FakeActor, prefill: FakeActor, free_blocks: int = 100,
                    **config) -> Router:
     return Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
-                  [PrefillHandle("p0", prefill)],
-                  [DecodeHandle("d0", decode, num_blocks=100, free_blocks=free_blocks)],
+                  [worker("p0", prefill, "prefill"), worker("d0", decode, "decode", free_blocks)],
                   RouterConfig(**config))
 
 
@@ -171,9 +169,8 @@ def test_a_decode_worker_that_stops_stepping_fails_its_requests_within_the_bound
     # Defect 6: a worker whose engine loop died left every request waiting forever.
     async def scenario():
         engine = FakeActor(submit=resolve(None), abort=resolve(None))
-        router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16), [],
-                        [DecodeHandle("e0", engine, 100, 100)],
-                        RouterConfig(stall_timeout_s=0.3), colocated=True)
+        router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
+                        [worker("e0", engine, "both", 100)], RouterConfig(stall_timeout_s=0.3))
         await router.start()
         t0 = time.monotonic()
         with pytest.raises(WorkerStalled):
@@ -189,8 +186,8 @@ def test_a_decode_worker_that_stops_stepping_fails_its_requests_within_the_bound
 def test_a_dead_decode_stream_fails_its_requests_and_takes_the_worker_out(tok):
     async def scenario():
         engine = FakeActor(submit=resolve(None), abort=resolve(None))
-        router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16), [],
-                        [DecodeHandle("e0", engine, 100, 100)], colocated=True)
+        router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
+                        [worker("e0", engine, "both", 100)])
         await router.start()
         consumer = asyncio.ensure_future(_drain(router.generate(
             await router.accept([1, 2, 3], PARAMS))))

@@ -1,8 +1,10 @@
 """The one decision point, without Ray: decide(request, ClusterState) colocates,
-disaggregates or rejects; dead workers and those that refused the request are never
-chosen; a stale "full" figure ranks a worker last but does not exclude it."""
+disaggregates or rejects; dead, draining and stalled workers and those that refused
+the request are never chosen; a "full" report ranks a worker last but does not
+exclude it, and a stale report is unknown, neither full nor free."""
 from __future__ import annotations
 
+from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
 from pdserve.router.decision import Colocate, Disaggregate, Reject
 from pdserve.router.policy import decide
@@ -14,12 +16,23 @@ def P(wid, queued=0, tokens=0, alive=True):
     return WorkerState(wid, "prefill", alive, queued=queued, queued_tokens=tokens)
 
 
-def D(wid, inflight=0, free=100, alive=True, role="decode"):
-    return WorkerState(wid, role, alive, inflight=inflight, free_blocks=free, num_blocks=100)
+NOW = 1000.0  # the snapshot's clock
+STALE_AFTER_S = 5.0
+
+
+def report(wid, role, free, heard_s_ago=0.0):
+    t = WorkerTelemetry(wid, role, 0.0, 0, 0, 0, 0, 0, free, 100, 0)
+    return {"telemetry": t, "heard_at": NOW - heard_s_ago}
+
+
+def D(wid, inflight=0, free=100, alive=True, role="decode", draining=False, heard_s_ago=0.0):
+    heard = report(wid, role, free, heard_s_ago) if free is not None else {}
+    return WorkerState(wid, role, alive, draining, inflight=inflight, num_blocks=100, **heard)
 
 
 def state(*workers, limit=1000):
-    return ClusterState(tuple(workers), max_queued_prefill_tokens=limit, retry_after_s=2.0)
+    return ClusterState(tuple(workers), NOW, STALE_AFTER_S, max_queued_prefill_tokens=limit,
+                        retry_after_s=2.0)
 
 
 def test_disaggregates_onto_the_least_loaded_prefill_and_decode_workers():
@@ -67,5 +80,36 @@ def test_a_worker_last_reported_full_ranks_last_but_is_still_asked():
 
 
 def test_unknown_free_kv_is_not_taken_as_full():
-    unknown = WorkerState("d0", "decode", inflight=0, free_blocks=None)
+    unknown = D("d0", inflight=0, free=None)
     assert decide(REQ, state(P("p0"), unknown, D("d1", 2))) == Disaggregate("p0", "d0")
+
+
+def test_a_stale_report_is_unknown_not_full():
+    """d0 last said "full" 6 s ago (past the 5 s bound): unknown, so it ranks by load
+    like a worker never heard from, ahead of the busier d1."""
+    stale_full = D("d0", inflight=0, free=3, heard_s_ago=STALE_AFTER_S + 1)
+    assert decide(REQ, state(P("p0"), stale_full, D("d1", 2))) == Disaggregate("p0", "d0")
+    fresh_full = D("d0", inflight=0, free=3, heard_s_ago=STALE_AFTER_S - 1)
+    assert decide(REQ, state(P("p0"), fresh_full, D("d1", 2))) == Disaggregate("p0", "d1")
+
+
+def test_a_stale_report_is_unknown_not_free():
+    """A stale report of a nearly empty worker does not outrank a fresh one."""
+    stale_free = D("d0", inflight=1, free=100, heard_s_ago=STALE_AFTER_S + 1)
+    fresh = D("d1", inflight=1, free=50)
+    assert decide(REQ, state(P("p0"), stale_free, fresh)) == Disaggregate("p0", "d1")
+
+
+def test_draining_workers_take_nothing_new():
+    assert decide(REQ, state(P("p0"), D("d0", draining=True), D("d1", 9))) == \
+        Disaggregate("p0", "d1")
+    draining_prefill = WorkerState("p0", "prefill", draining=True)
+    decision = decide(REQ, state(draining_prefill, D("d0")))
+    assert isinstance(decision, Reject) and "prefill" in decision.reason
+    decision = decide(REQ, state(D("e0", role="both", draining=True)))
+    assert isinstance(decision, Reject)
+
+
+def test_a_mixed_cluster_decodes_on_workers_of_role_both_too():
+    assert decide(REQ, state(P("p0"), D("d0", 5), D("e0", 1, role="both"))) == \
+        Disaggregate("p0", "e0")

@@ -10,16 +10,15 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.config import RouterConfig
 from pdserve.router.router import ModelInfo, Router
-from pdserve.router.workers import DecodeHandle
-from tests.router.fakes import FakeActor, resolve
+from tests.router.fakes import FakeActor, resolve, worker
 
 
 def test_a_worker_that_never_answers_abort_does_not_hold_a_cancelled_stream(llama_dir):
     async def scenario() -> tuple:
         actor = FakeActor(submit=resolve(None))  # abort never answers
-        worker = DecodeHandle("engine-0", actor, num_blocks=8, free_blocks=8)
-        router = Router(Tokenizer(llama_dir), ModelInfo("m", 64, 100, 16), [], [worker],
-                        RouterConfig(control_timeout_s=0.2), colocated=True)
+        engine = worker("engine-0", actor, "both", free_blocks=8, num_blocks=8)
+        router = Router(Tokenizer(llama_dir), ModelInfo("m", 64, 100, 16), [engine],
+                        RouterConfig(control_timeout_s=0.2))
         stream = router.generate(await router.accept([1, 2, 3], SamplingParams(max_tokens=4)))
         first = asyncio.ensure_future(stream.__anext__())
         await actor.wait_call("submit")  # submitted; waiting for a step that never comes
@@ -29,9 +28,9 @@ def test_a_worker_that_never_answers_abort_does_not_hold_a_cancelled_stream(llam
         await asyncio.wait({first}, timeout=5)
         elapsed = time.monotonic() - t0
         await router.stop()  # its abort call times out within control_timeout_s
-        return elapsed, actor, worker
+        return elapsed, actor, engine
 
-    elapsed, actor, worker = asyncio.run(scenario())
+    elapsed, actor, engine = asyncio.run(scenario())
     assert len(actor.calls["abort"]) == 1
     assert elapsed < 2, f"the cancelled stream waited {elapsed:.1f}s on the hung abort"
-    assert worker.inflight == 0 and not worker.streams
+    assert engine.inflight == 0 and not engine.streams

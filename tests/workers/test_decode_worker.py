@@ -8,15 +8,15 @@ import time
 import torch
 
 from pdserve import SamplingParams
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import KVSender, TransferConfig
+from pdserve.worker.worker import Worker
 
 
 def test_starts_arriving_together_join_at_one_step_boundary(llama_dir):
     batches = []
     config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=8 << 20)
-    worker = DecodeWorker("d", config, TransferConfig(timeout_s=30), on_batch=batches.append)
+    worker = Worker("d", config, TransferConfig(timeout_s=30), "decode", on_batch=batches.append)
     sender = KVSender("p", [torch.randn_like(c) for c in worker.loop.engine.runner.kv_caches],
                       TransferConfig(timeout_s=30))
     gate = threading.Event()

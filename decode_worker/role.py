@@ -1,7 +1,7 @@
-"""A decode worker: reserves KV blocks for the router, imports each prompt's KV from a
-prefill worker, runs the requests in its continuous batch and publishes every step's
-new tokens as one StepBatch. In colocated mode the same worker is handed whole
-requests (submit) and prefills them itself with chunked prefill.
+"""The decode role of a worker: reserves KV blocks for the router, imports each
+prompt's KV from a prefill worker, runs the requests in its continuous batch and
+turns every step's new tokens into TokenDeltas. In role both the same worker is
+handed whole requests (submit) and prefills them itself with chunked prefill.
 
 Request lifecycle: reserve() (blocks held, receiver expecting) -> start(first token)
 once the prefill worker reports the KV landed -> decoding in the batch (preemption
@@ -15,31 +15,26 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.worker_messages import Reservation, StepBatch, TokenDelta
-from pdserve.kv_transfer import KVReceiver, TransferConfig
+from pdserve.engine.worker_messages import Reservation, TokenDelta
+from pdserve.kv_transfer import KVReceiver
 
 
-class DecodeWorker:
-    def __init__(self, worker_id: str, engine_config: EngineConfig,
-                 transfer: TransferConfig = TransferConfig(),
-                 on_batch: Callable[[StepBatch], None] | None = None,
-                 on_death: Callable[[BaseException], None] | None = None,
-                 kv_host: str = "127.0.0.1"):
-        """kv_host: the address its KV rendezvous binds (the node's, on a cluster)."""
-        self.worker_id = worker_id
-        self.on_batch = on_batch
-        engine = LLMEngine(engine_config)
-        self.receiver = KVReceiver(engine.runner.kv_caches, transfer, kv_host,
-                                   on_release=engine.abort)
+class DecodeRole:
+    """Hosted by a Worker (worker/worker.py). `publish(deltas)` sends deltas that
+    arise outside a step (a started request's first token) on the engine thread."""
+
+    def __init__(self, loop: EngineLoop, receiver: KVReceiver, tombstone_s: float,
+                 publish: Callable[[list[TokenDelta]], None]):
+        self.loop = loop
+        self.receiver = receiver
+        self.publish = publish
         self._reserving = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reserve")
         self._aborted: dict[str, float] = {}  # request id -> when its abort arrived
-        self._tombstone_s = transfer.begin_lease_s
-        self.loop = EngineLoop(engine, on_step=self._on_step, on_death=on_death)
+        self._tombstone_s = tombstone_s
 
     @property
     def address(self) -> str:
@@ -77,7 +72,7 @@ class DecodeWorker:
 
         def join(engine: LLMEngine) -> None:
             # Published on the engine thread, so it precedes the request's next step.
-            self._on_step([engine.admit_remote(request_id, first_token)])
+            self.publish(deltas([engine.admit_remote(request_id, first_token)]))
 
         def landed(transfer: Future) -> None:
             if transfer.exception() is not None:
@@ -104,32 +99,18 @@ class DecodeWorker:
             engine.abort(request_id)
         self.loop.call_concurrent(abort)
 
-    def stats(self) -> dict:
-        engine = self.loop.engine
-        return {"worker_id": self.worker_id, "running": len(engine.scheduler.running),
-                "reserved": engine.scheduler.num_unfinished - len(engine.scheduler.running)
-                - len(engine.scheduler.waiting),
-                "free_blocks": engine.block_manager.num_free_blocks,
-                "num_blocks": engine.block_manager.num_blocks,
-                "kv_cache_usage": engine.block_manager.usage,
-                "num_preemptions": engine.stats.num_preemptions,
-                "lease_expiries": dict(self.receiver.lease_expiries)}
-
     def shutdown(self) -> None:
-        self.loop.stop()
         self._reserving.shutdown(wait=False)
-        self.receiver.close()
 
-    def _on_step(self, outputs: list[RequestOutput]) -> None:
-        if self.on_batch is None:
-            return
-        self.on_batch(StepBatch(self.worker_id, [
-            TokenDelta(o.request_id, o.new_token_ids, o.new_text,
+
+def deltas(outputs: list[RequestOutput]) -> list[TokenDelta]:
+    """What a step's outputs tell the router: each request's new tokens and text."""
+    return [TokenDelta(o.request_id, o.new_token_ids, o.new_text,
                        _last(o.logprobs, len(o.new_token_ids)),
                        o.finished, o.finish_reason, len(o.prompt_token_ids),
                        o.num_cached_tokens, len(o.token_ids),
                        _last(o.top_logprobs, len(o.new_token_ids)), o.error)
-            for o in outputs]))
+            for o in outputs]
 
 
 def _last(items: list, n: int) -> list:

@@ -1,5 +1,5 @@
-"""A prefill worker: runs prompts (batched, chunked, prefix-cached) and streams each
-request's KV layer by layer to the decode worker the router chose.
+"""The prefill role of a worker: runs prompts (batched, chunked, prefix-cached) and
+streams each request's KV layer by layer to the decode worker the router chose.
 
 Job lifecycle: prefill() waits for the pair with its decode worker (opened, or
 re-opened, on that peer's own thread) -> the prompt is queued (max_tokens=1) -> the
@@ -17,16 +17,14 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Callable
 
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.errors import RequestFailedError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.worker_messages import PrefillJob, PrefillResult
-from pdserve.kv_transfer import KVSender, SendHandle, TransferConfig
+from pdserve.kv_transfer import KVSender, SendHandle
 
 
 @dataclass
@@ -37,21 +35,24 @@ class _Job:
     handle: SendHandle | None = None
 
 
-class PrefillWorker:
-    def __init__(self, worker_id: str, engine_config: EngineConfig,
-                 transfer: TransferConfig = TransferConfig(),
-                 on_death: Callable[[BaseException], None] | None = None,
-                 kv_host: str = "127.0.0.1"):
-        """kv_host: the address its KV pairs bind (the node's, on a cluster)."""
-        self.worker_id = worker_id
-        engine = LLMEngine(engine_config)
-        self.sender = KVSender(worker_id, engine.runner.kv_caches, transfer, kv_host)
+class PrefillRole:
+    """Hosted by a Worker (worker/worker.py), whose engine loop calls export() before
+    every forward pass and on_step() after it."""
+
+    def __init__(self, loop: EngineLoop, sender: KVSender):
+        self.loop = loop
+        self.sender = sender
         self._jobs: dict[str, _Job] = {}
         self._lanes: dict[str, _Lane] = {}  # receiver address -> its thread
         self._pairing: dict[str, Future] = {}  # receiver address -> its pair being opened
         self._lanes_lock = threading.Lock()
-        self.loop = EngineLoop(engine, on_step=self._on_step, export=self._export,
-                               on_death=on_death)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._jobs)
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self._jobs
 
     def prefill(self, job: PrefillJob) -> Future:
         """Resolves to a PrefillResult once the KV landed on the decode worker."""
@@ -84,30 +85,23 @@ class PrefillWorker:
         for future in [self._pair(address) for address in receiver_addresses]:
             future.result()
 
-    def abort(self, request_id: str) -> None:
-        self.loop.engine.abort(request_id)
+    def abort(self, request_id: str) -> bool:
+        """False when no prefill job of that id is here."""
         entry = self._jobs.get(request_id)
         if entry is None:
-            return
+            return False
+        self.loop.engine.abort(request_id)
         if entry.handle is not None:
             self._lane(entry.job.target.receiver_address).submit(self.sender.abort,
                                                                  entry.handle)
         elif not entry.queued:  # still waiting for its pair: it never starts
             self._resolve(request_id, error=RuntimeError(
                 f"request {request_id} was aborted before it was queued"))
-
-    def stats(self) -> dict:
-        engine = self.loop.engine
-        return {"worker_id": self.worker_id, "waiting": len(engine.scheduler.waiting),
-                "running": len(engine.scheduler.running),
-                "free_blocks": engine.block_manager.num_free_blocks,
-                "num_blocks": engine.block_manager.num_blocks}
+        return True
 
     def shutdown(self) -> None:
-        self.loop.stop()
         for lane in self._lanes.values():
             lane.close()
-        self.sender.close()
 
     def _lane(self, address: str) -> "_Lane":
         """The one thread that talks to this decode worker outside the engine loop."""
@@ -135,7 +129,7 @@ class PrefillWorker:
 
     # ---- on the engine thread ---------------------------------------------------
 
-    def _export(self, out: SchedulerOutput):
+    def export(self, out: SchedulerOutput):
         started = []
         for request, n in zip(out.requests, out.num_scheduled):
             entry = self._jobs.get(request.request_id)
@@ -162,7 +156,8 @@ class PrefillWorker:
 
         return send
 
-    def _on_step(self, outputs: list[RequestOutput]) -> None:
+    def on_step(self, outputs: list[RequestOutput]) -> None:
+        """Outputs of this role's requests (the worker routes them here)."""
         for out in outputs:
             entry = self._jobs.get(out.request_id)
             if entry is None or not out.finished:

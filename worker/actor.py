@@ -1,0 +1,172 @@
+"""A worker as a Ray async actor (resources set with .options()).
+
+`steps(subscriber)` streams, to each subscriber (a router), one StepBatch per engine
+step: the deltas of that subscriber's requests only (a request belongs to the
+subscriber that reserved or submitted it, so several routers share one pool) and the
+worker's telemetry, which every subscriber gets. While no step runs, a telemetry
+report goes out at least every TELEMETRY_INTERVAL_S, as long as the engine loop makes
+progress: silence past a subscriber's bound means the worker stalled. A step error
+its engine cannot pin on requests ends the process, and Ray restarts the actor
+(launch sets max_restarts)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+
+import ray
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_loop import exit_for_restart
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.worker_messages import PrefillJob, PrefillResult, Reservation, StepBatch
+from pdserve.kv_transfer import TransferConfig
+from pdserve.worker.worker import Worker
+
+TELEMETRY_INTERVAL_S = 0.5
+
+
+@dataclass
+class _Subscriber:
+    batches: asyncio.Queue
+    stall_timeout_s: float
+
+
+@ray.remote
+class WorkerActor:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig,
+                 role: str = "decode"):
+        self._loop = asyncio.get_event_loop()
+        self._subscribers: dict[str, _Subscriber] = {}
+        self._owners: dict[str, str] = {}  # request id -> its subscriber
+        self._published_at = time.monotonic()
+        self._ticker: asyncio.Task | None = None
+        self.worker = Worker(worker_id, engine_config, transfer, role, on_batch=self._publish,
+                             on_death=exit_for_restart,
+                             kv_host=ray.util.get_node_ip_address())
+
+    def _publish(self, batch: StepBatch) -> None:  # any thread
+        self._loop.call_soon_threadsafe(self._route, batch)
+
+    def _route(self, batch: StepBatch) -> None:
+        """Each delta to its request's subscriber, the telemetry to all; a finished
+        request is forgotten. A delta nobody listens for (its router is gone) is
+        dropped."""
+        if batch.telemetry is not None:
+            self._published_at = time.monotonic()
+        by_subscriber: dict[str, list] = {}
+        for delta in batch.deltas:
+            owner = (self._owners.pop(delta.request_id, None) if delta.finished
+                     else self._owners.get(delta.request_id))
+            if owner in self._subscribers:
+                by_subscriber.setdefault(owner, []).append(delta)
+        for name, subscriber in self._subscribers.items():
+            deltas = by_subscriber.get(name, [])
+            if deltas or batch.telemetry is not None:
+                subscriber.batches.put_nowait(StepBatch(batch.worker_id, deltas,
+                                                        batch.telemetry))
+
+    async def _tick(self) -> None:
+        """Telemetry while no step reports it, to the subscribers whose stall bound the
+        engine loop's last progress is within."""
+        loop = self.worker.loop
+        while loop.error is None:
+            await asyncio.sleep(TELEMETRY_INTERVAL_S / 2)
+            if time.monotonic() - self._published_at < TELEMETRY_INTERVAL_S:
+                continue
+            telemetry = await asyncio.to_thread(self.worker.telemetry)
+            self._published_at = time.monotonic()
+            quiet_s = time.monotonic() - loop.progress_at
+            for subscriber in self._subscribers.values():
+                if quiet_s <= subscriber.stall_timeout_s:
+                    subscriber.batches.put_nowait(StepBatch(self.worker.worker_id, [],
+                                                            telemetry))
+
+    async def _owned(self, request_id: str, subscriber: str, start):
+        """Runs start() (which may start a request) with the request owned by
+        `subscriber` from before its first delta can be published; ownership is
+        dropped if nothing started. An id another subscriber's request holds is
+        refused before anything is called: it is theirs."""
+        if request_id in self._owners:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use "
+                                      "on this worker")
+        self._owners[request_id] = subscriber
+        try:
+            return await start()
+        except BaseException:
+            self._owners.pop(request_id, None)
+            raise
+
+    async def address(self) -> str:
+        return self.worker.address
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def prefill(self, job: PrefillJob) -> PrefillResult:
+        return await asyncio.wrap_future(self.worker.prefill(job))
+
+    async def connect(self, receiver_addresses: list[str]) -> None:
+        await asyncio.to_thread(self.worker.connect, receiver_addresses)
+
+    async def reserve(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams, arrival_time: float,
+                      subscriber: str = "") -> Reservation | None:
+        reservation = await self._owned(request_id, subscriber, lambda: asyncio.wrap_future(
+            self.worker.reserve(request_id, prompt_token_ids, params, arrival_time)))
+        if reservation is None:
+            self._owners.pop(request_id, None)
+        return reservation
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int],
+                     params: SamplingParams, arrival_time: float,
+                     subscriber: str = "") -> None:
+        await self._owned(request_id, subscriber, lambda: asyncio.wrap_future(
+            self.worker.submit(request_id, prompt_token_ids, params, arrival_time)))
+
+    async def start(self, request_id: str, first_token: int) -> None:
+        await asyncio.wrap_future(self.worker.start(request_id, first_token))
+
+    async def abort(self, request_id: str, subscriber: str = "") -> None:
+        """Another subscriber's request of the same id is not this caller's to end."""
+        owner = self._owners.get(request_id)
+        if owner is not None and owner != subscriber:
+            return
+        # It waits for the engine's state lock: not on this loop, which streams steps.
+        await asyncio.to_thread(self.worker.abort, request_id)
+
+    async def set_role(self, role: str) -> None:
+        await asyncio.to_thread(self.worker.set_role, role)
+
+    async def steps(self, stall_timeout_s: float, subscriber: str = ""):
+        """Every step's batch for this subscriber, for as long as it listens (a
+        subscriber that calls again replaces its earlier stream). Batches that queued
+        up while the subscriber was busy go out merged, as one. A loop that died ends
+        the stream with an error."""
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        loop = self.worker.loop
+        me = self._subscribers[subscriber] = _Subscriber(asyncio.Queue(), stall_timeout_s)
+        batches = me.batches
+        try:
+            while True:
+                try:
+                    batch = await asyncio.wait_for(batches.get(), TELEMETRY_INTERVAL_S)
+                except asyncio.TimeoutError:
+                    if loop.error is not None:
+                        raise RuntimeError(f"engine loop stopped: {loop.error!r}") from None
+                    continue  # no report: the subscriber's stall bound decides
+                while not batches.empty():
+                    batch = batch.merged(batches.get_nowait())
+                yield batch
+        finally:
+            if self._subscribers.get(subscriber) is me:
+                del self._subscribers[subscriber]
+
+    async def stats(self) -> dict:
+        return await asyncio.to_thread(self.worker.stats)
+
+    async def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,176 @@
+"""One worker: an engine on its own loop thread, a KV sender and a KV receiver, and
+the two roles over them (prefill_worker.role, decode_worker.role). Its role —
+prefill, decode or both (whole requests, prefill included) — says which calls it
+takes, and changes at run time once nothing is in flight (the weights stay loaded).
+
+Every step it publishes one StepBatch: the deltas of the requests it decodes and its
+telemetry (WorkerTelemetry). Outputs of its prefill jobs go to the prefill role,
+which answers them through prefill()'s future instead.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+from pdserve.decode_worker.role import DecodeRole, deltas
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.worker_messages import (
+    ROLES,
+    PrefillJob,
+    StepBatch,
+    TokenDelta,
+    WorkerTelemetry,
+)
+from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig
+from pdserve.prefill_worker.role import PrefillRole
+
+
+class WrongRoleError(RuntimeError):
+    """A call the worker's current role does not take (a router raced a role change)."""
+
+
+class WorkerBusyError(RuntimeError):
+    """A role change asked of a worker that still holds requests."""
+
+
+class Worker:
+    def __init__(self, worker_id: str, engine_config: EngineConfig,
+                 transfer: TransferConfig = TransferConfig(), role: str = "decode",
+                 on_batch: Callable[[StepBatch], None] | None = None,
+                 on_death: Callable[[BaseException], None] | None = None,
+                 kv_host: str = "127.0.0.1"):
+        """kv_host: the address its KV rendezvous and pairs bind (the node's, on a
+        cluster). on_batch(batch) runs on the engine thread."""
+        _check_role(role)
+        self.worker_id = worker_id
+        self.role = role
+        self.on_batch = on_batch
+        engine = LLMEngine(engine_config)
+        engine.block_manager.record_prefix_events = True  # reported in telemetry
+        self.sender = KVSender(worker_id, engine.runner.kv_caches, transfer, kv_host)
+        self.receiver = KVReceiver(engine.runner.kv_caches, transfer, kv_host,
+                                   on_release=engine.abort)
+        self._reported_steps = 0
+        # The loop thread calls its callbacks only once a role has given it work.
+        self.loop = EngineLoop(engine, on_step=self._on_step, export=self._export,
+                               on_death=on_death)
+        self.prefill_role = PrefillRole(self.loop, self.sender)
+        self.decode_role = DecodeRole(self.loop, self.receiver, transfer.begin_lease_s,
+                                      self._publish_deltas)
+
+    @property
+    def address(self) -> str:
+        """Its KV rendezvous, which prefill-capable workers pair with."""
+        return self.receiver.address
+
+    # ---- the roles' calls -------------------------------------------------------
+
+    def prefill(self, job: PrefillJob) -> Future:
+        self._require("prefill", "prefill", "both")
+        return self.prefill_role.prefill(job)
+
+    def connect(self, receiver_addresses: list[str]) -> None:
+        self.prefill_role.connect(receiver_addresses)
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                arrival_time: float | None = None) -> Future:
+        self._require("reserve", "decode", "both")
+        return self.decode_role.reserve(request_id, prompt_token_ids, params, arrival_time)
+
+    def start(self, request_id: str, first_token: int) -> Future:
+        return self.decode_role.start(request_id, first_token)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               arrival_time: float | None = None) -> Future:
+        self._require("submit", "both")
+        return self.decode_role.submit(request_id, prompt_token_ids, params, arrival_time)
+
+    def abort(self, request_id: str) -> None:
+        """Frees whatever the request holds here, in either role."""
+        if not self.prefill_role.abort(request_id):
+            self.decode_role.abort(request_id)
+
+    def set_role(self, role: str) -> None:
+        """Changes the role; refused (WorkerBusyError) while any request is here."""
+        _check_role(role)
+
+        def flip(engine: LLMEngine) -> None:
+            if engine.has_unfinished() or self.prefill_role.busy:
+                raise WorkerBusyError(
+                    f"worker {self.worker_id} still holds {engine.scheduler.num_unfinished} "
+                    f"request(s); drain it first")
+            self.role = role
+        self.loop.call_concurrent(flip)
+
+    # ---- what it reports --------------------------------------------------------
+
+    def telemetry(self) -> WorkerTelemetry:
+        """Its load now, with the steps and prefix-cache events since the last call."""
+        return self.loop.call_concurrent(self._measure)
+
+    def stats(self) -> dict:
+        t = self.loop.call_concurrent(lambda engine: self._gauges(engine))
+        return {**t, "kv_cache_usage": 1 - t["free_blocks"] / t["num_blocks"],
+                "lease_expiries": dict(self.receiver.lease_expiries)}
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        self.prefill_role.shutdown()
+        self.decode_role.shutdown()
+        self.sender.close()
+        self.receiver.close()
+
+    # ---- on the engine thread -----------------------------------------------------
+
+    def _export(self, out):
+        return self.prefill_role.export(out)
+
+    def _on_step(self, outputs: list[RequestOutput]) -> None:
+        mine = [self.prefill_role.owns(o.request_id) for o in outputs]
+        if any(mine):
+            self.prefill_role.on_step([o for o, m in zip(outputs, mine) if m])
+            outputs = [o for o, m in zip(outputs, mine) if not m]
+        if self.on_batch is not None:
+            self.on_batch(StepBatch(self.worker_id, deltas(outputs), self.telemetry()))
+
+    def _publish_deltas(self, items: list[TokenDelta]) -> None:
+        if self.on_batch is not None:
+            self.on_batch(StepBatch(self.worker_id, items))
+
+    def _measure(self, engine: LLMEngine) -> WorkerTelemetry:
+        new = engine.num_steps - self._reported_steps
+        self._reported_steps = engine.num_steps
+        steps = tuple(engine.step_timings)[-new:] if new else ()
+        stored, evicted = engine.block_manager.take_prefix_events()
+        return WorkerTelemetry(steps=steps, prefix_stored=stored, prefix_evicted=evicted,
+                               **self._gauges(engine))
+
+    def _gauges(self, engine: LLMEngine) -> dict:
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        running = scheduler.running
+        return dict(
+            worker_id=self.worker_id, role=self.role, time=time.time(),
+            waiting=len(scheduler.waiting),
+            waiting_tokens=sum(r.num_tokens - r.num_computed_tokens
+                               for r in scheduler.waiting),
+            running=len(running),
+            context_tokens=sum(r.num_computed_tokens for r in running),
+            reserved=scheduler.num_unfinished - len(running) - len(scheduler.waiting),
+            free_blocks=blocks.num_free_blocks, num_blocks=blocks.num_blocks,
+            num_preemptions=engine.stats.num_preemptions)
+
+    def _require(self, call: str, *roles: str) -> None:
+        if self.role not in roles:
+            raise WrongRoleError(f"worker {self.worker_id} is in role {self.role}: it "
+                                 f"takes no {call}")
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+
