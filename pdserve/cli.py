@@ -1,4 +1,4 @@
-"""The `pdserve` command line: serve, demo, bench, make-tiny-model.
+"""The `pdserve` command line: serve, demo, bench, admin, make-tiny-model.
 
 Engine and pool flags are derived from their config dataclasses (`cli_flags`); each
 subcommand owns its flags. Heavy modules (torch, Ray) are imported by the command
@@ -13,6 +13,7 @@ import sys
 import threading
 
 from pdserve import cli_flags, env
+from pdserve.admin_cli import add_admin_parser
 from pdserve.bench.cli import add_bench_parser
 from pdserve.router.config import PoolSpec
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_demo_parser(sub)
     add_bench_parser(sub)
+    add_admin_parser(sub)
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight HF model + tokenizer",
                           description="Write the tiny random-weight Llama and its locally "
                           "trained tokenizer as an HF directory.")
@@ -80,6 +82,10 @@ def _add_serve_parser(sub) -> None:
     front.add_argument("--api-key", default=env.api_key(),
                        help="clients must send Authorization: Bearer <key> (HTTP /v1 and "
                        "/metrics, every gRPC API call); default: $PDSERVE_API_KEY, else none")
+    front.add_argument("--admin-api-key", default=env.admin_api_key(),
+                       help="serve the admin API (/admin: add, drain, re-role, remove "
+                       "workers; `pdserve admin`) behind this key; default: "
+                       "$PDSERVE_ADMIN_API_KEY, else no admin API")
     front.add_argument("--ssl-certfile", default=None,
                        help="serve HTTPS and gRPC over TLS with this PEM certificate")
     front.add_argument("--ssl-keyfile", default=None, help="its PEM private key")
@@ -114,6 +120,7 @@ def _serve(args) -> int:
     from pdserve.router.config import TLSConfig
 
     keys = ApiKeys((args.api_key,) if args.api_key else ())
+    admin_keys = ApiKeys((args.admin_api_key,) if args.admin_api_key else ())
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         raise SystemExit("pdserve serve: give --ssl-certfile and --ssl-keyfile together")
     tls = TLSConfig(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
@@ -123,7 +130,8 @@ def _serve(args) -> int:
     except PlacementError as err:
         ray.shutdown()
         raise SystemExit(f"pdserve serve: {err}") from None
-    srv = RouterServer(router, args.host, args.grpc_port, args.http_port, keys, tls)
+    srv = RouterServer(router, args.host, args.grpc_port, args.http_port, keys, tls,
+                       admin_keys)
     print(f"pdserve serving {args.model!r} ({args.mode}): gRPC {srv.grpc_target}  "
           f"HTTP {srv.http_url}", flush=True)
     stop = threading.Event()

@@ -7,3 +7,9 @@ import os
 def api_key() -> str | None:
     """PDSERVE_API_KEY: the key `pdserve serve` requires and the SDK sends."""
     return os.environ.get("PDSERVE_API_KEY") or None
+
+
+def admin_api_key() -> str | None:
+    """PDSERVE_ADMIN_API_KEY: the key the admin API (/admin) requires; unset, no admin
+    API is served. `pdserve admin` sends it."""
+    return os.environ.get("PDSERVE_ADMIN_API_KEY") or None

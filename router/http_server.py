@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 from pdserve.engine.errors import InvalidRequestError, ModelNotFoundError, RequestFailedError
 from pdserve.engine.worker_messages import TokenDelta
 from pdserve.router import openapi
+from pdserve.router.admin_http import admin_routes
 from pdserve.router.auth import ApiKeys, owner
 from pdserve.router.body_parser import BodyParser, InvalidBody, validation_message
 from pdserve.router.errors import OverloadedError, WorkerError
@@ -84,9 +85,10 @@ class _TooLarge(HTTPException):
         return f"the request body exceeds {limit} bytes"
 
 
-def create_app(router: Router, keys: ApiKeys = ApiKeys()) -> FastAPI:
+def create_app(router: Router, keys: ApiKeys = ApiKeys(),
+               admin_keys: ApiKeys = ApiKeys()) -> FastAPI:
     """/health and /ready stay open to probes; /v1/* and /metrics need a key when
-    keys are set."""
+    keys are set; /admin exists only with admin keys, and needs one."""
     app = FastAPI(title="pdserve", version=_version(),
                   description="OpenAI-compatible completions served by pdserve.")
     app.add_middleware(_BodyLimit, limit=router.config.max_request_bytes)
@@ -135,12 +137,16 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys()) -> FastAPI:
         status, kind = _FAILURES[_failure_type(exc)]
         return _error(status, str(exc), kind=kind)
 
+    if admin_keys.enabled:
+        app.include_router(admin_routes(router, admin_keys))
+
     @app.get("/health", responses={503: {"description": "A worker is out of service"}})
     async def health():
-        """200 while every worker is in service; 503 while one is out (restarting after
-        its process died, or given up), with each worker's state."""
+        """200 while every worker is in service (or draining on purpose); 503 while one
+        is out (stalled, restarting after its process died, or given up), with each
+        worker's state."""
         workers = router.worker_states()
-        if any(state != "serving" for state in workers.values()):
+        if any(state not in ("serving", "draining") for state in workers.values()):
             return JSONResponse({"status": "degraded", "workers": workers}, status_code=503)
         return {"status": "ok", "workers": workers}
 

@@ -16,10 +16,12 @@ from pdserve.router.router import Router
 
 class RouterServer:
     def __init__(self, router: Router, host: str = "127.0.0.1", grpc_port: int = 0,
-                 http_port: int = 0, keys: ApiKeys = ApiKeys(), tls: TLSConfig | None = None):
+                 http_port: int = 0, keys: ApiKeys = ApiKeys(), tls: TLSConfig | None = None,
+                 admin_keys: ApiKeys = ApiKeys()):
+        """admin_keys: serve the admin API (/admin), behind these keys."""
         self.router = router
         self.host = host
-        self.keys, self.tls = keys, tls
+        self.keys, self.tls, self.admin_keys = keys, tls, admin_keys
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="router",
                                         daemon=True)
@@ -42,7 +44,7 @@ class RouterServer:
     async def _start_http(self, port: int):
         tls = {} if self.tls is None else {"ssl_certfile": self.tls.certfile,
                                            "ssl_keyfile": self.tls.keyfile}
-        self.app = create_app(self.router, self.keys)
+        self.app = create_app(self.router, self.keys, self.admin_keys)
         config = uvicorn.Config(self.app, host=self.host, port=port,
                                 log_level="warning", lifespan="off", **tls)
         server = uvicorn.Server(config)

@@ -1,0 +1,118 @@
+"""The admin API under /admin: list the workers, add one of a role, drain, resume,
+change a worker's role, remove it. Served only when admin keys are set (`pdserve
+serve --admin-api-key`), and every call needs one (`Authorization: Bearer <key>`),
+separate from the client keys: a client key cannot drain a pool. Errors are the
+OpenAI-shaped JSON of the other routes."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from pdserve.router.auth import ApiKeys
+from pdserve.router.placement import PlacementError
+from pdserve.router.router import MembershipError, Router
+
+Role = Literal["prefill", "decode", "both"]
+
+
+class AddWorker(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Role
+
+
+class ChangeRole(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Role
+
+
+class Drain(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    timeout_s: float | None = Field(None, gt=0, le=86400,
+                                    description="default: the router's drain_timeout_s")
+
+
+def admin_routes(router: Router, keys: ApiKeys) -> APIRouter:
+    def admin(request: Request) -> None:
+        if keys.check(request.headers.get("authorization")) is None:
+            raise HTTPException(401, "a valid admin API key is required "
+                                "(Authorization: Bearer <key>)",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    api = APIRouter(prefix="/admin", dependencies=[Depends(admin)], tags=["admin"])
+
+    @api.get("/workers")
+    async def list_workers():
+        """Every worker: role, state, this router's load on it, its last telemetry."""
+        return {"workers": [describe(router, w) for w in router.workers]}
+
+    @api.post("/workers", status_code=201)
+    async def add_worker(body: AddWorker):
+        """Starts a worker of the role; it is paired and subscribed before it gets
+        traffic. Answers once it is in service."""
+        worker_id = await _carried_out(router.add_worker(body.role))
+        return describe(router, worker_id)
+
+    @api.post("/workers/{worker_id}/drain")
+    async def drain(worker_id: str, body: Drain | None = None):
+        """No new requests; answers once this router's requests on it are done (504
+        if they are not within the timeout: it stays draining)."""
+        await _carried_out(router.drain_worker(worker_id, body.timeout_s if body else None))
+        return describe(router, worker_id)
+
+    @api.post("/workers/{worker_id}/resume")
+    async def resume(worker_id: str):
+        _raise_typed(lambda: router.resume_worker(worker_id))
+        return describe(router, worker_id)
+
+    @api.post("/workers/{worker_id}/role")
+    async def change_role(worker_id: str, body: ChangeRole):
+        """Drains the worker, switches its role (weights stay loaded), pairs it anew
+        and resumes it."""
+        await _carried_out(router.set_worker_role(worker_id, body.role))
+        return describe(router, worker_id)
+
+    @api.delete("/workers/{worker_id}")
+    async def remove(worker_id: str, body: Drain | None = None):
+        """Drains the worker, then it leaves the cluster and its actor ends."""
+        await _carried_out(router.remove_worker(worker_id, body.timeout_s if body else None))
+        return {"worker_id": worker_id, "removed": True}
+
+    return api
+
+
+def describe(router: Router, worker_id: str) -> dict:
+    w = router.workers[worker_id]
+    report = None
+    if w.telemetry is not None:
+        report = asdict(w.telemetry)
+        for key in ("steps", "prefix_stored", "prefix_evicted"):
+            report.pop(key)  # per-report deltas, not state
+        report["age_s"] = round(time.monotonic() - w.heard_at, 3)
+    return {"worker_id": w.worker_id, "role": w.role,
+            "state": router.worker_states()[w.worker_id], "inflight": w.inflight,
+            "queued": w.queued, "queued_tokens": w.queued_tokens, "telemetry": report}
+
+
+async def _carried_out(call):
+    try:
+        return await call
+    except (MembershipError, PlacementError) as exc:
+        raise _as_http(exc) from None
+
+
+def _raise_typed(fn):
+    try:
+        return fn()
+    except MembershipError as exc:
+        raise _as_http(exc) from None
+
+
+def _as_http(exc: Exception) -> HTTPException:
+    status = exc.status if isinstance(exc, MembershipError) else 503
+    return HTTPException(status, str(exc))
+

@@ -1,0 +1,222 @@
+"""Live membership on a real cluster, through the admin API, while requests stream:
+workers join (paired before traffic), drain (ending with every block free), flip
+role prefill -> decode without reloading, and leave; no request fails and every
+output equals HF's. A worker SIGKILLed under load ends its requests with a typed
+error (UNAVAILABLE) at once, the rest keep serving, and it is evicted and replaced.
+Per-worker telemetry is on /metrics."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+
+from pdserve.client import Client, UnavailableError
+from pdserve.engine.config import EngineConfig
+from pdserve.kv_transfer import TransferConfig
+from pdserve.router.auth import ApiKeys
+from pdserve.router.config import PoolSpec, RouterConfig
+from pdserve.router.launch import launch
+from pdserve.router.server import RouterServer
+from tests.cluster.conftest import stop_cluster
+from tests.engine.test_hf_oracle import Oracle
+
+ADMIN_KEY = "admin-secret"
+MAX_TOKENS = 10
+PROMPTS = [list(range(10 + 7 * i, 30 + 11 * i)) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir):
+    oracle = Oracle(llama_dir)
+    return [oracle.generate(p, MAX_TOKENS)[0] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local, llama_dir):
+    """1 prefill + 1 decode worker at half a CPU each (the package's Ray has room for
+    the ones the tests add); a dead worker is not restarted but evicted (within 3 s)
+    and replaced by a fresh one."""
+    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=16 << 20,
+                                      max_model_len=512)
+    router = launch(config, PoolSpec(1, 1, num_cpus_per_worker=0.5, max_restarts=0),
+                    TransferConfig(timeout_s=30),
+                    RouterConfig(revive_timeout_s=3, stall_timeout_s=10),
+                    served_model_name="test-llama")
+    srv = RouterServer(router, admin_keys=ApiKeys((ADMIN_KEY,)))
+    yield srv
+    stop_cluster(srv)
+
+
+class Load:
+    """Clients sending greedy requests one after another until stopped; every
+    answer is checked against HF's."""
+
+    def __init__(self, srv: RouterServer, expected, clients: int = 3):
+        self.srv, self.expected = srv, expected
+        self.done, self.wrong, self.errors = 0, [], []
+        self._stop = threading.Event()
+        self._lock = threading.Condition()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                         for i in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, offset: int) -> None:
+        with Client(self.srv.grpc_target) as client:
+            i = offset
+            while not self._stop.is_set():
+                k = i % len(PROMPTS)
+                try:
+                    out = client.generate(PROMPTS[k], max_tokens=MAX_TOKENS, temperature=0,
+                                          ignore_eos=True, timeout=120)
+                except Exception as exc:  # noqa: BLE001 - recorded and asserted on
+                    with self._lock:
+                        self.errors.append(exc)
+                        self._lock.notify_all()
+                    continue
+                with self._lock:
+                    if out.token_ids != self.expected[k]:
+                        self.wrong.append(k)
+                    self.done += 1
+                    self._lock.notify_all()
+                i += 1
+
+    def wait_for(self, count: int, timeout_s: float = 120) -> None:
+        """Until `count` more requests completed."""
+        with self._lock:
+            target = self.done + count
+            assert self._lock.wait_for(lambda: self.done >= target, timeout_s), \
+                f"{self.done}/{target} requests done; errors {self.errors[:3]}"
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(150)
+
+
+def admin(srv: RouterServer, method: str, path: str, **kwargs) -> httpx.Response:
+    return httpx.request(method, f"{srv.http_url}/admin{path}", timeout=300,
+                         headers={"Authorization": f"Bearer {ADMIN_KEY}"}, **kwargs)
+
+
+def blocks_free(srv: RouterServer, worker_id: str) -> bool:
+    stats = ray.get(srv.router.workers[worker_id].actor.stats.remote())
+    return stats["free_blocks"] == stats["num_blocks"]
+
+
+def test_the_admin_api_needs_its_own_key(cluster):
+    assert httpx.get(f"{cluster.http_url}/admin/workers").status_code == 401
+    assert admin(cluster, "GET", "/workers").status_code == 200
+    bad = admin(cluster, "POST", "/workers", json={"role": "janitor"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "role"
+    assert admin(cluster, "POST", "/workers/nobody/drain").status_code == 404
+
+
+def test_workers_join_drain_flip_and_leave_under_load(cluster, expected):
+    load = Load(cluster, expected)
+    try:
+        load.wait_for(3)
+        added = admin(cluster, "POST", "/workers", json={"role": "decode"})
+        assert added.status_code == 201, added.text
+        new_decode = added.json()["worker_id"]
+        added = admin(cluster, "POST", "/workers", json={"role": "prefill"})
+        assert added.status_code == 201, added.text
+        new_prefill = added.json()["worker_id"]
+        load.wait_for(6)
+        # the first decode worker drains: its requests finish, every block frees
+        drained = admin(cluster, "POST", "/workers/decode-0/drain")
+        assert drained.status_code == 200, drained.text
+        assert drained.json()["state"] == "draining" and drained.json()["inflight"] == 0
+        assert blocks_free(cluster, "decode-0")
+        load.wait_for(6)  # served by the new decode worker alone
+        # the first prefill worker becomes a decode worker, weights kept
+        pid = ray.get(cluster.router.workers["prefill-0"].actor.pid.remote())
+        flipped = admin(cluster, "POST", "/workers/prefill-0/role", json={"role": "decode"})
+        assert flipped.status_code == 200, flipped.text
+        assert flipped.json()["role"] == "decode" and flipped.json()["state"] == "serving"
+        assert ray.get(cluster.router.workers["prefill-0"].actor.pid.remote()) == pid
+        load.wait_for(6)
+        removed = admin(cluster, "DELETE", "/workers/decode-0")
+        assert removed.status_code == 200, removed.text
+        assert "decode-0" not in cluster.router.workers
+        load.wait_for(6)
+    finally:
+        load.stop()
+    assert not load.errors, load.errors[:3]
+    assert not load.wrong
+    roles = {w["worker_id"]: w["role"]
+             for w in admin(cluster, "GET", "/workers").json()["workers"]}
+    assert roles == {"prefill-0": "decode", new_decode: "decode", new_prefill: "prefill"}
+
+
+def test_each_worker_s_telemetry_is_on_metrics(cluster, expected):
+    with Client(cluster.grpc_target) as client:
+        client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    text = httpx.get(f"{cluster.http_url}/metrics").text
+    for worker_id, worker in cluster.router.workers.items():
+        labels = f'model_name="test-llama",role="{worker.role}",worker="{worker_id}"'
+        for metric in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                       "num_free_kv_blocks"):
+            assert f"pdserve:{metric}{{{labels}}}" in text, (metric, worker_id)
+    assert "pdserve:step_duration_seconds_count{" in text
+
+
+def test_a_sigkilled_worker_fails_its_requests_at_once_and_is_replaced(cluster, expected):
+    router = cluster.router
+    decoders = [w for w in router.workers.values() if w.role == "decode" and w.alive]
+    assert len(decoders) >= 2  # left by the membership test
+    victim = decoders[0]
+    long = dict(max_tokens=400, temperature=0, ignore_eos=True)
+    failures, started = [], threading.Event()
+
+    def stream_on_victim(i: int) -> None:
+        with Client(cluster.grpc_target) as client:
+            try:
+                for _ in client.generate_stream(PROMPTS[i], timeout=120, **long):
+                    started.set()
+            except UnavailableError as exc:
+                failures.append(exc)
+    # the victim takes every new request until the streams are running on it
+    for other in decoders[1:]:
+        assert admin(cluster, "POST", f"/workers/{other.worker_id}/drain").status_code == 200
+    streams = [threading.Thread(target=stream_on_victim, args=(i,)) for i in range(3)]
+    for t in streams:
+        t.start()
+    assert started.wait(60)
+    for other in decoders[1:]:
+        assert admin(cluster, "POST", f"/workers/{other.worker_id}/resume").status_code == 200
+    changed = threading.Condition()
+
+    def notify() -> None:
+        with changed:
+            changed.notify_all()
+    router.on_change.append(notify)
+    pid = ray.get(victim.actor.pid.remote())
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    for t in streams:
+        t.join(60)
+    assert len(failures) == 3, failures  # typed, not a hang or a 500
+    assert time.monotonic() - killed_at < 30
+    load = Load(cluster, expected, clients=2)
+    try:
+        load.wait_for(4)  # the survivors serve
+    finally:
+        load.stop()
+    assert not load.errors and not load.wrong
+    assert httpx.get(f"{cluster.http_url}/ready").status_code == 200
+    # evicted after revive_timeout_s, and a fresh decode worker takes its place
+
+    def replaced() -> bool:
+        workers = dict(router.workers)
+        return victim.worker_id not in workers and len(decoders) == sum(
+            w.role == "decode" and w.alive and not w.draining for w in workers.values())
+    with changed:
+        assert changed.wait_for(replaced, 120), router.worker_states()
+    health = httpx.get(f"{cluster.http_url}/health").json()
+    assert victim.worker_id not in health["workers"]
