@@ -13,6 +13,7 @@ import pytest
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.worker_messages import StepBatch
 from pdserve.kv_transfer import (
     KVTransferError,
     LayoutMismatchError,
@@ -24,7 +25,15 @@ from pdserve.kv_transfer import (
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import OverloadedError, WorkerError, WorkerStalled
 from pdserve.router.router import ModelInfo, Router
-from tests.router.fakes import FakeActor, batch, prefill_ok, reserve_ok, resolve, worker
+from tests.router.fakes import (
+    FakeActor,
+    batch,
+    prefill_ok,
+    reserve_ok,
+    resolve,
+    telemetry,
+    worker,
+)
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0)
 
@@ -214,3 +223,39 @@ def test_every_error_crossing_a_process_boundary_round_trips(error):
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is type(error) and str(back) == str(error)
     assert vars(back) == vars(error)
+
+
+def test_telemetry_on_the_stream_moves_placement_without_any_scrape(tok):
+    """A decode worker that reports full ranks last; once its next report says it has
+    room, it is chosen again: no stats call, no refusal needed."""
+    async def scenario():
+        d0 = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
+        d1 = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
+        prefill = FakeActor(prefill=prefill_ok(7), abort=resolve(None))
+        router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
+                        [worker("p0", prefill, "prefill"), worker("d0", d0, "decode", 100),
+                         worker("d1", d1, "decode", 100)])
+        await router.start()
+        reported = asyncio.Event()
+        router.workers["d0"].on_report = lambda w, t: reported.set()
+
+        async def place() -> str:
+            stream = router.generate(await router.accept([5, 6, 7], PARAMS))
+            first = await stream.__anext__()
+            chosen = next(a for a in (d0, d1) if first.request_id in a.ids("reserve"))
+            name = "d0" if chosen is d0 else "d1"
+            await chosen.batches.put(batch(name, first.request_id, [7, 8], "", "length"))
+            await _drain(stream)
+            return name
+        await d0.batches.put(StepBatch("d0", [], telemetry("d0", "decode", free_blocks=0)))
+        await reported.wait()
+        full = await place()
+        reported.clear()
+        await d0.batches.put(StepBatch("d0", [], telemetry("d0", "decode", free_blocks=100)))
+        await reported.wait()
+        again = await place()
+        await router.stop()
+        return full, again, d0, d1
+    full, again, d0, d1 = asyncio.run(scenario())
+    assert (full, again) == ("d1", "d0")
+    assert not d0.calls["stats"] and not d1.calls["stats"]
