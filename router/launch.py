@@ -95,7 +95,7 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     stats = _get([actor.stats.remote() for _, actor in created], router_config, "start")
     workers = [WorkerHandle(worker_id, actor, role, num_blocks=s["num_blocks"])
                for (worker_id, actor), role, s in zip(created, roles, stats)]
-    decoders = [w for w in workers if w.role == "decode"]
+    decoders = [w for w in workers if w.decodes]
     addresses = _get([w.actor.address.remote() for w in decoders], router_config, "start")
     for worker, address in zip(decoders, addresses):
         worker.address = address

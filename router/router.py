@@ -681,6 +681,7 @@ class Router:
         timeout_s = self.config.control_timeout_s
         stats = await asyncio.wait_for(worker.actor.stats.remote(), timeout_s)
         worker.num_blocks = stats["num_blocks"]
+        worker.address = ""  # a restarted process listens on a new rendezvous
         await self._pair_with_cluster(worker)
         self._subscribe(worker)
 
@@ -693,7 +694,7 @@ class Router:
             worker.address = await asyncio.wait_for(worker.actor.address.remote(), timeout_s)
         live = [w for w in self.workers.values() if w.alive and w is not worker]
         if worker.role == "prefill":
-            await self._pair([(worker, d.address) for d in live if d.decodes])
+            await self._pair([(worker, d.address) for d in live if d.decodes and d.address])
         elif worker.decodes:
             await self._pair([(p, worker.address) for p in live if p.role == "prefill"])
 
