@@ -599,7 +599,8 @@ class Router:
         worker.on_report = self._reported
 
     def _subscribe(self, worker: WorkerHandle) -> None:
-        worker.start_pump(self.config.stall_timeout_s, self._worker_died, self.router_id)
+        worker.start_pump(self.config.stall_timeout_s, self._worker_died, self.router_id,
+                          self._worker_stalled)
 
     def _leave(self, worker: WorkerHandle, kill: bool) -> None:
         worker.stop_pump()
@@ -628,6 +629,25 @@ class Router:
         self._reviving[worker.worker_id] = asyncio.get_running_loop().create_task(
             self._revive(worker))
         self._changed()
+
+    def _worker_stalled(self, worker: WorkerHandle) -> None:
+        """Silent past the stall bound (its requests failed already): out of service
+        until it reports again (this is called again then); evicted (and replaced) if
+        it stays silent for revive_timeout_s more."""
+        self._changed()
+        if worker.alive:
+            return
+
+        async def evict_if_silent() -> None:
+            await asyncio.sleep(self.config.revive_timeout_s)  # a bound, not a sync
+            if not worker.alive and self.workers.get(worker.worker_id) is worker \
+                    and worker.worker_id not in self._reviving:
+                log.error("worker %s stayed silent for %gs more; evicting it",
+                          worker.worker_id, self.config.revive_timeout_s)
+                self._evict(worker)
+        task = asyncio.get_running_loop().create_task(evict_if_silent())
+        self._replacing.add(task)
+        task.add_done_callback(self._replacing.discard)
 
     async def _revive(self, worker: WorkerHandle) -> None:
         """Waits for the restarted process to answer (its model loads first), pairs it

@@ -95,20 +95,23 @@ class WorkerHandle:
 
     def start_pump(self, stall_timeout_s: float,
                    on_death: Callable[["WorkerHandle"], None] = lambda worker: None,
-                   subscriber: str = "") -> None:
+                   subscriber: str = "",
+                   on_stall: Callable[["WorkerHandle"], None] = lambda worker: None) -> None:
         """Subscribes to this router's batches (`subscriber` names it), replacing an
-        earlier subscription (a revived worker's)."""
+        earlier subscription (a revived worker's). on_stall hears when the worker goes
+        silent past the bound, and when it reports again (`alive` says which)."""
         self.stop_pump()
         self.alive = True
         self.pump = asyncio.get_running_loop().create_task(
-            self._pump(stall_timeout_s, on_death, subscriber))
+            self._pump(stall_timeout_s, on_death, subscriber, on_stall))
 
     def stop_pump(self) -> None:
         if self.pump is not None and not self.pump.done():
             self.pump.cancel()
 
     async def _pump(self, stall_timeout_s: float,
-                    on_death: Callable[["WorkerHandle"], None], subscriber: str) -> None:
+                    on_death: Callable[["WorkerHandle"], None], subscriber: str,
+                    on_stall: Callable[["WorkerHandle"], None]) -> None:
         """The worker sends a batch every step and telemetry while idle (only while its
         engine loop makes progress), so no item within the bound means it stalled:
         every request on it fails then, with a typed error, it leaves service until it
@@ -125,13 +128,17 @@ class WorkerHandle:
                     if self.alive:
                         log.error("worker %s made no step within %gs", self.worker_id,
                                   stall_timeout_s)
-                    self.alive = False
+                        self.alive = False
+                        on_stall(self)
                     self._fail_all(WorkerStalled(f"worker {self.worker_id} made no "
                                                  f"step within {stall_timeout_s:g}s"))
                     continue
                 ref, pending = pending.result(), None
                 batch = await ref
-                self.alive = True
+                if not self.alive:  # it went silent, and reports again
+                    log.warning("worker %s reports again", self.worker_id)
+                    self.alive = True
+                    on_stall(self)
                 if batch.telemetry is not None:
                     self.heard(batch.telemetry)
                 for delta in batch.deltas:

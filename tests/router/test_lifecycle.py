@@ -259,3 +259,32 @@ def test_telemetry_on_the_stream_moves_placement_without_any_scrape(tok):
     full, again, d0, d1 = asyncio.run(scenario())
     assert (full, again) == ("d1", "d0")
     assert not d0.calls["stats"] and not d1.calls["stats"]
+
+
+def test_a_worker_silent_past_the_bound_is_evicted_and_one_that_speaks_again_is_not(tok):
+    """Telemetry silent past stall_timeout_s: out of service at once; silent for
+    revive_timeout_s more: evicted. A worker that reports again in time stays."""
+    async def scenario():
+        quiet = FakeActor(abort=resolve(None))
+        back = FakeActor(abort=resolve(None))
+        router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
+                        [worker("e0", quiet, "both", 100), worker("e1", back, "both", 100)],
+                        RouterConfig(stall_timeout_s=0.2, revive_timeout_s=0.6))
+        changes = asyncio.Queue()
+        router.on_change.append(lambda: changes.put_nowait(dict(router.worker_states())))
+        await router.start()
+        seen = []
+        try:
+            async with asyncio.timeout(10):
+                while not seen or "e0" in seen[-1]:
+                    seen.append(await changes.get())
+                    if seen[-1].get("e1") == "stalled":  # e1 speaks again; e0 never does
+                        await back.batches.put(StepBatch("e1", [],
+                                                         telemetry("e1", "both", 100)))
+        finally:
+            await router.stop()
+        return seen, router
+    seen, router = asyncio.run(scenario())
+    assert any(s.get("e0") == "stalled" for s in seen)
+    assert any(s.get("e1") == "serving" and s.get("e0") == "stalled" for s in seen)
+    assert list(router.workers) == ["e1"] and router.worker_states() == {"e1": "serving"}
