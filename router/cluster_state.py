@@ -8,8 +8,22 @@ from dataclasses import dataclass
 from pdserve.engine.worker_messages import WorkerTelemetry
 
 
+class HasRole:
+    """What a worker's `role` lets it do (shared by WorkerState and the router's
+    WorkerHandle)."""
+    role: str
+
+    @property
+    def prefills(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def decodes(self) -> bool:
+        return self.role in ("decode", "both")
+
+
 @dataclass(frozen=True)
-class WorkerState:
+class WorkerState(HasRole):
     worker_id: str
     role: str  # prefill | decode | both (engine.worker_messages.ROLES)
     alive: bool = True  # in service (not dead, not restarting, not stalled)
@@ -22,14 +36,6 @@ class WorkerState:
     telemetry: WorkerTelemetry | None = None  # the worker's last report
     heard_at: float = float("-inf")  # when it arrived (the router's monotonic clock)
     num_blocks: int = 0
-
-    @property
-    def prefills(self) -> bool:
-        return self.role in ("prefill", "both")
-
-    @property
-    def decodes(self) -> bool:
-        return self.role in ("decode", "both")
 
     @property
     def available(self) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pdserve.engine.worker_messages import WorkerTelemetry
-from pdserve.router.cluster_state import WorkerState
+from pdserve.router.cluster_state import HasRole, WorkerState
 from pdserve.router.errors import WorkerError, WorkerStalled, short_reason
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ _SHOWN = frozenset({"role", "alive", "draining", "queued", "queued_tokens", "inf
 
 
 @dataclass(eq=False)
-class WorkerHandle:
+class WorkerHandle(HasRole):
     worker_id: str
     actor: object  # WorkerActor handle
     role: str  # prefill | decode | both
@@ -62,14 +62,6 @@ class WorkerHandle:
         self._drained = asyncio.Event()
         self.draining = True
         return self._drained
-
-    @property
-    def prefills(self) -> bool:
-        return self.role in ("prefill", "both")
-
-    @property
-    def decodes(self) -> bool:
-        return self.role in ("decode", "both")
 
     def state(self) -> WorkerState:
         if self._state is None:
