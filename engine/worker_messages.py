@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_shape import StepTiming
 
 # A worker's roles: prefill (prompts for another worker's decode), decode (requests
 # prefilled elsewhere), both (whole requests, prefill included: colocated).
 ROLES = ("prefill", "decode", "both")
+
+
+def check_role(role: str) -> None:
+    if role not in ROLES:
+        raise InvalidRequestError("role", f"must be one of {', '.join(ROLES)}, not {role!r}")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """`pdserve admin`: the cluster's membership from the command line, through the
 router's admin API (/admin, served when `pdserve serve --admin-api-key` is set).
-Standard library only: no torch, no Ray."""
+No torch, no Ray."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +11,7 @@ import urllib.error
 import urllib.request
 
 from pdserve import env
-
-ROLES = ("prefill", "decode", "both")
+from pdserve.engine.worker_messages import ROLES
 
 
 def add_admin_parser(sub) -> None:

@@ -13,11 +13,12 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from pdserve.engine.worker_messages import ROLES
 from pdserve.router.auth import ApiKeys
 from pdserve.router.placement import PlacementError
 from pdserve.router.router import MembershipError, Router
 
-Role = Literal["prefill", "decode", "both"]
+Role = Literal[ROLES]  # the one list, engine.worker_messages.ROLES
 
 
 class AddWorker(BaseModel):

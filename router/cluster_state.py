@@ -54,9 +54,6 @@ class ClusterState:
     max_queued_prefill_tokens: int = 0
     retry_after_s: float = 1.0
 
-    def by_role(self, role: str) -> list[WorkerState]:
-        return [w for w in self.workers if w.role == role]
-
     def report(self, worker: WorkerState) -> WorkerTelemetry | None:
         """The worker's telemetry if fresh, else None (unknown)."""
         if worker.telemetry is None or self.now - worker.heard_at > self.stale_after_s:

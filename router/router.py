@@ -36,12 +36,12 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import PromptLimits, check_length, prompt_token_ids
 from pdserve.engine.worker_messages import (
-    ROLES,
     PrefillJob,
     PrefillResult,
     Reservation,
     TokenDelta,
     WorkerTelemetry,
+    check_role,
 )
 from pdserve.router.cluster_state import ClusterState, RequestView
 from pdserve.router.config import RouterConfig
@@ -117,7 +117,8 @@ class Router:
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
         self._reviving: dict[str, asyncio.Task] = {}  # worker id -> its revival
-        self._replacing: set[asyncio.Task] = set()  # fresh workers for evicted ones
+        # Eviction timers of silent workers and fresh workers for evicted ones.
+        self._background: set[asyncio.Task] = set()
         self._started = False
         # Called (on the event loop) whenever a worker leaves or rejoins service.
         self.on_change: list = []
@@ -170,7 +171,7 @@ class Router:
             self._subscribe(worker)
 
     async def stop(self) -> None:
-        for task in [*self._reviving.values(), *self._replacing]:
+        for task in [*self._reviving.values(), *self._background]:
             task.cancel()
         for worker in self.workers.values():
             worker.stop_pump()
@@ -519,8 +520,7 @@ class Router:
     async def add_worker(self, role: str) -> str:
         """Spawns a worker of `role`, pairs it and subscribes to it, then gives it
         traffic. Returns its id."""
-        if role not in ROLES:
-            raise InvalidRequestError("role", f"must be one of {', '.join(ROLES)}")
+        check_role(role)
         if self.spawner is None:
             raise MembershipError("this router cannot spawn workers", 501)
         worker = await self.spawner(role)
@@ -564,8 +564,7 @@ class Router:
     async def set_worker_role(self, worker_id: str, role: str) -> None:
         """Drains the worker, changes its role (its weights stay loaded), pairs it for
         the new role and resumes it."""
-        if role not in ROLES:
-            raise InvalidRequestError("role", f"must be one of {', '.join(ROLES)}")
+        check_role(role)
         worker = self._member(worker_id)
         await self.drain_worker(worker_id)
         try:
@@ -646,8 +645,8 @@ class Router:
                           worker.worker_id, self.config.revive_timeout_s)
                 self._evict(worker)
         task = asyncio.get_running_loop().create_task(evict_if_silent())
-        self._replacing.add(task)
-        task.add_done_callback(self._replacing.discard)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _revive(self, worker: WorkerHandle) -> None:
         """Waits for the restarted process to answer (its model loads first), pairs it
@@ -683,8 +682,8 @@ class Router:
         if self.spawner is None:
             return
         task = asyncio.get_running_loop().create_task(self._replace(worker.role))
-        self._replacing.add(task)
-        task.add_done_callback(self._replacing.discard)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _replace(self, role: str) -> None:
         try:

@@ -20,11 +20,11 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.worker_messages import (
-    ROLES,
     PrefillJob,
     StepBatch,
     TokenDelta,
     WorkerTelemetry,
+    check_role,
 )
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig
 from pdserve.prefill_worker.role import PrefillRole
@@ -46,7 +46,7 @@ class Worker:
                  kv_host: str = "127.0.0.1"):
         """kv_host: the address its KV rendezvous and pairs bind (the node's, on a
         cluster). on_batch(batch) runs on the engine thread."""
-        _check_role(role)
+        check_role(role)
         self.worker_id = worker_id
         self.role = role
         self.on_batch = on_batch
@@ -97,7 +97,7 @@ class Worker:
 
     def set_role(self, role: str) -> None:
         """Changes the role; refused (WorkerBusyError) while any request is here."""
-        _check_role(role)
+        check_role(role)
 
         def flip(engine: LLMEngine) -> None:
             if engine.has_unfinished() or self.prefill_role.busy:
@@ -114,7 +114,7 @@ class Worker:
         return self.loop.call_concurrent(self._measure)
 
     def stats(self) -> dict:
-        t = self.loop.call_concurrent(lambda engine: self._gauges(engine))
+        t = self.loop.call_concurrent(self._gauges)
         return {**t, "kv_cache_usage": 1 - t["free_blocks"] / t["num_blocks"],
                 "lease_expiries": dict(self.receiver.lease_expiries)}
 
@@ -169,8 +169,4 @@ class Worker:
             raise WrongRoleError(f"worker {self.worker_id} is in role {self.role}: it "
                                  f"takes no {call}")
 
-
-def _check_role(role: str) -> None:
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, not {role!r}")
 

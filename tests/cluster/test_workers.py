@@ -50,6 +50,10 @@ class StepReader:
                     self.finished[d.request_id] = d.finish_reason
             self._cv.notify_all()
 
+    def wait_tokens(self, request_id: str, count: int, timeout=60.0) -> None:
+        with self._cv:
+            assert self._cv.wait_for(lambda: len(self.tokens[request_id]) >= count, timeout)
+
     def wait(self, request_ids, timeout=120.0) -> None:
         deadline = time.monotonic() + timeout
         with self._cv:
@@ -97,10 +101,7 @@ def test_abort_mid_stream_frees_blocks_on_both_workers(workers):
     prefill, decode, reader = workers
     params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
     run(prefill, decode, {"long": list(range(10, 90))}, params)
-    deadline = time.monotonic() + 60
-    while len(reader.tokens["long"]) < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    reader.wait_tokens("long", 3)
     ray.get(decode.abort.remote("long"))
     reader.wait(["long"])
     assert reader.finished["long"] == "abort"
@@ -141,10 +142,9 @@ def test_a_worker_refuses_calls_of_another_role_and_swaps_roles_when_idle(worker
     with pytest.raises(ray.exceptions.RayTaskError, match="WorkerBusyError"):
         ray.get(decode.set_role.remote("prefill"))
     ray.get(decode.abort.remote("held"))
-    deadline = time.monotonic() + 30
-    while ray.get(decode.stats.remote())["reserved"]:
-        assert time.monotonic() < deadline, "the aborted reservation was not freed"
-        time.sleep(0.02)
+    reader.wait(["held"])  # the abort's final delta: the reservation is freed
+    assert reader.finished["held"] == "abort"
+    assert ray.get(decode.stats.remote())["reserved"] == 0
     pids = ray.get([prefill.pid.remote(), decode.pid.remote()])
     ray.get([prefill.set_role.remote("decode"), decode.set_role.remote("prefill")])
     new_decode, new_prefill = prefill, decode
