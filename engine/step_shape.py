@@ -9,21 +9,25 @@ from pdserve.engine.scheduler_output import SchedulerOutput
 
 @dataclass(frozen=True)
 class StepShape:
-    prefill_tokens: int  # tokens of requests catching up (prompt chunks, recompute)
-    decode_seqs: int  # requests computing their one newest token
-    context_tokens: int  # tokens already in the KV cache that the step's attention reads
+    prefill_tokens: int = 0  # tokens of requests catching up (prompt chunks, recompute)
+    # Causal attention pairs of those chunks: a chunk of n tokens after c computed
+    # ones has n*c + n*(n+1)/2 (query, key) pairs.
+    prefill_pairs: int = 0
+    decode_seqs: int = 0  # requests computing their one newest token
+    decode_context: int = 0  # keys those decodes attend to (their KV length)
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> "StepShape":
-        prefill = decode = context = 0
+        prefill = pairs = decode = context = 0
         for request, n in zip(out.requests, out.num_scheduled):
-            context += request.num_computed_tokens
-            if n == 1 and request.num_computed_tokens + 1 == request.num_tokens \
-                    and request.num_output_tokens:
+            computed = request.num_computed_tokens
+            if n == 1 and computed + 1 == request.num_tokens and request.num_output_tokens:
                 decode += 1
+                context += computed + 1
             else:
                 prefill += n
-        return cls(prefill, decode, context)
+                pairs += n * computed + n * (n + 1) // 2
+        return cls(prefill, pairs, decode, context)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ class PrefillResult:
     first_top_logprobs: dict[int, float] | None
     kv_bytes_sent: int
     prefill_seconds: float  # first scheduled -> KV confirmed on the decode worker
+    # The transfer's exposed part: the last prefill step's end -> KV confirmed.
+    transfer_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class WorkerTelemetry:
     free_blocks: int
     num_blocks: int
     num_preemptions: int  # cumulative
+    token_budget: int = 0  # tokens per step (max_num_batched_tokens); 0: unknown
     steps: tuple[StepTiming, ...] = ()
     # Block hashes (as the block manager chains them) made findable / evicted.
     prefix_stored: tuple[bytes, ...] = ()

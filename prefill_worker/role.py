@@ -33,6 +33,7 @@ class _Job:
     future: Future
     queued: bool = False  # in the engine (before: waiting for its pair)
     handle: SendHandle | None = None
+    computed_at: float = 0.0  # when the step that sampled its first token ended
 
 
 class PrefillRole:
@@ -171,6 +172,7 @@ class PrefillRole:
                 self._resolve(out.request_id, error=RuntimeError(
                     f"request {out.request_id} was aborted before its KV was sent"))
                 continue
+            entry.computed_at = time.time()
             self._lane(entry.job.target.receiver_address).submit(self._await_receiver,
                                                                  entry, out)
 
@@ -180,11 +182,12 @@ class PrefillRole:
         except Exception as exc:
             self._resolve(out.request_id, error=exc)
             return
+        now = time.time()
         started = out.metrics.first_scheduled_time or out.metrics.arrival_time
         self._resolve(out.request_id, result=PrefillResult(
             out.request_id, out.token_ids[0], out.logprobs[0] if out.logprobs else None,
             out.top_logprobs[0] if out.top_logprobs else None,
-            handle.bytes_sent, time.time() - started))
+            handle.bytes_sent, now - started, now - entry.computed_at))
 
     def _resolve(self, request_id: str, result=None, error=None) -> None:
         entry = self._jobs.pop(request_id, None)

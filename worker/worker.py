@@ -18,6 +18,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.profile import profile
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.worker_messages import (
     PrefillJob,
@@ -51,6 +52,7 @@ class Worker:
         self.role = role
         self.on_batch = on_batch
         engine = LLMEngine(engine_config)
+        profile(engine)  # warm, and the latency model's first measurements
         engine.block_manager.record_prefix_events = True  # reported in telemetry
         self.sender = KVSender(worker_id, engine.runner.kv_caches, transfer, kv_host)
         self.receiver = KVReceiver(engine.runner.kv_caches, transfer, kv_host,
@@ -162,7 +164,8 @@ class Worker:
             context_tokens=sum(r.num_computed_tokens for r in running),
             reserved=scheduler.num_unfinished - len(running) - len(scheduler.waiting),
             free_blocks=blocks.num_free_blocks, num_blocks=blocks.num_blocks,
-            num_preemptions=engine.stats.num_preemptions)
+            num_preemptions=engine.stats.num_preemptions,
+            token_budget=scheduler.config.max_num_batched_tokens)
 
     def _require(self, call: str, *roles: str) -> None:
         if self.role not in roles:

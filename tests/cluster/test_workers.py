@@ -123,7 +123,7 @@ def test_the_stream_reports_every_step_with_its_shape_and_prefix_events(workers)
     # the prompt's KV arrived: the decode worker runs 5 decode steps (token #1 came
     # from the prefill worker), each of one sequence over the growing context
     assert [s.shape.decode_seqs for s in steps][-5:] == [1] * 5
-    assert [s.shape.context_tokens for s in steps][-5:] == list(range(64, 69))
+    assert [s.shape.decode_context for s in steps][-5:] == list(range(65, 70))
     assert all(s.shape.prefill_tokens == 0 and s.duration_s > 0 for s in steps)
     stored = [h for r in reports for h in r.prefix_stored]
     assert len(stored) == 4 and len(set(stored)) == 4  # the prompt's full blocks

@@ -1,0 +1,74 @@
+"""Predictions from a worker's StepCost (latency_model.py): how long until a new
+request's first token there, and the time per output token of the decode batch it
+would join. The scheduler's shape is assumed: each step carries every running
+decode and fills the rest of `token_budget` with prompt chunks, first come first
+served. Pure arithmetic, shared by the router's policy and a capacity simulator."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.latency_model import StepCost
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What a forecast needs of one worker's load."""
+    queued_tokens: int = 0  # prompt tokens to compute before a new request's
+    queued_requests: int = 0  # the prompts they belong to
+    decode_seqs: int = 0  # requests in its decode batch
+    decode_context: int = 0  # their KV lengths, summed
+    token_budget: int = 2048  # tokens per step (max_num_batched_tokens)
+
+
+def prompt_pairs(tokens: int, cached: int = 0) -> int:
+    """Causal attention pairs of computing tokens cached..tokens of a prompt."""
+    new = max(tokens - cached, 0)
+    return new * cached + new * (new + 1) // 2
+
+
+def prompt_compute_seconds(cost: StepCost, tokens: int, cached: int = 0) -> float:
+    """A prompt's own share of the steps that compute it: what it adds to the steps
+    of the decodes running beside it."""
+    return (cost.prefill_token_s * max(tokens - cached, 0)
+            + cost.prefill_pair_s * prompt_pairs(tokens, cached))
+
+
+def queue_compute_seconds(cost: StepCost, load: WorkerLoad) -> float:
+    """The queued prompts' share (their lengths unknown: taken as equal)."""
+    n = load.queued_requests
+    each = load.queued_tokens // n if n else 0
+    return n * prompt_compute_seconds(cost, each) if n else (
+        cost.prefill_token_s * load.queued_tokens)
+
+
+def decode_step_seconds(cost: StepCost, load: WorkerLoad) -> float:
+    """One step of the decode batch alone."""
+    return (cost.base_s + cost.decode_seq_s * load.decode_seqs
+            + cost.decode_context_s * load.decode_context)
+
+
+def ttft_seconds(cost: StepCost, load: WorkerLoad, tokens: int, cached: int = 0) -> float:
+    """From now until the prompt's last chunk is computed and its first token sampled,
+    behind the queued prompts, every step also carrying the running decodes."""
+    new = max(tokens - cached, 1)  # a full hit still computes its last token
+    per_step = max(1, load.token_budget - load.decode_seqs)
+    steps = -(-(load.queued_tokens + new) // per_step)
+    return (steps * decode_step_seconds(cost, load) + queue_compute_seconds(cost, load)
+            + prompt_compute_seconds(cost, tokens, tokens - new))
+
+
+def tpot_seconds(cost: StepCost, load: WorkerLoad, prompt_tokens: int,
+                 max_tokens: int) -> float:
+    """Mean time per output token of a request joining the decode batch now: a step
+    of the batch with it (its context at mid-generation), plus the prompt work queued
+    there, which the steps carrying its decode compute too, spread over its output."""
+    joined = WorkerLoad(decode_seqs=load.decode_seqs + 1,
+                        decode_context=load.decode_context + prompt_tokens + max_tokens // 2)
+    stall = queue_compute_seconds(cost, load)
+    return decode_step_seconds(cost, joined) + stall / max(1, max_tokens - 1)
+
+
+def joining_slowdown(cost: StepCost, prompt_tokens: int) -> float:
+    """How much longer each step of a decode batch gets when a request of that
+    prompt length joins it."""
+    return cost.decode_seq_s + cost.decode_context_s * prompt_tokens

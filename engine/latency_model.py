@@ -1,0 +1,148 @@
+"""The latency model's measurements side: how long one engine step of a worker takes
+as a function of the step's shape, and how long a KV transfer from one worker to
+another stays exposed, each fitted online from what the workers measured. Pure
+(numpy; no torch, no Ray, no clock), so the router and a capacity simulator share it.
+
+    step_s     = base + prefill_token * prefill_tokens + prefill_pair * prefill_pairs
+                 + decode_seq * decode_seqs + decode_context * decode_context
+    transfer_s = latency + per_byte * bytes
+
+Each fit is least squares over a sliding window, pulled gently toward a prior (the
+worker's start-up profile, or the defaults below): a term the window never exercised
+(a decode worker sees no prefill) keeps its prior value instead of an arbitrary one.
+latency_forecast.py turns the costs into TTFT and TPOT predictions."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import astuple, dataclass
+from typing import Sequence
+
+import numpy as np
+
+from pdserve.engine.step_shape import StepShape, StepTiming
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds per unit of each term of a step's shape."""
+    base_s: float
+    prefill_token_s: float
+    prefill_pair_s: float
+    decode_seq_s: float
+    decode_context_s: float
+
+    def duration(self, shape: StepShape) -> float:
+        return (self.base_s + self.prefill_token_s * shape.prefill_tokens
+                + self.prefill_pair_s * shape.prefill_pairs
+                + self.decode_seq_s * shape.decode_seqs
+                + self.decode_context_s * shape.decode_context)
+
+
+@dataclass(frozen=True)
+class TransferCost:
+    latency_s: float
+    per_byte_s: float
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + self.per_byte_s * nbytes
+
+
+# Priors for a worker nothing was measured of yet: a small model on a CPU core
+# (a decode step of a few ms, 20k prefill tokens/s) and a 1 GB/s link.
+DEFAULT_STEP_COST = StepCost(base_s=4e-3, prefill_token_s=5e-5, prefill_pair_s=1e-8,
+                             decode_seq_s=3e-4, decode_context_s=1e-7)
+DEFAULT_TRANSFER_COST = TransferCost(latency_s=2e-3, per_byte_s=1e-9)
+
+
+def features(shape: StepShape) -> tuple[float, ...]:
+    return (1.0, shape.prefill_tokens, shape.prefill_pairs, shape.decode_seqs,
+            shape.decode_context)
+
+
+class OnlineFit:
+    """y ~ x . w over the last `window` samples, minimizing relative error (timing
+    noise grows with the step), pulled toward `prior` with weight `strength` per
+    sample (in units where each feature's RMS is 1). Coefficients are clipped at
+    zero: no term makes a step faster."""
+
+    def __init__(self, prior: Sequence[float], window: int = 512, strength: float = 1e-4,
+                 refit_every: int = 8):
+        self.prior = np.asarray(prior, dtype=np.float64)
+        self.strength = strength
+        self.refit_every = refit_every
+        self._x: deque[tuple[float, ...]] = deque(maxlen=window)
+        self._y: deque[float] = deque(maxlen=window)
+        self._w = self.prior.copy()
+        self._unfitted = 0  # samples since the last fit
+
+    def __len__(self) -> int:
+        return len(self._y)
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        if len(x) != len(self.prior):
+            raise ValueError(f"expected {len(self.prior)} features, got {len(x)}")
+        if not np.isfinite(y) or y < 0:
+            return  # a clock step or a lost measurement teaches nothing
+        self._x.append(tuple(x))
+        self._y.append(float(y))
+        self._unfitted += 1
+
+    def coefficients(self) -> np.ndarray:
+        """Refitted once `refit_every` samples arrived since the last fit."""
+        if self._unfitted >= self.refit_every or (self._unfitted and len(self._y) < 64):
+            self._w = self._fit()
+            self._unfitted = 0
+        return self._w
+
+    def _fit(self) -> np.ndarray:
+        y = np.asarray(self._y, dtype=np.float64)  # [n]
+        weight = 1.0 / np.maximum(y, 1e-6)  # each row in units of its own duration
+        x = np.asarray(self._x, dtype=np.float64) * weight[:, None]  # [n, k]
+        y = y * weight
+        scale = np.sqrt((x * x).mean(axis=0))
+        scale[scale == 0] = 1.0  # an unexercised feature: its prior stands
+        z = x / scale
+        # Ridge toward the prior, in scaled units: [z; sqrt(l) I] v = [y; sqrt(l) v0]
+        ridge = np.sqrt(self.strength * len(y))
+        k = len(self.prior)
+        a = np.vstack([z, ridge * np.eye(k)])
+        b = np.concatenate([y, ridge * self.prior * scale])
+        v, *_ = np.linalg.lstsq(a, b, rcond=None)
+        return np.maximum(v / scale, 0.0)
+
+
+class StepModel:
+    """One worker's StepCost, fitted from the StepTimings its telemetry carries."""
+
+    def __init__(self, prior: StepCost = DEFAULT_STEP_COST, window: int = 512):
+        self._fit = OnlineFit(astuple(prior), window)
+
+    def observe(self, timings: Sequence[StepTiming]) -> None:
+        for t in timings:
+            self._fit.add(features(t.shape), t.duration_s)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._fit)
+
+    def cost(self) -> StepCost:
+        return StepCost(*(float(c) for c in self._fit.coefficients()))
+
+
+class TransferModel:
+    """One (prefill, decode) pair's TransferCost, fitted from completed transfers:
+    bytes sent, and the seconds from the last prefill step's end to the decode
+    worker's confirmation (the part of the transfer the request waits for)."""
+
+    def __init__(self, prior: TransferCost = DEFAULT_TRANSFER_COST, window: int = 256):
+        self._fit = OnlineFit(astuple(prior), window)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        self._fit.add((1.0, float(nbytes)), seconds)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._fit)
+
+    def cost(self) -> TransferCost:
+        return TransferCost(*(float(c) for c in self._fit.coefficients()))

@@ -1,0 +1,117 @@
+"""The latency model's fit and forecasts, pure (no torch, no Ray)."""
+from __future__ import annotations
+
+import random
+from dataclasses import astuple
+
+import pytest
+
+from pdserve.engine.latency_forecast import (
+    WorkerLoad,
+    prompt_pairs,
+    tpot_seconds,
+    ttft_seconds,
+)
+from pdserve.engine.latency_model import StepCost, StepModel, TransferCost, TransferModel
+from pdserve.engine.step_shape import StepShape, StepTiming
+
+TRUE = StepCost(base_s=3e-3, prefill_token_s=4e-5, prefill_pair_s=2e-8,
+                decode_seq_s=6e-4, decode_context_s=2e-7)
+
+
+def synthetic_steps(cost: StepCost, n: int, noise: float, rng: random.Random):
+    """Mixed steps as a worker in role both runs them: decodes, chunks, both."""
+    out = []
+    for _ in range(n):
+        prefill = rng.choice([0, 0, rng.randint(1, 2048)])
+        computed = rng.randint(0, 4096) if prefill else 0
+        pairs = prefill * computed + prefill * (prefill + 1) // 2
+        seqs = rng.randint(0 if prefill else 1, 64)
+        context = seqs * rng.randint(16, 4096)  # the batch's mean KV length varies
+        shape = StepShape(prefill, pairs, seqs, context)
+        duration = cost.duration(shape) * (1 + rng.gauss(0, noise))
+        out.append(StepTiming(shape, duration, 0.0))
+    return out
+
+
+def test_the_fit_recovers_known_coefficients_within_5_percent():
+    rng = random.Random(7)
+    model = StepModel(prior=StepCost(1e-2, 1e-4, 0.0, 1e-3, 0.0))  # a wrong prior
+    model.observe(synthetic_steps(TRUE, 512, noise=0.03, rng=rng))
+    fitted = model.cost()
+    for name, got, want in zip(StepCost.__dataclass_fields__, astuple(fitted), astuple(TRUE)):
+        assert got == pytest.approx(want, rel=0.05), name
+
+
+def test_a_term_the_window_never_saw_keeps_its_prior():
+    prior = StepCost(5e-3, 5e-5, 1e-8, 3e-4, 1e-7)
+    model = StepModel(prior=prior)
+    rng = random.Random(1)
+    decodes = [t for t in synthetic_steps(TRUE, 600, noise=0.02, rng=rng)
+               if t.shape.prefill_tokens == 0]
+    model.observe(decodes)
+    fitted = model.cost()
+    assert fitted.prefill_token_s == pytest.approx(prior.prefill_token_s)
+    assert fitted.prefill_pair_s == pytest.approx(prior.prefill_pair_s)
+    assert fitted.decode_seq_s == pytest.approx(TRUE.decode_seq_s, rel=0.05)
+
+
+def test_the_window_follows_a_worker_that_got_slower():
+    rng = random.Random(3)
+    model = StepModel(window=256)
+    model.observe(synthetic_steps(TRUE, 256, noise=0.02, rng=rng))
+    slower = StepCost(*(2 * c for c in astuple(TRUE)))
+    model.observe(synthetic_steps(slower, 256, noise=0.02, rng=rng))
+    assert model.cost().base_s == pytest.approx(slower.base_s, rel=0.05)
+
+
+def test_bad_measurements_are_ignored_and_coefficients_stay_non_negative():
+    model = StepModel()
+    model.observe([StepTiming(StepShape(decode_seqs=1, decode_context=10), float("nan"), 0),
+                   StepTiming(StepShape(decode_seqs=1, decode_context=10), -1.0, 0)])
+    assert model.num_samples == 0
+    # decodes that get faster with more context would fit a negative term
+    model.observe([StepTiming(StepShape(decode_seqs=1, decode_context=c), 0.01 - c * 1e-6, 0)
+                   for c in range(10, 5000, 50)])
+    assert all(c >= 0 for c in astuple(model.cost()))
+
+
+def test_the_transfer_fit_recovers_latency_and_bandwidth():
+    rng = random.Random(5)
+    model = TransferModel()
+    true = TransferCost(latency_s=1.5e-3, per_byte_s=1 / 2.5e9)  # 2.5 GB/s
+    for _ in range(200):
+        nbytes = rng.randint(1 << 16, 64 << 20)
+        model.observe(nbytes, true.seconds(nbytes) * (1 + rng.gauss(0, 0.03)))
+    fitted = model.cost()
+    assert fitted.latency_s == pytest.approx(true.latency_s, rel=0.05)
+    assert fitted.per_byte_s == pytest.approx(true.per_byte_s, rel=0.05)
+
+
+def test_ttft_counts_the_queue_the_chunks_and_the_decodes_carried():
+    cost = StepCost(base_s=1e-3, prefill_token_s=1e-5, prefill_pair_s=0.0,
+                    decode_seq_s=1e-4, decode_context_s=0.0)
+    # 10 decodes leave 90 tokens a step: 300 queued + 150 new = 450 -> 5 steps, each
+    # carrying base + 10 decodes (2 ms), plus 450 prompt tokens (4.5 ms)
+    load = WorkerLoad(queued_tokens=300, queued_requests=2, decode_seqs=10, token_budget=100)
+    assert ttft_seconds(cost, load, 150) == pytest.approx(5 * 2e-3 + 450 * 1e-5)
+    # 128 of those tokens cached: 322 tokens, 4 steps
+    assert ttft_seconds(cost, load, 150, cached=128) == pytest.approx(4 * 2e-3 + 322 * 1e-5)
+
+
+def test_tpot_spreads_the_queued_prompts_over_the_output():
+    cost = StepCost(base_s=1e-3, prefill_token_s=1e-5, prefill_pair_s=0.0,
+                    decode_seq_s=1e-4, decode_context_s=1e-6)
+    idle = WorkerLoad(decode_seqs=3, decode_context=300)
+    # joined: 4 seqs over 300 + 100 + 50 context: 1 + 0.4 + 0.45 ms
+    assert tpot_seconds(cost, idle, 100, 101) == pytest.approx(1.85e-3)
+    busy = WorkerLoad(queued_tokens=1000, queued_requests=1, decode_seqs=3,
+                      decode_context=300)
+    assert tpot_seconds(cost, busy, 100, 101) == pytest.approx(1.85e-3 + 1000 * 1e-5 / 100)
+
+
+def test_prompt_pairs_match_the_step_shapes_of_its_chunks():
+    # 100 tokens in chunks of 30 / 30 / 40: the pairs the engine's StepShape counts
+    chunks = [(30, 0), (30, 30), (40, 60)]
+    assert sum(n * c + n * (n + 1) // 2 for n, c in chunks) == prompt_pairs(100)
+    assert prompt_pairs(100, cached=60) == 40 * 60 + 40 * 41 // 2
