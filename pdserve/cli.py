@@ -15,7 +15,7 @@ import threading
 from pdserve import cli_flags, env
 from pdserve.admin_cli import add_admin_parser
 from pdserve.bench.cli import add_bench_parser
-from pdserve.router.config import PoolSpec
+from pdserve.router.config import PoolSpec, RouterConfig, RoutingSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +50,7 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     cli_flags.add_flags(pools, PoolSpec)
     pools.add_argument("--transfer-timeout", type=float, default=30.0,
                        help="seconds a KV transfer may take (default: %(default)s)")
+    cli_flags.add_flags(p.add_argument_group("routing"), RoutingSpec)
     cli_flags.add_engine_flags(p)
 
 
@@ -60,8 +61,9 @@ def launch_cluster(args: argparse.Namespace, **engine_overrides):
 
     config = cli_flags.engine_config(args, args.model, **engine_overrides)
     pools = PoolSpec(**cli_flags.values(args, PoolSpec))
+    routing = RoutingSpec(**cli_flags.values(args, RoutingSpec))
     return launch(config, pools, TransferConfig(timeout_s=args.transfer_timeout),
-                  served_model_name=getattr(args, "served_model_name", None) or args.model)
+                  RouterConfig(routing=routing), served_model_name=getattr(args, "served_model_name", None) or args.model)
 
 
 def _add_serve_parser(sub) -> None:

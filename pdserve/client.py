@@ -5,7 +5,9 @@
     for chunk in client.generate_stream([1, 2, 3], max_tokens=8): ...
 
 Sampling settings are SamplingParams' fields, as keyword arguments or as
-`sampling_params=SamplingParams(...)`. Deadlines come from `timeout=` (per call, else
+`sampling_params=SamplingParams(...)`. SLOs are `slo_ttft_ms=` / `slo_tpot_ms=`: the
+server places the request to meet them, or refuses it at once (OverloadedError with
+its retry-after) when it cannot. Deadlines come from `timeout=` (per call, else
 the client's default). Only RESOURCE_EXHAUSTED (overload) is retried, with exponential
 backoff that honours the server's retry-after, and only before any token has arrived.
 Failures raise typed exceptions: InvalidArgumentError, OverloadedError,
@@ -71,6 +73,16 @@ class CompletionChunk:
     finish_reason: str | None
     usage: Usage | None
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # {token: logprob}
+    timings: Timings | None = None  # on the last chunk
+
+
+@dataclass(frozen=True)
+class Timings:
+    """The server's measurements and its routing forecast (None: no forecast)."""
+    ttft_s: float
+    e2e_s: float
+    predicted_ttft_s: float | None
+    predicted_tpot_s: float | None
 
 
 @dataclass
@@ -84,6 +96,7 @@ class Completion:
     usage: Usage = field(default_factory=Usage)
     ttft_s: float | None = None  # measured by the client
     e2e_s: float | None = None
+    timings: Timings | None = None  # the server's
 
     def add(self, chunk: CompletionChunk, started: float) -> None:
         if self.ttft_s is None and chunk.token_ids:
@@ -98,23 +111,32 @@ class Completion:
             self.e2e_s = time.perf_counter() - started
         if chunk.usage is not None:
             self.usage = chunk.usage
+        if chunk.timings is not None:
+            self.timings = chunk.timings
 
 
 def _request(prompt, request_id: str, sampling_params: SamplingParams | None,
              sampling: dict) -> pb.GenerateRequest:
+    slo = {k: v for k in ("slo_ttft_ms", "slo_tpot_ms")
+           if (v := sampling.pop(k, None)) is not None}
     params = to_proto(sampling_params, **sampling)
     if isinstance(prompt, str):
-        return pb.GenerateRequest(request_id=request_id, text=prompt, sampling_params=params)
+        return pb.GenerateRequest(request_id=request_id, text=prompt, sampling_params=params,
+                                  **slo)
     return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=list(prompt)),
-                              sampling_params=params)
+                              sampling_params=params, **slo)
 
 
 def _chunk(r: pb.GenerateResponse) -> CompletionChunk:
     usage = (Usage(r.usage.prompt_tokens, r.usage.completion_tokens,
                    r.usage.cached_prompt_tokens) if r.HasField("usage") else None)
+    tm = r.timings
+    timings = (Timings(tm.ttft_seconds, tm.e2e_seconds, tm.predicted_ttft_seconds or None,
+                       tm.predicted_tpot_seconds or None) if r.HasField("timings") else None)
     return CompletionChunk(r.request_id, list(r.token_ids), r.text, list(r.logprobs),
                            _FINISH.get(r.finish_reason), usage,
-                           [dict(zip(t.token_ids, t.logprobs)) for t in r.top_logprobs])
+                           [dict(zip(t.token_ids, t.logprobs)) for t in r.top_logprobs],
+                           timings)
 
 
 def _error(err: grpc.RpcError) -> PdserveError:

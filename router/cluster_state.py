@@ -3,9 +3,18 @@ request being placed. Plain data, no I/O, no clock read: `decide` is a function 
 these alone, so it is tested without Ray and reused by the capacity simulator."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
+from pdserve.engine.latency_forecast import WorkerLoad
+from pdserve.engine.latency_model import (
+    DEFAULT_STEP_COST,
+    DEFAULT_TRANSFER_COST,
+    StepCost,
+    TransferCost,
+)
 from pdserve.engine.worker_messages import WorkerTelemetry
+from pdserve.router.slo import Slo
 
 
 class HasRole:
@@ -23,19 +32,30 @@ class HasRole:
 
 
 @dataclass(frozen=True)
+class TpotBudget:
+    """A running request's TPOT SLO as it stands now."""
+    priority: int  # the request's; lower runs first
+    slack_s: float  # how much longer each of its remaining steps may take (<0: missed)
+    remaining: int  # tokens it may still generate
+
+
+@dataclass(frozen=True)
 class WorkerState(HasRole):
     worker_id: str
     role: str  # prefill | decode | both (engine.worker_messages.ROLES)
     alive: bool = True  # in service (not dead, not restarting, not stalled)
     draining: bool = False  # takes no new requests
-    # Counted by this router: prefill jobs sent and not yet answered, and their
-    # prompt tokens; requests reserved or running here (decode and both roles).
+    # Counted by this router: prompts sent to be computed here and not yet computed,
+    # and their tokens; requests reserved or running here (decode and both roles).
     queued: int = 0
     queued_tokens: int = 0
     inflight: int = 0
     telemetry: WorkerTelemetry | None = None  # the worker's last report
     heard_at: float = float("-inf")  # when it arrived (the router's monotonic clock)
     num_blocks: int = 0
+    step_cost: StepCost | None = None  # its latency model (None: nothing fitted yet)
+    # This router's requests running here with a TPOT SLO.
+    budgets: tuple[TpotBudget, ...] = ()
 
     @property
     def available(self) -> bool:
@@ -53,6 +73,12 @@ class ClusterState:
     # a request is refused (0 = unbounded), so nothing admitted outwaits its lease.
     max_queued_prefill_tokens: int = 0
     retry_after_s: float = 1.0
+    # (prefill worker, decode worker) -> its fitted transfer cost
+    transfer: Mapping[tuple[str, str], TransferCost] = field(default_factory=dict)
+    block_size: int = 16  # tokens per KV block
+    kv_bytes_per_block: int = 0  # the KV of one block, all layers
+    adaptive: bool = False  # workers in role both may also be paired (P on one, D on another)
+    admission: str = "slo"  # slo: refuse what would miss its SLOs; always: place anyway
 
     def report(self, worker: WorkerState) -> WorkerTelemetry | None:
         """The worker's telemetry if fresh, else None (unknown)."""
@@ -64,6 +90,26 @@ class ClusterState:
         report = self.report(worker)
         return None if report is None else report.free_blocks
 
+    def step_cost(self, worker: WorkerState) -> StepCost:
+        return worker.step_cost or DEFAULT_STEP_COST
+
+    def transfer_cost(self, prefill: str, decode: str) -> TransferCost:
+        return self.transfer.get((prefill, decode), DEFAULT_TRANSFER_COST)
+
+    def load(self, worker: WorkerState) -> WorkerLoad:
+        """Its load as a forecast reads it: the report's figures, or this router's own
+        counts where they are higher (requests sent since the report) or the report
+        is stale."""
+        report = self.report(worker)
+        if report is None:
+            return WorkerLoad(worker.queued_tokens, worker.queued, worker.inflight)
+        decoding = report.running + report.reserved if worker.decodes else 0
+        return WorkerLoad(queued_tokens=max(report.waiting_tokens, worker.queued_tokens),
+                          queued_requests=max(report.waiting, worker.queued),
+                          decode_seqs=max(decoding, worker.inflight),
+                          decode_context=report.context_tokens if worker.decodes else 0,
+                          token_budget=report.token_budget or WorkerLoad.token_budget)
+
 
 @dataclass(frozen=True)
 class RequestView:
@@ -72,3 +118,9 @@ class RequestView:
     blocks_needed: int  # KV blocks its prompt and first token take on the decode side
     # Workers that refused this request already (no room when asked): not asked again.
     refused: frozenset[str] = frozenset()
+    slo: Slo = Slo()
+    priority: int = 0  # lower runs first (SamplingParams.priority)
+    max_tokens: int = 16
+    # Worker id -> leading prompt tokens found in its prefix cache (others: none).
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    sequence: int = 0  # the router's count of requests placed (round robin)

@@ -5,9 +5,46 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.options import option
+from pdserve.router.slo import Slo
 
-MODES = ("disaggregated", "colocated")
+MODES = ("disaggregated", "colocated", "adaptive")
+POLICIES = ("goodput", "least-loaded", "round-robin")
+ADMISSIONS = ("slo", "always")
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """How the router places requests (`pdserve serve` flags)."""
+    routing_policy: str = option("goodput", "goodput: forecast TTFT and TPOT of every "
+                                 "placement and pick the cheapest that meets the SLOs; "
+                                 "least-loaded; round-robin", choices=POLICIES)
+    admission: str = option("slo", "slo: refuse (429 + Retry-After) a request no placement "
+                            "would serve within its SLOs, or that would push running "
+                            "requests past theirs; always: place every request",
+                            choices=ADMISSIONS)
+    prefix_aware: bool = option(True, "goodput: count the prompt tokens each worker's "
+                                "prefix cache holds (from the workers' telemetry) as "
+                                "computed")
+    slo_ttft_ms: float | None = option(None, "TTFT SLO of requests that set none "
+                                       "(x-slo-ttft-ms, slo_ttft_ms); unset: best effort")
+    slo_tpot_ms: float | None = option(None, "TPOT SLO of requests that set none "
+                                       "(x-slo-tpot-ms, slo_tpot_ms); unset: best effort")
+
+    def __post_init__(self) -> None:
+        if self.routing_policy not in POLICIES:
+            raise ValueError(f"routing_policy must be one of {POLICIES}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}")
+        self.default_slo  # checked
+
+    @property
+    def default_slo(self) -> Slo:
+        try:
+            return Slo.from_ms(self.slo_ttft_ms, self.slo_tpot_ms)
+        except InvalidRequestError as err:
+            raise ValueError(str(err)) from None
 STRATEGIES = ("default", "spread")  # Ray's scheduling strategies, as for actors
 
 
@@ -38,6 +75,10 @@ class RouterConfig:
     # An HTTP body or gRPC message larger than this is refused (413 / RESOURCE_EXHAUSTED)
     # before it is parsed.
     max_request_bytes: int = 4 << 20  # a 128k-token prompt is about 1 MiB as JSON
+    routing: RoutingSpec = RoutingSpec()
+    # Workers in role both may also be paired, prefill on one and decode on another
+    # (the adaptive mode; launch sets it).
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         for name in ("reserve_timeout_s", "prefill_timeout_s", "start_timeout_s",
@@ -58,7 +99,10 @@ class PoolSpec:
     prefill_workers: int = option(1, "prefill workers (colocated: engine workers too)")
     decode_workers: int = option(1, "decode workers (colocated: engine workers too)")
     mode: str = option("disaggregated", "disaggregated: prefill and decode pools; "
-                       "colocated: every worker runs whole requests", choices=MODES)
+                       "colocated: every worker runs whole requests; adaptive: every "
+                       "worker may run whole requests, prefill for another or decode "
+                       "for another, as the routing policy chooses per request",
+                       choices=MODES)
     num_cpus_per_worker: float = option(1.0, "Ray CPUs per worker actor")
     num_gpus_per_worker: float = option(0.0, "Ray GPUs per worker actor (1 on GPU machines)")
     max_restarts: int = option(-1, "times Ray restarts a worker whose process died "
@@ -105,17 +149,13 @@ class PoolSpec:
     @property
     def roles(self) -> list[str]:
         """The role of each worker to launch, in order."""
-        if self.mode == "colocated":
+        if self.mode != "disaggregated":
             return ["both"] * self.num_engine
         return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
 
     @property
-    def num_prefill(self) -> int:
-        return self.prefill_workers if self.mode == "disaggregated" else 0
-
-    @property
     def num_engine(self) -> int:
-        """Decode workers, or in colocated mode every engine worker."""
+        """Decode workers, or (colocated, adaptive) every engine worker."""
         if self.mode == "disaggregated":
             return self.decode_workers
         return self.prefill_workers + self.decode_workers

@@ -1,13 +1,16 @@
 """What `decide` answers for one request; the router carries it out."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Colocate:
     """The worker (role both) runs the whole request, prefill included."""
     worker: str
+    # What the policy predicted for the request (None: a policy without a model).
+    ttft_s: float | None = field(default=None, compare=False)
+    tpot_s: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -15,6 +18,8 @@ class Disaggregate:
     """`prefill` computes the prompt and streams its KV to `decode`, which generates."""
     prefill: str
     decode: str
+    ttft_s: float | None = field(default=None, compare=False)
+    tpot_s: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,7 @@ class Reject:
     """429 / RESOURCE_EXHAUSTED with Retry-After."""
     reason: str
     retry_after_s: float
+    kind: str = "overloaded"  # for metrics: overloaded | ttft | tpot | harm
 
 
 Decision = Colocate | Disaggregate | Reject

@@ -3,6 +3,7 @@ server reflection. A thin translation between proto messages and the router."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -13,6 +14,7 @@ from pdserve.router.auth import ApiKeys, owner
 from pdserve.router.config import TLSConfig
 from pdserve.router.errors import OverloadedError, WorkerError
 from pdserve.router.router import Router
+from pdserve.router.slo import Slo
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
 from pdserve.v1.sampling import from_proto
@@ -46,13 +48,18 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                 prompt = list(request.token_ids.ids)
             else:
                 raise InvalidRequestError("prompt", "set text or token_ids")
+            slo = Slo.from_ms(
+                request.slo_ttft_ms if request.HasField("slo_ttft_ms") else None,
+                request.slo_tpot_ms if request.HasField("slo_tpot_ms") else None)
             accepted = await self.router.accept(
-                prompt, from_proto(request.sampling_params), request.request_id, caller)
+                prompt, from_proto(request.sampling_params), request.request_id, caller, slo)
         except InvalidRequestError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        completion = 0
+        completion, first_at = 0, None
         try:
             async for delta in self.router.generate(accepted):
+                if first_at is None and delta.token_ids:
+                    first_at = time.time()
                 completion += len(delta.token_ids)
                 response = pb.GenerateResponse(
                     request_id=accepted.request_id, token_ids=delta.token_ids, text=delta.text,
@@ -64,6 +71,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                         prompt_tokens=len(accepted.prompt_token_ids),
                         completion_tokens=completion,
                         cached_prompt_tokens=delta.num_cached_tokens))
+                    response.timings.CopyFrom(_timings(accepted, self.router, first_at))
                 yield response
         except InvalidRequestError as err:  # found once workers were asked (KV capacity)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -85,6 +93,15 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         return pb.GetModelInfoResponse(model=m.name, max_model_len=m.max_model_len,
                                        vocab_size=m.vocab_size,
                                        has_chat_template=bool(self.router.tokenizer.chat_template))
+
+
+def _timings(accepted, router: Router, first_at: float | None) -> pb.Timings:
+    now = time.time()
+    placed = router.forecast_of(accepted.request_id)
+    return pb.Timings(ttft_seconds=(first_at or now) - accepted.arrival_time,
+                      e2e_seconds=now - accepted.arrival_time,
+                      predicted_ttft_seconds=getattr(placed, "ttft_s", None) or 0.0,
+                      predicted_tpot_seconds=getattr(placed, "tpot_s", None) or 0.0)
 
 
 async def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int = 0,

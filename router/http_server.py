@@ -174,7 +174,8 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys(),
     async def completions(request: Request, who: str = Depends(caller)):
         body = await _body(parser, CompletionRequest, request)
         _check_model(body.model, model.name)
-        accepted = await router.accept(body.prompt_input(), body.sampling_params(), owner=who)
+        accepted = await router.accept(body.prompt_input(), body.sampling_params(), owner=who,
+                                       slo=body.slo(request.headers))
         shape = _CompletionShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)
 
@@ -186,7 +187,8 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys(),
         if not router.tokenizer.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template")
         params = body.sampling_params()
-        accepted = await router.accept_chat(body.template_messages(), params, owner=who)
+        accepted = await router.accept_chat(body.template_messages(), params, owner=who,
+                                            slo=body.slo(request.headers))
         shape = _ChatShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)
 

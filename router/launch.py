@@ -100,13 +100,21 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     for worker, address in zip(decoders, addresses):
         worker.address = address
     # every pair, before traffic
-    _get([w.actor.connect.remote(addresses) for w in workers if w.role == "prefill"],
-         router_config, "pair up")
+    adaptive = pools.mode == "adaptive"
+    _get([w.actor.connect.remote([a for d, a in zip(decoders, addresses) if d is not w])
+          for w in workers if w.role == "prefill" or adaptive], router_config, "pair up")
     model = ModelConfig.from_dir(model_dir)
     max_len = min(engine_config.max_model_len or model.max_position_embeddings,
                   model.max_position_embeddings)
-    info = ModelInfo(served, max_len, model.vocab_size, engine_config.cache.block_size)
-    return Router(Tokenizer(model_dir), info, workers, router_config, spawner)
+    block_size = engine_config.cache.block_size
+    info = ModelInfo(served, max_len, model.vocab_size, block_size,
+                     kv_bytes_per_block=2 * model.num_layers * model.kv_size * block_size
+                     * _DTYPE_BYTES[engine_config.resolved_dtype])
+    return Router(Tokenizer(model_dir), info, workers,
+                  replace(router_config, adaptive=adaptive), spawner)
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _get(refs: list, config: RouterConfig, what: str) -> list:

@@ -1,13 +1,9 @@
-"""The one decision point: `decide(request, ClusterState) -> Decision`, pure (no I/O,
-no Ray, no clock). The router calls it for every request, and again only when a
-worker it chose refused (the refusal is news the next snapshot carries).
-
-This policy is load balancing: colocate on the least-loaded worker of role both when
+"""The least-loaded policy (--routing-policy least-loaded), pure: load balancing with
+no latency model and no SLOs: colocate on the least-loaded worker of role both when
 the cluster has no prefill worker; otherwise disaggregate onto the prefill worker
 with the fewest queued prompt tokens whose queue has room, and the decode-capable
 worker with the fewest requests in flight, then the most free KV (as last reported;
-a stale report is unknown). Draining, dead and stalled workers take nothing new.
-The goodput policy replaces it behind the same signature."""
+a stale report is unknown). Draining, dead and stalled workers take nothing new."""
 from __future__ import annotations
 
 from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
@@ -21,7 +17,7 @@ def decide(request: RequestView, state: ClusterState) -> Decision:
     prefill = [w for w in pool if w.available]
     if not prefill:
         return Reject("no prefill worker is in service", state.retry_after_s)
-    room = [w for w in prefill if _has_room(w, request, state)]
+    room = [w for w in prefill if has_room(w, request, state)]
     if not room:
         return Reject("every prefill worker's queue is full", state.retry_after_s)
     decode = _best_decode(request, state, [w for w in state.workers
@@ -55,7 +51,7 @@ def _best_decode(request: RequestView, state: ClusterState,
                default=None)
 
 
-def _has_room(w: WorkerState, request: RequestView, state: ClusterState) -> bool:
+def has_room(w: WorkerState, request: RequestView, state: ClusterState) -> bool:
     """An empty queue always has room: one long prompt must not be refused forever."""
     limit = state.max_queued_prefill_tokens
     return not limit or w.queued == 0 or w.queued_tokens + request.num_prompt_tokens <= limit

@@ -24,6 +24,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.slo import Slo
 
 
 class Phase(enum.Enum):
@@ -49,6 +50,7 @@ class Accepted:
     params: SamplingParams
     arrival_time: float
     owner: str = ""  # who may abort it (auth.owner)
+    slo: Slo = Slo()  # its own, over the server's defaults
 
 
 @dataclass(eq=False)
@@ -62,6 +64,11 @@ class Flight:
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # Router.abort
     starting: asyncio.Future | None = None  # the decode worker's start call
     released: bool = False
+    # Colocated: the worker whose prefill queue counts its prompt until token #1.
+    queued_on: object | None = None
+    predicted: object | None = None  # the Decision it was placed by (its forecasts)
+    first_token_at: float | None = None  # time.time() of token #1
+    num_output_tokens: int = 0
 
     @property
     def request_id(self) -> str:

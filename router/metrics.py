@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+_RELATIVE = (0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0)
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
             20.0, 40.0, 80.0)
 
@@ -60,6 +61,17 @@ class RouterMetrics:
             labels + ["lease"], registry=r)
         self.requests = Counter("pdserve:request_success", "Finished requests",
                                 labels + ["finished_reason"], registry=r)
+        self.decisions = Counter("pdserve:router_decisions",
+                                 "Placement decisions by kind (colocate, disaggregate, "
+                                 "reject) and, for rejections, why",
+                                 labels + ["kind", "reason"], registry=r)
+        self.prediction_error = Histogram(
+            "pdserve:router_prediction_relative_error",
+            "|predicted - measured| / measured of each request's TTFT and TPOT",
+            labels + ["metric"], buckets=_RELATIVE, registry=r)
+        self.slo_requests = Counter("pdserve:router_slo_requests",
+                                    "Finished requests with an SLO, by whether they met it",
+                                    labels + ["slo", "met"], registry=r)
         self._model = model
 
     def observe_worker(self, t) -> None:
@@ -99,6 +111,24 @@ class RouterMetrics:
                 self._prefix_events.remove(*key, event)
             except KeyError:
                 pass
+
+    def decided(self, decision) -> None:
+        kind = type(decision).__name__.lower()
+        self.decisions.labels(self._model, kind, getattr(decision, "kind", "")).inc()
+
+    def judged(self, slo, decision, ttft_s: float, tpot_s: float | None) -> None:
+        """A finished request: its SLO attainment, and its forecast's error."""
+        for name, target, measured in (("ttft", slo.ttft_s, ttft_s),
+                                       ("tpot", slo.tpot_s, tpot_s)):
+            predicted = getattr(decision, f"{name}_s", None)
+            if measured is None:
+                continue
+            if predicted is not None and measured > 0:
+                self.prediction_error.labels(self._model, name).observe(
+                    abs(predicted - measured) / measured)
+            if target is not None:
+                self.slo_requests.labels(self._model, name, str(measured <= target).lower()
+                                         ).inc()
 
     def finished(self, reason: str) -> None:
         self.requests.labels(self._model, reason).inc()

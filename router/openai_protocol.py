@@ -27,6 +27,10 @@ from pdserve.engine.sampling_params import (
     SamplingParams,
 )
 from pdserve.engine.validation import PromptLimits, check_text
+from pdserve.router.slo import MAX_SLO_MS, Slo, parse_ms
+
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+SLO_TPOT_HEADER = "x-slo-tpot-ms"
 
 # SamplingParams fields whose OpenAI spelling differs: nullable max_tokens, stop as a
 # string or a list, logprobs as a count (completions) or a flag + top_logprobs (chat).
@@ -108,6 +112,22 @@ class _Sampling(_SamplingFields):
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(
         None, description="not supported: only an empty map")
     min_tokens: JsonInt = Field(0, ge=0, le=0, description="not supported: only 0")
+    # pdserve's: the request's SLOs (over the headers x-slo-ttft-ms / x-slo-tpot-ms).
+    slo_ttft_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS, description=(
+        "time-to-first-token SLO in ms; unset: the x-slo-ttft-ms header, else the "
+        "server's default, else best effort"))
+    slo_tpot_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS, description=(
+        "time-per-output-token SLO in ms; unset: the x-slo-tpot-ms header, else the "
+        "server's default, else best effort"))
+
+    def slo(self, headers) -> Slo:
+        """The body's SLOs, else the headers' (each named as the client spelled it)."""
+        ttft = Slo.from_ms(parse_ms(headers.get(SLO_TTFT_HEADER), SLO_TTFT_HEADER), None,
+                           ttft_field=SLO_TTFT_HEADER)
+        tpot = Slo.from_ms(None, parse_ms(headers.get(SLO_TPOT_HEADER), SLO_TPOT_HEADER),
+                           tpot_field=SLO_TPOT_HEADER)
+        return Slo.from_ms(self.slo_ttft_ms, self.slo_tpot_ms).over(Slo(ttft.ttft_s,
+                                                                        tpot.tpot_s))
 
     def _params(self, max_tokens: int | None, logprobs: bool,
                 top_logprobs: int) -> SamplingParams:

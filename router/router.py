@@ -1,7 +1,8 @@
 """The router core, shared by the gRPC and HTTP front ends.
 
 Every request is placed by one pure decision, policy.decide(request, ClusterState),
-over a snapshot of the workers (their roles and telemetry); the router carries it out.
+over a snapshot of the workers (their roles, telemetry, fitted latency models and
+the SLO headroom of the requests running on them); the router carries it out.
 Disaggregate(P, D): validate + tokenize -> admit to P's bounded prefill queue ->
 reserve KV on D (it refuses: decide again without it) -> prefill, which streams the
 KV to the reserved blocks and samples token #1 (sent at once, with its text) -> start
@@ -32,6 +33,7 @@ import ray
 
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.errors import InvalidRequestError, RequestFailedError
+from pdserve.engine.latency_forecast import decode_step_seconds
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import PromptLimits, check_length, prompt_token_ids
@@ -43,7 +45,8 @@ from pdserve.engine.worker_messages import (
     WorkerTelemetry,
     check_role,
 )
-from pdserve.router.cluster_state import ClusterState, RequestView
+from pdserve.router.cluster_models import ClusterModels
+from pdserve.router.cluster_state import ClusterState, RequestView, TpotBudget
 from pdserve.router.config import RouterConfig
 from pdserve.router.decision import Colocate, Decision, Reject
 from pdserve.router.errors import (
@@ -56,6 +59,8 @@ from pdserve.router.errors import (
 from pdserve.router.lifecycle import Accepted, Flight, Phase
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import decide
+from pdserve.router.prefix_index import block_hashes
+from pdserve.router.slo import Slo
 from pdserve.router.workers import WorkerHandle
 
 __all__ = ["Accepted", "MembershipError", "ModelInfo", "Router"]
@@ -68,6 +73,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     block_size: int
+    kv_bytes_per_block: int = 0  # one block's KV, all layers (the latency model's transfers)
 
 
 # Text up to this long is tokenized on the event loop (well under a millisecond);
@@ -106,6 +112,8 @@ class Router:
         self.spawner = spawner
         self.workers: dict[str, WorkerHandle] = {}
         self.metrics = RouterMetrics(model.name)
+        self.models = ClusterModels()
+        self._placed = itertools.count()  # requests placed (round robin's sequence)
         for worker in workers:
             self._admit(worker)
         # Names this router to the workers, which stream it its own requests only.
@@ -153,6 +161,11 @@ class Router:
             return "stalled" if w.pump is not None and not w.pump.done() else "dead"
         return {w.worker_id: state(w) for w in self.workers.values()}
 
+    def forecast_of(self, request_id: str) -> Decision | None:
+        """The decision an in-flight request was placed by, with its forecasts."""
+        flight = self._flights.get(request_id)
+        return None if flight is None else flight.predicted
+
     @property
     def num_inflight(self) -> int:
         return len(self._flights)
@@ -179,7 +192,7 @@ class Router:
             await asyncio.wait(self._aborting, timeout=self.config.control_timeout_s)
 
     async def accept(self, prompt, params: SamplingParams, request_id: str = "",
-                     owner: str = "") -> Accepted:
+                     owner: str = "", slo: Slo = Slo()) -> Accepted:
         """Validation and tokenization; raises InvalidRequestError naming the field.
         Text that cannot fit the context is refused before tokenizing, and long text is
         tokenized off the event loop, which serves every other request meanwhile."""
@@ -190,15 +203,16 @@ class Router:
         ids = await self._tokenize(len(prompt) if isinstance(prompt, str) else 0,
                                    prompt_token_ids, prompt, self.tokenizer,
                                    self.model.vocab_size)
-        return self._accepted(ids, params, request_id, owner)
+        return self._accepted(ids, params, request_id, owner, slo)
 
     async def accept_chat(self, messages: list[dict], params: SamplingParams,
-                          request_id: str = "", owner: str = "") -> Accepted:
+                          request_id: str = "", owner: str = "",
+                          slo: Slo = Slo()) -> Accepted:
         """The chat template applied to checked messages, then as accept()."""
         chars = sum(len(m["content"]) for m in messages)
         self.limits.check_chars("messages", chars)
         ids = await self._tokenize(chars, self._chat_token_ids, messages)
-        return self._accepted(ids, params, request_id, owner)
+        return self._accepted(ids, params, request_id, owner, slo)
 
     def _chat_token_ids(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.render_chat(messages)
@@ -215,24 +229,25 @@ class Router:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     def _accepted(self, ids: list[int], params: SamplingParams, request_id: str,
-                  owner: str) -> Accepted:
+                  owner: str, slo: Slo) -> Accepted:
         check_length(len(ids), params.max_tokens, self.model.max_model_len)
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} "
                                       "characters")
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        return Accepted(rid, ids, params, time.time(), owner)
+        return Accepted(rid, ids, params, time.time(), owner,
+                        slo.over(self.config.routing.default_slo))
 
     async def generate(self, req: Accepted) -> AsyncIterator[TokenDelta]:
         """Streams the request's deltas; the last one has finished=True."""
         flight = self._claim(req)
-        track = _Tracker(self.metrics, req)
+        track = _Tracker(self.metrics, flight)
         try:
             first, skip_text = await self._begin(flight)
             if first is not None:
-                yield track.observe(first)
+                yield track.observe(self._progress(flight, first))
             async for delta in self._stream(flight, skip_text, skip_token=first is not None):
-                yield track.observe(delta)
+                yield track.observe(self._progress(flight, delta))
         except _Cancelled:
             yield track.observe(TokenDelta(req.request_id, [], "", [], True, "abort"))
         finally:
@@ -262,6 +277,19 @@ class Router:
                 self.metrics.lease_expiries.labels(self.model.name, lease).set(
                     sum(s["lease_expiries"][lease] for s in stats))
 
+    def _progress(self, flight: Flight, delta: TokenDelta) -> TokenDelta:
+        if delta.token_ids:
+            if flight.first_token_at is None:
+                flight.first_token_at = time.time()
+                self._dequeue(flight)  # its prompt is computed
+            flight.num_output_tokens += len(delta.token_ids)
+        return delta
+
+    def _dequeue(self, flight: Flight) -> None:
+        if flight.queued_on is not None:
+            flight.queued_on.unqueue(len(flight.req.prompt_token_ids))
+            flight.queued_on = None
+
     # ---- the phases -----------------------------------------------------------------
 
     def _claim(self, req: Accepted) -> Flight:
@@ -284,9 +312,12 @@ class Router:
         req, refused = flight.req, frozenset()
         num_tokens = len(req.prompt_token_ids)
         while True:
-            decision = self._decide(req, refused)
+            decision = flight.predicted = self._decide(req, refused)
             if isinstance(decision, Colocate):
-                await self._submit(flight, self.workers[decision.worker])
+                worker = self.workers[decision.worker]
+                flight.queued_on = worker  # until its first token, its prompt is queued there
+                worker.enqueue(num_tokens)
+                await self._submit(flight, worker)
                 return None, 0
             prefill, decode = self.workers[decision.prefill], self.workers[decision.decode]
             prefill.enqueue(num_tokens)
@@ -299,6 +330,9 @@ class Router:
             if reservation is not None:
                 break
             refused |= {decode.worker_id}
+        if result.transfer_seconds > 0:
+            self.models.transferred(prefill.worker_id, decode.worker_id,
+                                    result.kv_bytes_sent, result.transfer_seconds)
         self.metrics.prompt_tokens.inc(num_tokens)
         self._start(flight, result.first_token)
         # The decode worker detokenizes from the same state: its first delta's text
@@ -313,19 +347,52 @@ class Router:
 
     def _decide(self, req: Accepted, refused: frozenset[str] = frozenset()) -> Decision:
         """The policy's decision on a snapshot of now; a rejection raises (429)."""
-        view = RequestView(len(req.prompt_token_ids),
-                           -(-(len(req.prompt_token_ids) + 1) // self.model.block_size),
-                           refused)
-        decision = decide(view, self.snapshot())
+        ids, bs = req.prompt_token_ids, self.model.block_size
+        hits = (self.models.prefixes.hits(block_hashes(ids, bs))
+                if self.models.prefixes and self.config.routing.prefix_aware else {})
+        view = RequestView(len(ids), -(-(len(ids) + 1) // bs), refused, req.slo,
+                           req.params.priority, req.params.max_tokens,
+                           {w: n * bs for w, n in hits.items()}, next(self._placed))
+        decision = decide(view, self.snapshot(), self.config.routing.routing_policy)
+        self.metrics.decided(decision)
         if isinstance(decision, Reject):
             raise OverloadedError(decision.reason, decision.retry_after_s)
         return decision
 
     def snapshot(self) -> ClusterState:
-        """Every worker's state now, as the policy sees it."""
-        return ClusterState(tuple(w.state() for w in self.workers.values()), time.monotonic(),
+        """Every worker's state now, as the policy sees it, with the TPOT headroom of
+        this router's requests running on it."""
+        base = ClusterState(tuple(w.state() for w in self.workers.values()), time.monotonic(),
                             self.config.telemetry_stale_s,
-                            self.config.max_queued_prefill_tokens, self.config.retry_after_s)
+                            self.config.max_queued_prefill_tokens, self.config.retry_after_s,
+                            self.models.transfer_costs, self.model.block_size,
+                            self.model.kv_bytes_per_block, self.config.adaptive,
+                            self.config.routing.admission)
+        timed = [f for f in self._flights.values() if f.req.slo.tpot_s is not None
+                 and f.first_token_at is not None and f.phase is Phase.STREAMING]
+        if not timed:
+            return base
+        now, budgets = time.time(), {}
+        steps = {w.worker_id: decode_step_seconds(base.step_cost(w), base.load(w))
+                 for w in base.workers}
+        for flight in timed:
+            wid = flight.decode.worker_id
+            if wid in steps:
+                budgets.setdefault(wid, []).append(self._budget(flight, now, steps[wid]))
+        return replace(base, workers=tuple(
+            replace(w, budgets=tuple(budgets[w.worker_id])) if w.worker_id in budgets else w
+            for w in base.workers))
+
+    @staticmethod
+    def _budget(flight: Flight, now: float, step_s: float) -> TpotBudget:
+        """How much longer each of the request's remaining steps may take and still
+        meet its TPOT SLO (the mean over its output; it expects max_tokens)."""
+        req = flight.req
+        total = max(req.params.max_tokens, flight.num_output_tokens + 1)
+        remaining = total - flight.num_output_tokens
+        deadline = flight.first_token_at + req.slo.tpot_s * (total - 1)
+        return TpotBudget(req.params.priority, (deadline - now) / remaining - step_s,
+                          remaining)
 
     async def _reserve(self, flight: Flight, worker: WorkerHandle) -> Reservation | None:
         """The reservation, or None when the worker has no room (or no answer in time)."""
@@ -494,6 +561,7 @@ class Router:
         if flight.released:
             return
         flight.released = True
+        self._dequeue(flight)
         self._abort_on_holders(flight)
         if flight.decode is not None:
             self._unhold(flight)
@@ -608,6 +676,7 @@ class Router:
             revival.cancel()
         self.workers.pop(worker.worker_id, None)
         self.metrics.forget_worker(worker.worker_id)
+        self.models.forget(worker.worker_id)
         if kill:
             _kill(worker.actor)
         log.warning("worker %s left", worker.worker_id)
@@ -615,6 +684,7 @@ class Router:
 
     def _reported(self, worker: WorkerHandle, telemetry: WorkerTelemetry) -> None:
         self.metrics.observe_worker(telemetry)
+        worker.step_cost = self.models.reported(telemetry)
 
     # ---- workers leaving and rejoining service ---------------------------------------
 
@@ -701,21 +771,28 @@ class Router:
         stats = await asyncio.wait_for(worker.actor.stats.remote(), timeout_s)
         worker.num_blocks = stats["num_blocks"]
         worker.address = ""  # a restarted process listens on a new rendezvous
+        self.models.prefixes.forget(worker.worker_id)  # and its prefix cache is empty
         await self._pair_with_cluster(worker)
         self._subscribe(worker)
 
+    def _prefills_for_others(self, worker: WorkerHandle) -> bool:
+        return worker.role == "prefill" or (self.config.adaptive and worker.role == "both")
+
     async def _pair_with_cluster(self, worker: WorkerHandle) -> None:
-        """Pairs a prefill worker with every decode-capable worker, or every prefill
-        worker with a decode-capable one, ahead of traffic (workers in role both run
-        whole requests and open no pairs)."""
+        """Pairs the worker, ahead of traffic, with every worker it may send KV to or
+        receive KV from: role prefill (and in adaptive mode role both) sends to every
+        decode-capable worker. Outside adaptive mode, workers in role both run whole
+        requests only and send nothing."""
         timeout_s = self.config.control_timeout_s
         if worker.decodes and not worker.address:
             worker.address = await asyncio.wait_for(worker.actor.address.remote(), timeout_s)
         live = [w for w in self.workers.values() if w.alive and w is not worker]
-        if worker.role == "prefill":
-            await self._pair([(worker, d.address) for d in live if d.decodes and d.address])
-        elif worker.decodes:
-            await self._pair([(p, worker.address) for p in live if p.role == "prefill"])
+        pairs = []
+        if self._prefills_for_others(worker):
+            pairs += [(worker, d.address) for d in live if d.decodes and d.address]
+        if worker.decodes:
+            pairs += [(p, worker.address) for p in live if self._prefills_for_others(p)]
+        await self._pair(pairs)
 
     async def _pair(self, pairs: list[tuple[WorkerHandle, str]]) -> None:
         """Pairs prefill workers with decode addresses ahead of traffic, best effort: a
@@ -754,12 +831,13 @@ def _forget_abort(tasks: set):
 
 
 class _Tracker:
-    """One request's metrics: waiting until its first token, then running."""
+    """One request's metrics: waiting until its first token, then running; at its end
+    its SLO attainment and how far its latencies were from the forecast."""
 
-    def __init__(self, metrics: RouterMetrics, req: Accepted):
-        self.m, self.req = metrics, req
+    def __init__(self, metrics: RouterMetrics, flight: Flight):
+        self.m, self.flight, self.req = metrics, flight, flight.req
         self.waiting = True
-        self.last = req.arrival_time
+        self.last = flight.req.arrival_time
         self.closed = False
         metrics.waiting.inc()
 
@@ -778,7 +856,17 @@ class _Tracker:
         if delta.finished:
             m.e2e.observe(now - self.req.arrival_time)
             m.finished(delta.finish_reason or "stop")
+            self._judge(now)
         return delta
+
+    def _judge(self, now: float) -> None:
+        flight = self.flight
+        if flight.first_token_at is None:
+            return
+        ttft = flight.first_token_at - self.req.arrival_time
+        n = flight.num_output_tokens
+        tpot = (now - flight.first_token_at) / (n - 1) if n > 1 else None
+        self.m.judged(self.req.slo, flight.predicted, ttft, tpot)
 
     def close(self) -> None:
         if not self.closed:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pdserve.engine.latency_model import StepCost
 from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.cluster_state import HasRole, WorkerState
 from pdserve.router.errors import WorkerError, WorkerStalled, short_reason
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 # Fields a WorkerState shows: setting one drops the cached state.
 _SHOWN = frozenset({"role", "alive", "draining", "queued", "queued_tokens", "inflight",
-                    "telemetry", "num_blocks"})
+                    "telemetry", "num_blocks", "step_cost"})
 
 
 @dataclass(eq=False)
@@ -34,17 +35,19 @@ class WorkerHandle(HasRole):
     num_blocks: int = 0
     alive: bool = True  # in service: not dead, not restarting
     draining: bool = False  # takes no new requests (drain, role change, removal)
-    # Counted by this router: prefill jobs sent and not answered, and their prompt
+    # Counted by this router: prompts sent to be computed here and not yet computed
+    # (prefill jobs, and colocated requests before their first token), and their
     # tokens; requests reserved or running here.
     queued: int = 0
     queued_tokens: int = 0
     inflight: int = 0
     telemetry: WorkerTelemetry | None = None  # the last report
     heard_at: float = float("-inf")  # time.monotonic() when it arrived
+    step_cost: StepCost | None = None  # its latency model as fitted from its reports
     # request id -> its TokenDeltas (or the error that ends it)
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)
     pump: asyncio.Task | None = None
-    # Called with each report (the router's metrics; later the latency model).
+    # Called with each report (the router's metrics and latency models).
     on_report: Callable[["WorkerHandle", WorkerTelemetry], None] | None = None
     _state: WorkerState | None = field(default=None, repr=False)
     _drained: asyncio.Event | None = field(default=None, repr=False)
@@ -69,7 +72,7 @@ class WorkerHandle(HasRole):
                                       self.queued, self.queued_tokens, self.inflight,
                                       self.telemetry, self.heard_at,
                                       self.telemetry.num_blocks if self.telemetry
-                                      else self.num_blocks)
+                                      else self.num_blocks, self.step_cost)
         return self._state
 
     def enqueue(self, num_tokens: int) -> None:

@@ -19,16 +19,20 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling_params")
+    __slots__ = ("request_id", "text", "token_ids", "sampling_params", "slo_ttft_ms", "slo_tpot_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    SLO_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     sampling_params: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -109,12 +113,16 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("ttft_seconds", "e2e_seconds")
+    __slots__ = ("ttft_seconds", "e2e_seconds", "predicted_ttft_seconds", "predicted_tpot_seconds")
     TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     E2E_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TPOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ttft_seconds: float
     e2e_seconds: float
-    def __init__(self, ttft_seconds: _Optional[float] = ..., e2e_seconds: _Optional[float] = ...) -> None: ...
+    predicted_ttft_seconds: float
+    predicted_tpot_seconds: float
+    def __init__(self, ttft_seconds: _Optional[float] = ..., e2e_seconds: _Optional[float] = ..., predicted_ttft_seconds: _Optional[float] = ..., predicted_tpot_seconds: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -26,6 +26,8 @@ SCALARS = {
 SMALL = {F.TYPE_INT32: st.integers(-3, 40), F.TYPE_UINT32: st.integers(0, 40),
          F.TYPE_INT64: st.integers(-3, 40), F.TYPE_FLOAT: st.floats(-3, 3, width=32),
          F.TYPE_DOUBLE: st.floats(-3, 3)}
+# SLOs a request can meet as often as any other value, so requests with them get served.
+MEETABLE = {"slo_ttft_ms": st.floats(1e4, 1e7), "slo_tpot_ms": st.floats(1e4, 1e7)}
 
 
 def value_of(field):
@@ -35,6 +37,8 @@ def value_of(field):
         single = SCALARS[field.type]
         if field.type in SMALL:
             single = st.one_of(SMALL[field.type], single)
+        if field.name in MEETABLE:
+            single = st.one_of(MEETABLE[field.name], single)
     return st.lists(single, max_size=8) if field.is_repeated else single
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
 from pdserve.router.decision import Colocate, Disaggregate, Reject
-from pdserve.router.policy import decide
+from pdserve.router.least_loaded import decide
 
 REQ = RequestView(num_prompt_tokens=100, blocks_needed=7)
 

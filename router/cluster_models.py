@@ -1,0 +1,50 @@
+"""What the router learns of its workers for the latency model: a StepModel per
+worker (fitted on the steps each telemetry report carries), a TransferModel per
+(prefill, decode) pair (fitted on completed transfers) and the prefix index (from
+the reports' prefix-cache events). A worker that leaves or restarts is forgotten."""
+from __future__ import annotations
+
+from pdserve.engine.latency_model import StepCost, StepModel, TransferCost, TransferModel
+from pdserve.engine.worker_messages import WorkerTelemetry
+from pdserve.router.prefix_index import PrefixIndex
+
+
+class ClusterModels:
+    def __init__(self) -> None:
+        self.steps: dict[str, StepModel] = {}
+        self.transfers: dict[tuple[str, str], TransferModel] = {}
+        self.prefixes = PrefixIndex()
+        self._transfer_costs: dict[tuple[str, str], TransferCost] = {}
+
+    def reported(self, t: WorkerTelemetry) -> StepCost:
+        """Takes in one report; returns the worker's step cost as now fitted."""
+        model = self.steps.get(t.worker_id)
+        if model is None:
+            model = self.steps[t.worker_id] = StepModel()
+        model.observe(t.steps)
+        if t.prefix_stored or t.prefix_evicted:
+            self.prefixes.update(t.worker_id, t.prefix_stored, t.prefix_evicted)
+        return model.cost()
+
+    def transferred(self, prefill: str, decode: str, nbytes: int, seconds: float) -> None:
+        key = (prefill, decode)
+        model = self.transfers.get(key)
+        if model is None:
+            model = self.transfers[key] = TransferModel()
+        model.observe(nbytes, seconds)
+        self._transfer_costs = {**self._transfer_costs, key: model.cost()}
+
+    @property
+    def transfer_costs(self) -> dict[tuple[str, str], TransferCost]:
+        """Every pair's fitted cost (a new dict after each change: snapshots keep theirs)."""
+        return self._transfer_costs
+
+    def forget(self, worker_id: str) -> None:
+        self.steps.pop(worker_id, None)
+        self.prefixes.forget(worker_id)
+        gone = [key for key in self.transfers if worker_id in key]
+        for key in gone:
+            del self.transfers[key]
+        if gone:
+            self._transfer_costs = {k: v for k, v in self._transfer_costs.items()
+                                    if worker_id not in k}

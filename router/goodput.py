@@ -1,0 +1,196 @@
+"""The goodput policy: for one request, every way to run it is forecast with the
+latency model, and the one chosen meets the request's SLOs while costing the
+requests already running the least.
+
+Candidates: colocate on each worker in role both; each (P, D) pair of a worker that
+prefills for others (role prefill, or both in adaptive mode) and another that
+decodes. For each, from the workers' fitted step costs and loads:
+
+    TTFT  = P's queue ahead + this prompt's uncached tokens, chunked as the scheduler
+            chunks, each step carrying P's running decodes
+            (+ for a pair: the exposed KV transfer of the blocks D does not hold)
+    TPOT  = a step of D's decode batch with this request in it, plus the prompt work
+            queued on D spread over this request's output
+    harm  = per running request on D: each step longer by the join; on a worker that
+            computes the prompt (colocated, or a P in role both): its decodes stall
+            for the prompt's compute, spread over their remaining tokens
+
+A candidate fits when its TTFT and TPOT meet this request's SLOs and no running
+request of the same or a more important priority that is on track is pushed past
+its TPOT SLO. Among those that fit the cheapest wins: its own latencies as shares
+of its SLOs plus the shares of their SLOs it takes from the others. So colocating
+or disaggregating is decided by comparing forecasts, with no length threshold.
+When none fits: admission "slo" refuses (429) with the predicted time until one
+would, admission "always" (and a best-effort request) takes the least bad. Pure."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.latency_forecast import (
+    decode_step_seconds,
+    joining_slowdown,
+    prompt_compute_seconds,
+    tpot_seconds,
+    ttft_seconds,
+)
+from pdserve.router.cluster_state import ClusterState, RequestView, TpotBudget, WorkerState
+from pdserve.router.decision import Colocate, Decision, Disaggregate, Reject
+from pdserve.router.least_loaded import has_room
+
+# SLO shares for a request without one: costs stay comparable across candidates.
+_REFERENCE_TTFT_S = 1.0
+_REFERENCE_TPOT_S = 0.05
+_MAX_RETRY_AFTER_S = 60.0
+_MIN_RETRY_AFTER_S = 0.05
+
+
+@dataclass(frozen=True)
+class Forecast:
+    decision: Colocate | Disaggregate
+    ttft_s: float
+    tpot_s: float
+    cost: float  # SLO shares: its own latencies plus what it takes from the others
+    miss: str = ""  # "" fits; else ttft | tpot | harm | kv
+    retry_after_s: float = 0.0  # when missing: the predicted time until it would fit
+
+
+def decide(request: RequestView, state: ClusterState) -> Decision:
+    forecasts = [f for f in candidates(request, state)]
+    if not forecasts:
+        return Reject("no worker can take this request now", state.retry_after_s)
+    fits = [f for f in forecasts if not f.miss]
+    if fits:
+        return min(fits, key=_rank).decision
+    placeable = [f for f in forecasts if f.miss != "kv"] or forecasts
+    if state.admission == "always" or request.slo.best_effort:
+        return min(placeable, key=_rank).decision
+    best = min(placeable, key=lambda f: (f.retry_after_s, f.cost))
+    return Reject(_REASONS[best.miss].format(ttft=best.ttft_s * 1e3, tpot=best.tpot_s * 1e3),
+                  min(max(best.retry_after_s, _MIN_RETRY_AFTER_S), _MAX_RETRY_AFTER_S),
+                  best.miss)
+
+
+_REASONS = {
+    "ttft": "no worker can meet this request's TTFT SLO now (best predicted {ttft:.0f} ms)",
+    "tpot": "no worker can meet this request's TPOT SLO now (best predicted {tpot:.1f} ms)",
+    "harm": "admitting this request would push running requests past their TPOT SLO",
+    "kv": "no decode worker has room for this request's KV",
+}
+
+
+def _rank(f: Forecast):
+    return (f.miss == "kv", f.cost, f.ttft_s, _names(f.decision))
+
+
+def _names(decision) -> tuple[str, ...]:
+    if isinstance(decision, Colocate):
+        return (decision.worker,)
+    return (decision.prefill, decision.decode)
+
+
+# Pairs forecast at most: beyond it, the best prefill and decode sides alone are paired.
+_MAX_PAIRS = 64
+
+
+def candidates(request: RequestView, state: ClusterState) -> list[Forecast]:
+    live = [w for w in state.workers if w.available]
+    decoders = [w for w in live if w.decodes and w.worker_id not in request.refused]
+    out = [_colocate(request, state, w) for w in decoders if w.role == "both"]
+    prefillers = [w for w in live if (w.role == "prefill" or (state.adaptive and w.role == "both"))
+                  and has_room(w, request, state)]
+    if len(prefillers) * len(decoders) > _MAX_PAIRS:
+        side = int(_MAX_PAIRS ** 0.5)
+        prefillers = sorted(prefillers, key=lambda w: _ttft_alone(request, state, w))[:side]
+        decoders = sorted(decoders, key=lambda w: _tpot_alone(request, state, w))[:side]
+    for p in prefillers:
+        out += [_pair(request, state, p, d) for d in decoders if d is not p
+                and (state.adaptive or d.role == "decode" or p.role == "prefill")]
+    return out
+
+
+def _ttft_alone(request: RequestView, state: ClusterState, w: WorkerState) -> float:
+    return ttft_seconds(state.step_cost(w), state.load(w), request.num_prompt_tokens,
+                        request.cached_tokens.get(w.worker_id, 0))
+
+
+def _tpot_alone(request: RequestView, state: ClusterState, w: WorkerState) -> float:
+    return tpot_seconds(state.step_cost(w), state.load(w), request.num_prompt_tokens,
+                        request.max_tokens)
+
+
+def _colocate(request: RequestView, state: ClusterState, w: WorkerState) -> Forecast:
+    cost, load = state.step_cost(w), state.load(w)
+    n, cached = request.num_prompt_tokens, request.cached_tokens.get(w.worker_id, 0)
+    ttft = ttft_seconds(cost, load, n, cached)
+    tpot = tpot_seconds(cost, load, n, request.max_tokens)
+    step = decode_step_seconds(cost, load)
+    harm = _Harm(request)
+    harm.join(w, joining_slowdown(cost, n), prompt_compute_seconds(cost, n, cached), step,
+              load.decode_seqs)
+    return _forecast(Colocate(w.worker_id, ttft, tpot), request, state, ttft, tpot, harm, w)
+
+
+def _pair(request: RequestView, state: ClusterState, p: WorkerState,
+          d: WorkerState) -> Forecast:
+    n = request.num_prompt_tokens
+    p_cost, p_load = state.step_cost(p), state.load(p)
+    d_cost, d_load = state.step_cost(d), state.load(d)
+    cached_p = request.cached_tokens.get(p.worker_id, 0)
+    cached_d = request.cached_tokens.get(d.worker_id, 0)
+    prompt_blocks = -(-n // state.block_size)
+    blocks_sent = max(prompt_blocks - cached_d // state.block_size, 0)
+    transfer = state.transfer_cost(p.worker_id, d.worker_id).seconds(
+        blocks_sent * state.kv_bytes_per_block)
+    ttft = ttft_seconds(p_cost, p_load, n, cached_p) + transfer
+    tpot = tpot_seconds(d_cost, d_load, n, request.max_tokens)
+    harm = _Harm(request)
+    harm.join(d, joining_slowdown(d_cost, n), 0.0, decode_step_seconds(d_cost, d_load),
+              d_load.decode_seqs)
+    if p.decodes:  # its own decodes stall while it computes the prompt
+        harm.join(p, 0.0, prompt_compute_seconds(p_cost, n, cached_p),
+                  decode_step_seconds(p_cost, p_load), p_load.decode_seqs)
+    return _forecast(Disaggregate(p.worker_id, d.worker_id, ttft, tpot), request, state,
+                     ttft, tpot, harm, d)
+
+
+class _Harm:
+    """What admitting the request takes from the requests running where it goes."""
+
+    def __init__(self, request: RequestView):
+        self.request = request
+        self.cost = 0.0  # shares of their TPOT SLOs
+        # On-track requests it would push past theirs, with their worker's step now.
+        self.breaks: list[tuple[TpotBudget, float]] = []
+
+    def join(self, w: WorkerState, per_step_s: float, stall_s: float, step_s: float,
+             decode_seqs: int) -> None:
+        """Each running request's steps get per_step_s longer, and it waits stall_s
+        once (spread over its remaining tokens)."""
+        for b in w.budgets:
+            added = per_step_s + stall_s / max(b.remaining, 1)
+            self.cost += added / max(b.slack_s + step_s, 1e-6)
+            if b.slack_s >= 0 and added > b.slack_s and b.priority <= self.request.priority:
+                self.breaks.append((b, step_s))
+        others = max(decode_seqs - len(w.budgets), 0)  # best effort, or another router's
+        if others:
+            self.cost += others * (per_step_s + stall_s / max(self.request.max_tokens, 1)) \
+                / _REFERENCE_TPOT_S
+
+
+def _forecast(decision, request: RequestView, state: ClusterState, ttft: float, tpot: float,
+              harm: _Harm, decode: WorkerState) -> Forecast:
+    slo = request.slo
+    cost = (ttft / (slo.ttft_s or _REFERENCE_TTFT_S) + tpot / (slo.tpot_s or _REFERENCE_TPOT_S)
+            + harm.cost)
+    free = state.free_blocks(decode)
+    if free is not None and free < request.blocks_needed:
+        return Forecast(decision, ttft, tpot, cost, "kv", state.retry_after_s)
+    if not slo.ttft_met(ttft):
+        return Forecast(decision, ttft, tpot, cost, "ttft", ttft - slo.ttft_s)
+    if not slo.tpot_met(tpot):
+        return Forecast(decision, ttft, tpot, cost, "tpot", state.retry_after_s)
+    if harm.breaks:
+        # until the first request it would break has finished
+        soonest = min(b.remaining * step for b, step in harm.breaks)
+        return Forecast(decision, ttft, tpot, cost, "harm", soonest)
+    return Forecast(decision, ttft, tpot, cost)

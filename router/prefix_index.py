@@ -1,0 +1,61 @@
+"""Which workers hold which prefix blocks: an index block hash -> workers, kept from
+the prefix-cache events in each worker's telemetry (blocks made findable, blocks
+evicted). The policy asks it how many leading blocks of a prompt each worker would
+find in its cache. Hashes are the block manager's chained hashes, so a block's
+hash names its whole prefix and a hit on block i implies the prompt up to it."""
+from __future__ import annotations
+
+from pdserve.engine.block_manager import hash_block
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._holders: dict[bytes, set[str]] = {}
+        self._held: dict[str, set[bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def update(self, worker_id: str, stored: tuple[bytes, ...],
+               evicted: tuple[bytes, ...]) -> None:
+        """Events in the order the worker recorded them: stored then evicted within one
+        report (a block stored and evicted since the last report is gone)."""
+        held = self._held.setdefault(worker_id, set())
+        for h in stored:
+            self._holders.setdefault(h, set()).add(worker_id)
+            held.add(h)
+        for h in evicted:
+            held.discard(h)
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.discard(worker_id)
+                if not holders:
+                    del self._holders[h]
+
+    def forget(self, worker_id: str) -> None:
+        """The worker left, or restarted with an empty cache."""
+        self.update(worker_id, (), tuple(self._held.pop(worker_id, ())))
+        self._held.pop(worker_id, None)
+
+    def hits(self, hashes: list[bytes]) -> dict[str, int]:
+        """Worker id -> leading blocks of the prompt (hashes in order) it holds; workers
+        with none are left out."""
+        found: dict[str, int] = {}
+        alive = set(self._holders.get(hashes[0], ())) if hashes else set()
+        for i, h in enumerate(hashes):
+            alive &= self._holders.get(h, set())
+            if not alive:
+                break
+            for worker_id in alive:
+                found[worker_id] = i + 1
+        return found
+
+
+def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """The chained hashes of the prompt's full blocks that a worker could hit (the
+    last token is always computed, as the block manager counts hits)."""
+    hashes: list[bytes] = []
+    for i in range((len(token_ids) - 1) // block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else b"",
+                                 token_ids[i * block_size:(i + 1) * block_size]))
+    return hashes

@@ -1,0 +1,128 @@
+"""The goodput policy on a real cluster in adaptive mode (two workers in role both,
+paired both ways): requests carry SLOs through gRPC fields and HTTP headers or body
+keys; one no placement can meet is refused at once with a retry-after and touches no
+worker; whole and split placements between the two workers give HF's outputs."""
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import pytest
+
+from pdserve.client import Client, OverloadedError
+from pdserve.engine.config import EngineConfig
+from pdserve.kv_transfer import TransferConfig
+from pdserve.router import router as router_module
+from pdserve.router.config import PoolSpec
+from pdserve.router.decision import Colocate, Disaggregate
+from pdserve.router.launch import launch
+from pdserve.router.server import RouterServer
+from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
+from tests.engine.test_hf_oracle import Oracle
+
+
+@pytest.fixture(scope="module")
+def adaptive(ray_local, llama_dir):
+    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=32 << 20,
+                                      long_prefill_token_threshold=32, max_model_len=512)
+    router = launch(config, PoolSpec(1, 1, mode="adaptive"), TransferConfig(timeout_s=30),
+                    served_model_name="test-llama")
+    srv = RouterServer(router)
+    yield srv
+    stop_cluster(srv)
+
+
+def decisions(srv, kind: str, reason: str = "") -> float:
+    value = srv.router.metrics.registry.get_sample_value(
+        "pdserve:router_decisions_total",
+        {"model_name": "test-llama", "kind": kind, "reason": reason})
+    return value or 0.0
+
+
+def test_adaptive_mode_runs_whole_and_split_placements_exactly(adaptive, llama_dir,
+                                                               monkeypatch):
+    """Every placement kind between the two workers in role both, forced in turn
+    (the policy's choice is tested on its own, without Ray): HF's outputs."""
+    router = adaptive.router
+    assert router.config.adaptive and {w.role for w in router.workers.values()} == {"both"}
+    a, b = sorted(router.workers)
+    placements = iter([Colocate(a), Colocate(b), Disaggregate(a, b), Disaggregate(b, a)] * 2)
+    monkeypatch.setattr(router_module, "decide", lambda view, state, policy: next(placements))
+    oracle = Oracle(llama_dir)
+    rng = random.Random(14)
+    prompts = [[rng.randrange(4, 2000) for _ in range(n)] for n in (7, 40, 90, 33, 120, 16,
+                                                                    64, 49)]
+    with Client(adaptive.grpc_target) as client:
+        outs = [client.generate(p, max_tokens=7, temperature=0, ignore_eos=True)
+                for p in prompts]
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == oracle.generate(prompt, 7)[0]
+    wait_all_blocks_free(adaptive)
+
+
+def test_requests_with_slos_are_placed_with_a_forecast_and_stay_exact(adaptive, llama_dir):
+    oracle = Oracle(llama_dir)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 2000) for _ in range(n)] for n in (12, 150, 60, 30, 200, 8)]
+    before = sum(decisions(adaptive, kind) for kind in ("colocate", "disaggregate"))
+    with Client(adaptive.grpc_target) as client, ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: client.generate(
+            p, max_tokens=8, temperature=0, ignore_eos=True, slo_ttft_ms=60_000,
+            slo_tpot_ms=10_000), prompts))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == oracle.generate(prompt, 8)[0]
+        t = out.timings
+        assert t is not None and t.predicted_ttft_s > 0 and t.predicted_tpot_s > 0
+        assert 0 < t.ttft_s <= t.e2e_s
+    after = sum(decisions(adaptive, kind) for kind in ("colocate", "disaggregate"))
+    assert after - before == len(prompts)
+    http = httpx.post(f"{adaptive.http_url}/v1/completions",
+                      headers={"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "10000"},
+                      json={"prompt": prompts[1], "max_tokens": 8, "temperature": 0,
+                            "ignore_eos": True, "return_token_ids": True}, timeout=60)
+    assert http.status_code == 200, http.text
+    assert http.json()["choices"][0]["token_ids"] == oracle.generate(prompts[1], 8)[0]
+    metrics = httpx.get(f"{adaptive.http_url}/metrics").text
+    assert 'pdserve:router_slo_requests_total{met="true",model_name="test-llama",slo="ttft"}' \
+        in metrics
+    assert "pdserve:router_prediction_relative_error_bucket" in metrics
+
+
+def test_an_impossible_slo_is_refused_at_once_with_retry_after(adaptive):
+    refused = decisions(adaptive, "reject", "ttft")
+    with Client(adaptive.grpc_target, max_retries=0) as client:
+        with pytest.raises(OverloadedError) as err:
+            client.generate([5, 6, 7, 8], max_tokens=4, slo_ttft_ms=0.001)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.retry_after_s > 0 and "TTFT SLO" in str(err.value)
+    r = httpx.post(f"{adaptive.http_url}/v1/completions",
+                   headers={"x-slo-ttft-ms": "0.001"},
+                   json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=60)
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    assert decisions(adaptive, "reject", "ttft") == refused + 2
+    assert adaptive.router.num_inflight == 0
+
+
+@pytest.mark.parametrize("where, value, field", [
+    ("header", "soon", "x-slo-ttft-ms"), ("header", "-5", "x-slo-ttft-ms"),
+    ("body", 0, "slo_tpot_ms"), ("body", "100", "slo_tpot_ms")])
+def test_a_bad_slo_is_a_400_naming_it(adaptive, where, value, field):
+    body = {"prompt": [5, 6, 7], "max_tokens": 4}
+    headers = {}
+    if where == "header":
+        headers[field] = value
+    else:
+        body[field] = value
+    r = httpx.post(f"{adaptive.http_url}/v1/completions", headers=headers, json=body,
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    assert field in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
+
+
+def test_a_bad_grpc_slo_is_invalid_argument(adaptive):
+    from pdserve.client import InvalidArgumentError
+    with Client(adaptive.grpc_target) as client:
+        with pytest.raises(InvalidArgumentError, match="slo_tpot_ms"):
+            client.generate([5, 6, 7], max_tokens=4, slo_tpot_ms=-1.0)

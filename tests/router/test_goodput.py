@@ -1,0 +1,184 @@
+"""The goodput policy on hand-set models, without Ray or torch: each case's
+predictions are computed by hand in its comments.
+
+Every worker here has the same step cost unless a case says otherwise:
+    step = 10 ms + 0.1 ms per prefill token + 1 ms per decode sequence
+and a token budget of 2,048 per step, 16-token blocks of 1,000 bytes."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.latency_model import StepCost, TransferCost
+from pdserve.engine.worker_messages import WorkerTelemetry
+from pdserve.router.cluster_state import ClusterState, RequestView, TpotBudget, WorkerState
+from pdserve.router.decision import Colocate, Disaggregate, Reject
+from pdserve.router.goodput import decide
+from pdserve.router.slo import Slo
+
+COST = StepCost(base_s=0.010, prefill_token_s=1e-4, prefill_pair_s=0.0,
+                decode_seq_s=0.001, decode_context_s=0.0)
+FAST = TransferCost(latency_s=0.002, per_byte_s=1e-6)  # 1 MB/s: 1 ms per block
+NOW = 1000.0
+MS = 1e-3
+
+
+def worker(wid, role, running=0, waiting_tokens=0, waiting=0, free=1000, budgets=(),
+           heard_s_ago=0.0, inflight=0, cost=COST):
+    t = WorkerTelemetry(wid, role, 0.0, waiting=waiting, waiting_tokens=waiting_tokens,
+                        running=running, context_tokens=0, reserved=0, free_blocks=free,
+                        num_blocks=1000, num_preemptions=0, token_budget=2048)
+    return WorkerState(wid, role, telemetry=t, heard_at=NOW - heard_s_ago, num_blocks=1000,
+                       step_cost=cost, budgets=tuple(budgets), inflight=inflight)
+
+
+def state(*workers, adaptive=False, admission="slo", transfer=None):
+    return ClusterState(tuple(workers), NOW, stale_after_s=5.0, retry_after_s=1.0,
+                        transfer=transfer or {}, block_size=16, kv_bytes_per_block=1000,
+                        adaptive=adaptive, admission=admission)
+
+
+def request(tokens, slo=Slo(ttft_s=0.5, tpot_s=0.05), max_tokens=101, priority=0,
+            cached=None):
+    return RequestView(tokens, -(-(tokens + 1) // 16), slo=slo, priority=priority,
+                       max_tokens=max_tokens, cached_tokens=cached or {})
+
+
+def test_a_short_prompt_on_idle_workers_is_colocated_with_its_latencies_predicted():
+    # colocate: 1 step (10 ms) + 32 tokens (3.2 ms) = 13.2 ms; a decode step of itself
+    # alone = 11 ms. Splitting it would add the transfer: colocating costs less.
+    decision = decide(request(32), state(worker("a", "both"), worker("b", "both"),
+                                         adaptive=True))
+    assert decision == Colocate("a")
+    assert decision.ttft_s == pytest.approx(13.2 * MS)
+    assert decision.tpot_s == pytest.approx(11 * MS)
+
+
+def on_track(n, slack_s=0.003, remaining=20, priority=0):
+    return [TpotBudget(priority, slack_s, remaining)] * n
+
+
+def test_a_long_prompt_beside_a_busy_decode_batch_is_disaggregated():
+    # Colocated on e, 1,000 prompt tokens stall e's 8 decodes for 100 ms, 5 ms over
+    # each one's 20 remaining tokens, +1 ms for the join: past their 3 ms slack.
+    # Prefilled on p, they only feel the join (1 ms): that fits.
+    busy = worker("e", "both", running=8, budgets=on_track(8))
+    decision = decide(request(1000), state(worker("p", "prefill"), busy,
+                                           transfer={("p", "e"): FAST}))
+    assert decision == Disaggregate("p", "e")
+    # p idle: 1 step (10 ms) + 1,000 tokens (100 ms); + 63 blocks sent: 2 + 63 ms
+    assert decision.ttft_s == pytest.approx((110 + 65) * MS)
+    assert decision.tpot_s == pytest.approx((10 + 9) * MS)  # 9 decodes on e
+
+
+def test_the_same_prompt_is_colocated_when_nothing_runs_there():
+    idle = worker("e", "both")
+    decision = decide(request(1000), state(worker("p", "prefill"), idle,
+                                           transfer={("p", "e"): FAST}))
+    assert decision == Colocate("e")  # 110 ms beats 175 ms, and nobody is harmed
+
+
+def test_transfer_time_flips_the_choice_of_decode_worker():
+    # d0 runs one request fewer (a 1 ms shorter step), but its link is slow:
+    # 200 ms + 7 blocks against 2 ms + 7 blocks
+    slow = TransferCost(latency_s=0.2, per_byte_s=1e-6)
+    s = state(worker("p", "prefill"), worker("d0", "decode", running=2),
+              worker("d1", "decode", running=3),
+              transfer={("p", "d0"): slow, ("p", "d1"): FAST})
+    decision = decide(request(100), s)
+    assert decision == Disaggregate("p", "d1")
+    assert decision.ttft_s == pytest.approx((10 + 10 + 2 + 7) * MS)
+    # with equal links, the lighter batch wins
+    even = state(*s.workers, transfer={("p", "d0"): FAST, ("p", "d1"): FAST})
+    assert decide(request(100), even) == Disaggregate("p", "d0")
+
+
+def test_a_prefix_hit_on_one_prefill_worker_wins():
+    s = state(worker("p0", "prefill"), worker("p1", "prefill"), worker("d", "decode"),
+              transfer={("p0", "d"): FAST, ("p1", "d"): FAST})
+    hit = request(1024, cached={"p1": 960})
+    decision = decide(hit, s)
+    assert decision == Disaggregate("p1", "d")
+    # 64 tokens to compute (6.4 ms) + 1 step; all 64 blocks sent (d holds none)
+    assert decision.ttft_s == pytest.approx((10 + 6.4 + 2 + 64) * MS)
+
+
+def test_the_decode_workers_own_hits_are_not_transferred():
+    s = state(worker("p", "prefill"), worker("d0", "decode"), worker("d1", "decode"),
+              transfer={("p", "d0"): FAST, ("p", "d1"): FAST})
+    decision = decide(request(1024, cached={"d1": 960}), s)
+    assert decision == Disaggregate("p", "d1")
+    assert decision.ttft_s == pytest.approx((10 + 102.4 + 2 + 4) * MS)  # 4 blocks sent
+
+
+def test_an_admission_that_would_push_running_requests_past_their_tpot_is_rejected():
+    # 100 tokens stall e's 8 decodes 10 ms over their 40 remaining (0.25 ms) + 1 ms
+    # join > 0.5 ms of slack. The first of them finishes in 40 steps of 18 ms.
+    e = worker("e", "both", running=8, budgets=on_track(8, slack_s=0.0005, remaining=40))
+    decision = decide(request(100), state(e))
+    assert isinstance(decision, Reject) and decision.kind == "harm"
+    assert decision.retry_after_s == pytest.approx(40 * 18 * MS)
+    assert "past their TPOT SLO" in decision.reason
+    # admission "always" places it anyway; so does a best-effort request
+    assert decide(request(100), state(e, admission="always")) == Colocate("e")
+    assert decide(request(100, slo=Slo()), state(e)) == Colocate("e")
+
+
+def test_a_more_important_request_may_take_less_important_headroom():
+    e = worker("e", "both", running=8,
+               budgets=on_track(8, slack_s=0.0005, remaining=40, priority=5))
+    assert decide(request(100, priority=0), state(e)) == Colocate("e")
+    assert isinstance(decide(request(100, priority=5), state(e)), Reject)
+
+
+def test_requests_already_past_their_slo_do_not_block_admission():
+    e = worker("e", "both", running=2, budgets=on_track(2, slack_s=-0.01))
+    assert decide(request(100), state(e)) == Colocate("e")
+
+
+def test_an_impossible_ttft_is_rejected_with_the_predicted_wait():
+    # 4,000 queued tokens + 100: 3 steps (30 ms) + 410 ms = 440 ms against 100 ms
+    e = worker("e", "both", waiting_tokens=4000, waiting=2)
+    decision = decide(request(100, slo=Slo(ttft_s=0.1)), state(e))
+    assert isinstance(decision, Reject) and decision.kind == "ttft"
+    assert decision.retry_after_s == pytest.approx(0.34)
+
+
+def test_an_impossible_tpot_is_rejected():
+    e = worker("e", "both", running=60)  # a step of 71 ms with it
+    decision = decide(request(10, slo=Slo(tpot_s=0.02)), state(e))
+    assert isinstance(decision, Reject) and decision.kind == "tpot"
+
+
+def test_a_stale_report_is_unknown_and_the_routers_own_counts_stand_in():
+    # d0's report (8 running, no free blocks) is 10 s old: neither full nor loaded;
+    # this router has 1 request on it, and 3 on d1.
+    s = state(worker("p", "prefill"),
+              worker("d0", "decode", running=8, free=0, heard_s_ago=10.0, inflight=1),
+              worker("d1", "decode", running=3, inflight=3),
+              transfer={("p", "d0"): FAST, ("p", "d1"): FAST})
+    decision = decide(request(100), s)
+    assert decision == Disaggregate("p", "d0")
+    assert decision.tpot_s == pytest.approx(12 * MS)  # 2 decodes: 10 + 2 ms
+
+
+def test_a_worker_reporting_no_room_for_the_kv_is_used_only_when_nothing_else_is():
+    s = state(worker("p", "prefill"), worker("d0", "decode", free=2),
+              worker("d1", "decode", running=20), transfer={})
+    assert decide(request(100), s) == Disaggregate("p", "d1")
+    assert isinstance(decide(request(100), state(worker("p", "prefill"),
+                                                  worker("d0", "decode", free=2))), Reject)
+
+
+def test_draining_and_refusing_workers_are_not_candidates():
+    from dataclasses import replace
+    s = state(worker("a", "both"), replace(worker("b", "both"), draining=True))
+    assert decide(request(32), s) == Colocate("a")
+    refused = RequestView(32, 3, refused=frozenset({"a"}))
+    assert isinstance(decide(refused, s), Reject)
+
+
+def test_colocated_mode_never_splits_and_disaggregated_mode_always_does():
+    both = state(worker("a", "both"), worker("b", "both", running=50))
+    assert all(isinstance(decide(request(n), both), Colocate) for n in (10, 1000))
+    split = state(worker("p", "prefill"), worker("d", "decode"))
+    assert all(isinstance(decide(request(n), split), Disaggregate) for n in (10, 1000))
