@@ -136,7 +136,8 @@ def _run(args: argparse.Namespace) -> int:
     vocab = vocab or 1000
     cfg = driver.RunConfig(args.backend, args.target, args.model, args.request_rate,
                            args.burstiness, args.max_concurrency, args.seed,
-                           api_key=args.api_key, ca_file=args.ca_file)
+                           api_key=args.api_key, ca_file=args.ca_file,
+                           slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms)
     slo_text = "" if not args.goodput else f" [{' '.join(args.goodput)}]"
     meta = {k: getattr(args, k) for k in ("backend", "target", "workload", "num_prompts",
                                           "scale", "request_rate", "burstiness",

@@ -74,7 +74,8 @@ def run_mode(mode: str, config: EngineConfig, prefill_workers: int, decode_worke
         router = launch(config, PoolSpec(prefill_workers, decode_workers, mode))
         server = RouterServer(router)
         try:
-            cfg = driver.RunConfig("grpc", server.grpc_target, burstiness=burstiness, seed=seed)
+            cfg = driver.RunConfig("grpc", server.grpc_target, burstiness=burstiness, seed=seed,
+                                   slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms)
             result = asyncio.run(sweep(workload, cfg, rates, slo, workers))
         finally:
             server.stop()

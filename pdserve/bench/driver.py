@@ -35,6 +35,10 @@ class RunConfig:
     progress: bool = True
     api_key: str | None = None  # sent as Authorization: Bearer
     ca_file: str | None = None  # TLS: PEM roots that verify the server (gRPC; https)
+    # SLOs sent with every request (gRPC fields; x-slo-*-ms headers over HTTP), so a
+    # goodput-aware server places by the SLOs the run is measured against.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -102,17 +106,22 @@ class _backend:
         from pdserve.client import OverloadedError
         record = RequestRecord(time.perf_counter())
         try:
-            async for chunk in self._client.generate_stream(req.prompt, max_tokens=req.max_tokens,
-                                                            temperature=0, ignore_eos=True):
+            async for chunk in self._client.generate_stream(
+                    req.prompt, max_tokens=req.max_tokens, temperature=0, ignore_eos=True,
+                    slo_ttft_ms=self.cfg.slo_ttft_ms, slo_tpot_ms=self.cfg.slo_tpot_ms):
                 now = time.perf_counter()
                 record.token_times += [now] * len(chunk.token_ids)
                 if chunk.token_ids and record.first_output_time is None:
                     record.first_output_time = now
                 if chunk.usage is not None:
                     record.num_prompt_tokens = chunk.usage.prompt_tokens
+                if chunk.timings is not None:
+                    record.predicted_ttft = chunk.timings.predicted_ttft_s
+                    record.predicted_tpot = chunk.timings.predicted_tpot_s
             record.end_time = time.perf_counter()
         except OverloadedError:
             record.rejected = True
+            record.end_time = time.perf_counter()
         except Exception as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         return record
@@ -123,11 +132,16 @@ class _backend:
                 "stream_options": {"include_usage": True}}
         if self.cfg.model:
             body["model"] = self.cfg.model
+        headers = {name: f"{value:g}" for name, value in (
+            ("x-slo-ttft-ms", self.cfg.slo_ttft_ms), ("x-slo-tpot-ms", self.cfg.slo_tpot_ms))
+            if value is not None}
         record = RequestRecord(time.perf_counter())
         try:
-            async with self._client.stream("POST", "/v1/completions", json=body) as response:
+            async with self._client.stream("POST", "/v1/completions", json=body,
+                                           headers=headers) as response:
                 if response.status_code == 429:
                     record.rejected = True
+                    record.end_time = time.perf_counter()
                     return record
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")

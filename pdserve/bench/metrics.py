@@ -26,6 +26,9 @@ class RequestRecord:
     # When the first output reached the client: the first chunk carrying a token
     # (gRPC), or the first with non-empty text (OpenAI: what a user can see).
     first_output_time: float | None = None
+    # The server's forecast when it placed the request (pdserve gRPC), in seconds.
+    predicted_ttft: float | None = None
+    predicted_tpot: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -107,10 +110,23 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO,
         "tpot_ms": _stats([r.tpot for r in done if r.tpot is not None]),
         "itl_ms": _stats([gap for r in done for gap in r.itls]),
         "e2el_ms": _stats([r.e2e for r in done]),
+        "rejection_ms": _stats([r.e2e for r in records if r.rejected and r.e2e is not None]),
         "goodput": good / duration_s,
         "goodput_per_worker": good / duration_s / num_workers,
         "slo_attainment": good / len(records) if records else None,
+        "prediction_error": {
+            "ttft": _relative_error([(r.predicted_ttft, r.ttft) for r in done]),
+            "tpot": _relative_error([(r.predicted_tpot, r.tpot) for r in done])},
     }
+
+
+def _relative_error(pairs: list[tuple[float | None, float | None]]) -> dict:
+    """|predicted - measured| / measured over the requests the server forecast."""
+    errors = [abs(p - m) / m for p, m in pairs if p is not None and m]
+    if not errors:
+        return {"n": 0, "p50": None, "p90": None}
+    return {"n": len(errors), "p50": float(np.percentile(errors, 50)),
+            "p90": float(np.percentile(errors, 90))}
 
 
 def crossing(rates: list[float], attainments: list[float], target: float = 0.9) -> float | None:

@@ -37,6 +37,13 @@ def text_block(s: dict, slo_text: str = "") -> str:
         row(f"Median {name} (ms):", stats["p50"], "{:<10.2f}")
         row(f"P90 {name} (ms):", stats["p90"], "{:<10.2f}")
         row(f"P99 {name} (ms):", stats["p99"], "{:<10.2f}")
+    errors = s.get("prediction_error", {})
+    if any(e["n"] for e in errors.values()):
+        lines.append("{s:{c}^{n}}".format(s="Server forecast |error| / measured", n=_RULE,
+                                          c="-"))
+        for name, e in errors.items():
+            row(f"Median {name.upper()} error:", e["p50"], "{:<10.3f}")
+            row(f"P90 {name.upper()} error:", e["p90"], "{:<10.3f}")
     lines.append("=" * _RULE)
     return "\n".join(lines)
 

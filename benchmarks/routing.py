@@ -1,0 +1,241 @@
+"""The goodput brain against its baselines: the same cluster size (two workers), the
+same workload and the same SLOs, every arm in one run, each repeated --rounds times.
+
+Sections (--sections):
+  adaptive   adaptive mode (goodput policy, free to colocate or split) / the better of
+             always-colocated (2 workers in role both) and always-disaggregated
+             (1 prefill + 1 decode): goodput (the highest request rate per worker with
+             >= 90% SLO attainment, from a rate sweep), per workload and arrival shape
+  policies   goodput / least-loaded / round-robin in adaptive mode, bursty mix
+  prefix     prefix-shared prompts (--prefix-share of prompts start with one of four
+             shared prefixes): TTFT p50 with the prefix index / without it
+  overload   3x the adaptive goodput rate for --overload-s: goodput with --admission
+             slo / always, and how fast rejections are answered (p99)
+SLOs are set relative to isolated latencies as `pdserve bench compare` does. Every
+goodput arm also reports the forecast's error (median and p90 of |predicted -
+measured| / measured). Prints the ratios last; writes JSON to --out."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import ray
+
+from pdserve.bench import driver
+from pdserve.bench.compare import measure_isolated, slo_for
+from pdserve.bench.metrics import summarize
+from pdserve.bench.sweep import sweep
+from pdserve.bench.workloads import make_workload
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_path import resolve_model_path
+from pdserve.router.config import PoolSpec, RouterConfig, RoutingSpec
+from pdserve.router.launch import launch
+from pdserve.router.server import RouterServer
+
+MODES = {"adaptive": PoolSpec(1, 1, mode="adaptive"),
+         "colocated": PoolSpec(1, 1, mode="colocated"),
+         "disaggregated": PoolSpec(1, 1, mode="disaggregated")}
+
+
+class Cluster:
+    """Two workers of `mode` behind a router with `routing`, on a fresh local Ray."""
+
+    def __init__(self, config: EngineConfig, mode: str, routing: RoutingSpec):
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        router = launch(config, MODES[mode], router_config=RouterConfig(routing=routing))
+        self.server = RouterServer(router)
+
+    def __enter__(self) -> RouterServer:
+        return self.server
+
+    def __exit__(self, *exc) -> None:
+        self.server.stop()
+        ray.shutdown()
+
+
+def workload_fn(name: str, args, vocab: int):
+    """Run i's requests: a 50/50 mix interleaves azure-conv and azure-code."""
+    def make(kind: str, n: int, seed: int):
+        return make_workload(kind, n, vocab, seed, args.scale, input_len=args.input_len,
+                             output_len=args.output_len, prefix_share=args.prefix_share)
+
+    def workload(i: int):
+        seed = args.seed + 1 + i
+        if name != "mix":
+            return make(name, args.num_prompts, seed)
+        half = args.num_prompts // 2
+        both = make("azure-conv", half, seed) + make("azure-code", args.num_prompts - half,
+                                                     seed + 1000)
+        random.Random(seed).shuffle(both)
+        return both
+    return workload
+
+
+def run_sweep(config, mode, routing, workload, rates, slo, burstiness, seed) -> dict:
+    with Cluster(config, mode, routing) as server:
+        cfg = driver.RunConfig("grpc", server.grpc_target, burstiness=burstiness, seed=seed,
+                               progress=False, slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms)
+        return asyncio.run(sweep(workload, cfg, rates, slo, num_workers=2))
+
+
+def run_fixed(config, mode, routing, requests, rate, slo, burstiness, seed) -> dict:
+    with Cluster(config, mode, routing) as server:
+        cfg = driver.RunConfig("grpc", server.grpc_target, request_rate=rate,
+                               burstiness=burstiness, seed=seed, progress=False,
+                               slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms)
+        records, duration = asyncio.run(driver.run(requests, cfg))
+        return summarize(records, duration, slo, num_workers=2)
+
+
+def spread(values: list) -> dict:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"values": values, "median": None, "min": None, "max": None}
+    return {"values": values, "median": statistics.median(vals), "min": min(vals),
+            "max": max(vals)}
+
+
+def errors(rows: list[dict]) -> dict:
+    out = {}
+    for metric in ("ttft", "tpot"):
+        p50 = [r["prediction_error"][metric]["p50"] for r in rows]
+        p90 = [r["prediction_error"][metric]["p90"] for r in rows]
+        out[metric] = {"p50": spread(p50), "p90": spread(p90)}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--sections", nargs="+", default=["adaptive", "policies", "prefix",
+                                                      "overload"])
+    ap.add_argument("--workloads", nargs="+", default=["azure-conv", "azure-code", "mix"])
+    ap.add_argument("--burstiness", type=float, nargs="+", default=[1.0, 0.25])
+    ap.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0, 6.0],
+                    help="the request rates each sweep runs at")
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--scale", type=float, default=0.25)
+    ap.add_argument("--input-len", type=int, default=368, help="prefix-shared: suffix length")
+    ap.add_argument("--output-len", type=int, default=32, help="prefix-shared: output length")
+    ap.add_argument("--prefix-share", type=float, default=0.9)
+    ap.add_argument("--slo-scale", type=float, default=4.0)
+    ap.add_argument("--tpot-slo-scale", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--overload-s", type=float, default=60.0)
+    ap.add_argument("--engine-threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench-results/routing.json")
+    args = ap.parse_args()
+
+    model_dir = resolve_model_path(args.model)
+    config = EngineConfig.from_kwargs(str(model_dir), num_threads=args.engine_threads,
+                                      kv_cache_memory_bytes=256 << 20)
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    results: dict = {"args": vars(args), "sections": {}}
+    ratios: list[str] = []
+    goodput, noprefix = RoutingSpec(), RoutingSpec(prefix_aware=False)
+
+    def slo_of(workload):
+        isolated = measure_isolated(config, workload(0))
+        return slo_for(isolated, args.slo_scale, args.tpot_slo_scale)
+
+    if "adaptive" in args.sections:
+        section = results["sections"]["adaptive"] = {}
+        for name in args.workloads:
+            workload = workload_fn(name, args, vocab)
+            slo = slo_of(workload)
+            for burst in args.burstiness:
+                arms = {mode: [] for mode in MODES}
+                for r in range(args.rounds):
+                    for mode in MODES:
+                        result = run_sweep(config, mode, goodput, workload, args.rates, slo,
+                                           burst, args.seed + r)
+                        arms[mode].append(result)
+                        print(f"{name} burst {burst} round {r} {mode}: "
+                              f"{result['max_rate_per_worker']}", flush=True)
+                best = {m: spread([a["max_rate_per_worker"] for a in runs])
+                        for m, runs in arms.items()}
+                base = max((best["colocated"]["median"] or 0), (best["disaggregated"]["median"] or 0))
+                ratio = best["adaptive"]["median"] / base if base and best["adaptive"]["median"] else None
+                section[f"{name}/burst{burst:g}"] = {
+                    "slo": vars(slo), "goodput_per_worker": best, "ratio": ratio,
+                    "prediction_error": errors([row for a in arms["adaptive"] for row in a["rows"]]),
+                    "runs": arms}
+                ratios.append(f"adaptive / best fixed mode, {name}, burstiness {burst:g}: "
+                              f"{ratio if ratio is None else round(ratio, 2)} "
+                              f"(per-worker goodput {best})")
+
+    if "policies" in args.sections:
+        workload = workload_fn("mix", args, vocab)
+        slo = slo_of(workload)
+        arms = {p: [] for p in ("goodput", "least-loaded", "round-robin")}
+        for r in range(args.rounds):
+            for policy in arms:
+                arms[policy].append(run_sweep(config, "adaptive",
+                                              RoutingSpec(routing_policy=policy), workload,
+                                              args.rates, slo, 0.25, args.seed + r))
+        best = {p: spread([a["max_rate_per_worker"] for a in runs]) for p, runs in arms.items()}
+        g, ll, rr = (best[p]["median"] for p in arms)
+        results["sections"]["policies"] = {"slo": vars(slo), "goodput_per_worker": best,
+                                           "runs": arms}
+        ratios.append(f"goodput / least-loaded / round-robin policy, bursty mix: "
+                      f"{g} / {ll} / {rr} req/s per worker"
+                      + (f" -> {g / ll:.2f}x over least-loaded" if g and ll else ""))
+
+    if "prefix" in args.sections:
+        workload = workload_fn("prefix-shared", args, vocab)
+        slo = slo_of(workload)
+        rate = args.rates[len(args.rates) // 2]
+        arms = {"prefix-aware": [], "not": []}
+        for r in range(args.rounds):
+            for arm, routing in (("prefix-aware", goodput), ("not", noprefix)):
+                arms[arm].append(run_fixed(config, "colocated", routing, workload(r), rate,
+                                           slo, 1.0, args.seed + r))
+        ttft = {arm: spread([s["ttft_ms"]["p50"] for s in runs]) for arm, runs in arms.items()}
+        results["sections"]["prefix"] = {"rate": rate, "ttft_p50_ms": ttft, "runs": arms}
+        a, n = ttft["prefix-aware"]["median"], ttft["not"]["median"]
+        ratios.append(f"prefix-shared TTFT p50, not / prefix-aware: {n:.1f} / {a:.1f} ms = "
+                      f"{n / a:.2f}x")
+
+    if "overload" in args.sections:
+        workload = workload_fn("azure-conv", args, vocab)
+        slo = slo_of(workload)
+        found = results["sections"].get("adaptive", {}).get(f"azure-conv/burst{args.burstiness[0]:g}")
+        base_rate = ((found or {}).get("goodput_per_worker", {}).get("adaptive", {}).get("median")
+                     or args.rates[0] / 2) * 2
+        rate = 3 * base_rate
+        n = max(args.num_prompts, int(rate * args.overload_s))
+        arms = {"slo": [], "always": []}
+        for r in range(args.rounds):
+            requests = make_workload("azure-conv", n, vocab, args.seed + 50 + r, args.scale)
+            for admission in arms:
+                arms[admission].append(run_fixed(config, "adaptive",
+                                                 replace(goodput, admission=admission),
+                                                 requests, rate, slo, 1.0, args.seed + r))
+        good = {a: spread([s["goodput"] for s in runs]) for a, runs in arms.items()}
+        reject = spread([s["rejection_ms"]["p99"] for s in arms["slo"]])
+        results["sections"]["overload"] = {"rate": rate, "goodput": good,
+                                           "rejection_p99_ms": reject, "runs": arms}
+        s, w = good["slo"]["median"], good["always"]["median"]
+        ratios.append(f"3x overload ({rate:.2f} req/s): goodput admission slo / always: "
+                      f"{s:.2f} / {w:.2f} = {s / w if w else float('inf'):.2f}x; rejections "
+                      f"answered in p99 {reject['median']} ms")
+
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+    print(f"wrote {args.out}")
+    for line in ratios:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
