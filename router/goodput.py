@@ -11,6 +11,8 @@ decodes. For each, from the workers' fitted step costs and loads:
             (+ for a pair: the exposed KV transfer of the blocks D does not hold)
     TPOT  = a step of D's decode batch with this request in it, plus the prompt work
             queued on D spread over this request's output
+    (each calibrated by what finished requests measured against their forecasts:
+    an average TTFT offset per placement kind, a TPOT ratio)
     harm  = per running request on D: each step longer by the join; on a worker that
             computes the prompt (colocated, or a P in role both): its decodes stall
             for the prompt's compute, spread over their remaining tokens
@@ -121,8 +123,8 @@ def _tpot_alone(request: RequestView, state: ClusterState, w: WorkerState) -> fl
 def _colocate(request: RequestView, state: ClusterState, w: WorkerState) -> Forecast:
     cost, load = state.step_cost(w), state.load(w)
     n, cached = request.num_prompt_tokens, request.cached_tokens.get(w.worker_id, 0)
-    ttft = ttft_seconds(cost, load, n, cached)
-    tpot = tpot_seconds(cost, load, n, request.max_tokens)
+    ttft = ttft_seconds(cost, load, n, cached) + state.ttft_offset_s.get("colocate", 0.0)
+    tpot = tpot_seconds(cost, load, n, request.max_tokens) * state.tpot_ratio
     step = decode_step_seconds(cost, load)
     harm = _Harm(request)
     harm.join(w, joining_slowdown(cost, n), prompt_compute_seconds(cost, n, cached), step,
@@ -141,8 +143,9 @@ def _pair(request: RequestView, state: ClusterState, p: WorkerState,
     blocks_sent = max(prompt_blocks - cached_d // state.block_size, 0)
     transfer = state.transfer_cost(p.worker_id, d.worker_id).seconds(
         blocks_sent * state.kv_bytes_per_block)
-    ttft = ttft_seconds(p_cost, p_load, n, cached_p) + transfer
-    tpot = tpot_seconds(d_cost, d_load, n, request.max_tokens)
+    ttft = (ttft_seconds(p_cost, p_load, n, cached_p) + transfer
+            + state.ttft_offset_s.get("disaggregate", 0.0))
+    tpot = tpot_seconds(d_cost, d_load, n, request.max_tokens) * state.tpot_ratio
     harm = _Harm(request)
     harm.join(d, joining_slowdown(d_cost, n), 0.0, decode_step_seconds(d_cost, d_load),
               d_load.decode_seqs)
