@@ -27,7 +27,10 @@ class Reject:
     """429 / RESOURCE_EXHAUSTED with Retry-After."""
     reason: str
     retry_after_s: float
-    kind: str = "overloaded"  # for metrics: overloaded | ttft | tpot | harm
+    kind: str = "overloaded"  # for metrics: overloaded | ttft | tpot | harm | kv
+    # The best placement's forecast TTFT, were it placed once capacity frees (None:
+    # unknown): whether waiting for capacity could still meet the request's TTFT SLO.
+    ttft_s: float | None = field(default=None, compare=False)
 
 
 Decision = Colocate | Disaggregate | Reject

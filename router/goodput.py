@@ -23,7 +23,9 @@ its TPOT SLO. Among those that fit the cheapest wins: its own latencies as share
 of its SLOs plus the shares of their SLOs it takes from the others. So colocating
 or disaggregating is decided by comparing forecasts, with no length threshold.
 When none fits: admission "slo" refuses (429) with the predicted time until one
-would, admission "always" (and a best-effort request) takes the least bad. Pure."""
+would (the router waits instead while capacity may still free in time for the
+request's TTFT), admission "always" (and a best-effort request) takes the least
+bad. Pure."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,7 +71,7 @@ def decide(request: RequestView, state: ClusterState) -> Decision:
     best = min(placeable, key=lambda f: (f.retry_after_s, f.cost))
     return Reject(_REASONS[best.miss].format(ttft=best.ttft_s * 1e3, tpot=best.tpot_s * 1e3),
                   min(max(best.retry_after_s, _MIN_RETRY_AFTER_S), _MAX_RETRY_AFTER_S),
-                  best.miss)
+                  best.miss, best.ttft_s)
 
 
 _REASONS = {
@@ -97,94 +99,90 @@ _MAX_PAIRS = 64
 def candidates(request: RequestView, state: ClusterState) -> list[Forecast]:
     live = [w for w in state.workers if w.available]
     decoders = [w for w in live if w.decodes and w.worker_id not in request.refused]
-    out = [_colocate(request, state, w) for w in decoders if w.role == "both"]
     prefillers = [w for w in live if (w.role == "prefill" or (state.adaptive and w.role == "both"))
                   and has_room(w, request, state)]
+    sides: dict[str, _Side] = {}
+    for w in decoders + prefillers:
+        if w.worker_id not in sides:
+            sides[w.worker_id] = _Side(request, state, w)
+    out = [_colocate(request, state, sides[w.worker_id]) for w in decoders if w.role == "both"]
     if len(prefillers) * len(decoders) > _MAX_PAIRS:
-        side = int(_MAX_PAIRS ** 0.5)
-        prefillers = sorted(prefillers, key=lambda w: _ttft_alone(request, state, w))[:side]
-        decoders = sorted(decoders, key=lambda w: _tpot_alone(request, state, w))[:side]
+        keep = int(_MAX_PAIRS ** 0.5)
+        prefillers = sorted(prefillers, key=lambda w: sides[w.worker_id].ttft)[:keep]
+        decoders = sorted(decoders, key=lambda w: sides[w.worker_id].tpot)[:keep]
     for p in prefillers:
-        out += [_pair(request, state, p, d) for d in decoders if d is not p
-                and (state.adaptive or d.role == "decode" or p.role == "prefill")]
+        out += [_pair(request, state, sides[p.worker_id], sides[d.worker_id]) for d in decoders
+                if d is not p and (state.adaptive or d.role == "decode" or p.role == "prefill")]
     return out
 
 
-def _ttft_alone(request: RequestView, state: ClusterState, w: WorkerState) -> float:
-    return ttft_seconds(state.step_cost(w), state.load(w), request.num_prompt_tokens,
-                        request.cached_tokens.get(w.worker_id, 0))
+class _Side:
+    """One worker's part in any placement of the request, forecast once per decision."""
+
+    def __init__(self, request: RequestView, state: ClusterState, w: WorkerState):
+        self.w = w
+        cost, load = state.step_cost(w), state.load(w)
+        n = request.num_prompt_tokens
+        self.cached = request.cached_tokens.get(w.worker_id, 0)
+        self.ttft = ttft_seconds(cost, load, n, self.cached)  # computing the prompt here
+        self.tpot = tpot_seconds(cost, load, n, request.max_tokens) * state.tpot_ratio
+        self.step = decode_step_seconds(cost, load)  # its decode batch's step now
+        self.join_s = joining_slowdown(cost, n)  # per step, when the request decodes here
+        self.stall_s = prompt_compute_seconds(cost, n, self.cached)  # once, computing it
+        self.decode_seqs = load.decode_seqs
+
+    def harm(self, request: RequestView, joins: bool, computes: bool) -> "_Harm":
+        return _Harm(request, self, self.join_s if joins else 0.0,
+                     self.stall_s if computes else 0.0)
 
 
-def _tpot_alone(request: RequestView, state: ClusterState, w: WorkerState) -> float:
-    return tpot_seconds(state.step_cost(w), state.load(w), request.num_prompt_tokens,
-                        request.max_tokens)
+def _colocate(request: RequestView, state: ClusterState, w: _Side) -> Forecast:
+    ttft = w.ttft + state.ttft_offset_s.get("colocate", 0.0)
+    return _forecast(Colocate(w.w.worker_id, ttft, w.tpot), request, state, ttft, w.tpot,
+                     [w.harm(request, joins=True, computes=True)], w.w)
 
 
-def _colocate(request: RequestView, state: ClusterState, w: WorkerState) -> Forecast:
-    cost, load = state.step_cost(w), state.load(w)
-    n, cached = request.num_prompt_tokens, request.cached_tokens.get(w.worker_id, 0)
-    ttft = ttft_seconds(cost, load, n, cached) + state.ttft_offset_s.get("colocate", 0.0)
-    tpot = tpot_seconds(cost, load, n, request.max_tokens) * state.tpot_ratio
-    step = decode_step_seconds(cost, load)
-    harm = _Harm(request)
-    harm.join(w, joining_slowdown(cost, n), prompt_compute_seconds(cost, n, cached), step,
-              load.decode_seqs)
-    return _forecast(Colocate(w.worker_id, ttft, tpot), request, state, ttft, tpot, harm, w)
-
-
-def _pair(request: RequestView, state: ClusterState, p: WorkerState,
-          d: WorkerState) -> Forecast:
-    n = request.num_prompt_tokens
-    p_cost, p_load = state.step_cost(p), state.load(p)
-    d_cost, d_load = state.step_cost(d), state.load(d)
-    cached_p = request.cached_tokens.get(p.worker_id, 0)
-    cached_d = request.cached_tokens.get(d.worker_id, 0)
-    prompt_blocks = -(-n // state.block_size)
-    blocks_sent = max(prompt_blocks - cached_d // state.block_size, 0)
-    transfer = state.transfer_cost(p.worker_id, d.worker_id).seconds(
+def _pair(request: RequestView, state: ClusterState, p: _Side, d: _Side) -> Forecast:
+    prompt_blocks = -(-request.num_prompt_tokens // state.block_size)
+    blocks_sent = max(prompt_blocks - d.cached // state.block_size, 0)  # D's hits stay
+    transfer = state.transfer_cost(p.w.worker_id, d.w.worker_id).seconds(
         blocks_sent * state.kv_bytes_per_block)
-    ttft = (ttft_seconds(p_cost, p_load, n, cached_p) + transfer
-            + state.ttft_offset_s.get("disaggregate", 0.0))
-    tpot = tpot_seconds(d_cost, d_load, n, request.max_tokens) * state.tpot_ratio
-    harm = _Harm(request)
-    harm.join(d, joining_slowdown(d_cost, n), 0.0, decode_step_seconds(d_cost, d_load),
-              d_load.decode_seqs)
-    if p.decodes:  # its own decodes stall while it computes the prompt
-        harm.join(p, 0.0, prompt_compute_seconds(p_cost, n, cached_p),
-                  decode_step_seconds(p_cost, p_load), p_load.decode_seqs)
-    return _forecast(Disaggregate(p.worker_id, d.worker_id, ttft, tpot), request, state,
-                     ttft, tpot, harm, d)
+    ttft = p.ttft + transfer + state.ttft_offset_s.get("disaggregate", 0.0)
+    harms = [d.harm(request, joins=True, computes=False)]
+    if p.w.decodes:  # its own decodes stall while it computes the prompt
+        harms.append(p.harm(request, joins=False, computes=True))
+    return _forecast(Disaggregate(p.w.worker_id, d.w.worker_id, ttft, d.tpot), request,
+                     state, ttft, d.tpot, harms, d.w)
 
 
 class _Harm:
-    """What admitting the request takes from the requests running where it goes."""
+    """What placing the request on one worker takes from the requests running there:
+    each of their steps gets per_step_s longer, and they wait stall_s once (spread
+    over their remaining tokens)."""
 
-    def __init__(self, request: RequestView):
-        self.request = request
+    def __init__(self, request: RequestView, side: _Side, per_step_s: float, stall_s: float):
         self.cost = 0.0  # shares of their TPOT SLOs
-        # On-track requests it would push past theirs, with their worker's step now.
+        # On-track requests it would push past theirs, with the worker's step now.
         self.breaks: list[tuple[TpotBudget, float]] = []
-
-    def join(self, w: WorkerState, per_step_s: float, stall_s: float, step_s: float,
-             decode_seqs: int) -> None:
-        """Each running request's steps get per_step_s longer, and it waits stall_s
-        once (spread over its remaining tokens)."""
-        for b in w.budgets:
+        if not per_step_s and not stall_s:
+            return
+        for b in side.w.budgets:
             added = per_step_s + stall_s / max(b.remaining, 1)
-            self.cost += added / max(b.slack_s + step_s, 1e-6)
-            if b.slack_s >= 0 and added > b.slack_s and b.priority <= self.request.priority:
-                self.breaks.append((b, step_s))
-        others = max(decode_seqs - len(w.budgets), 0)  # best effort, or another router's
+            self.cost += added / max(b.slack_s + side.step, 1e-6)
+            if b.slack_s >= 0 and added > b.slack_s and b.priority <= request.priority:
+                self.breaks.append((b, side.step))
+        others = max(side.decode_seqs - len(side.w.budgets), 0)  # best effort, or another router's
         if others:
-            self.cost += others * (per_step_s + stall_s / max(self.request.max_tokens, 1)) \
+            self.cost += others * (per_step_s + stall_s / max(request.max_tokens, 1)) \
                 / _REFERENCE_TPOT_S
 
 
 def _forecast(decision, request: RequestView, state: ClusterState, ttft: float, tpot: float,
-              harm: _Harm, decode: WorkerState) -> Forecast:
+              harms: list[_Harm], decode: WorkerState) -> Forecast:
     slo = request.slo
     cost = (ttft / (slo.ttft_s or _REFERENCE_TTFT_S) + tpot / (slo.tpot_s or _REFERENCE_TPOT_S)
-            + harm.cost)
+            + sum(h.cost for h in harms))
+    breaks = [b for h in harms for b in h.breaks]
     free = state.free_blocks(decode)
     if free is not None and free < request.blocks_needed:
         return Forecast(decision, ttft, tpot, cost, "kv", state.retry_after_s)
@@ -192,8 +190,8 @@ def _forecast(decision, request: RequestView, state: ClusterState, ttft: float, 
         return Forecast(decision, ttft, tpot, cost, "ttft", ttft - slo.ttft_s)
     if not slo.tpot_met(tpot):
         return Forecast(decision, ttft, tpot, cost, "tpot", state.retry_after_s)
-    if harm.breaks:
+    if breaks:
         # until the first request it would break has finished
-        soonest = min(b.remaining * step for b, step in harm.breaks)
+        soonest = min(b.remaining * step for b, step in breaks)
         return Forecast(decision, ttft, tpot, cost, "harm", soonest)
     return Forecast(decision, ttft, tpot, cost)

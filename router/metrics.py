@@ -65,6 +65,9 @@ class RouterMetrics:
                                  "Placement decisions by kind (colocate, disaggregate, "
                                  "reject) and, for rejections, why",
                                  labels + ["kind", "reason"], registry=r)
+        self.waited = Counter("pdserve:router_placement_waits",
+                              "Times a request waited for capacity instead of a 429 "
+                              "(its TTFT SLO left time)", labels, registry=r).labels(model)
         self.prediction_error = Histogram(
             "pdserve:router_prediction_relative_error",
             "|predicted - measured| / measured of each request's TTFT and TPOT",

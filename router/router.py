@@ -124,6 +124,9 @@ class Router:
         self._aborting: set[asyncio.Task] = set()  # abort calls to workers in flight
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
+        # Set (and replaced) whenever capacity may have freed: a request ended, a
+        # worker reported. Requests waiting for a placement ask again then.
+        self._capacity = asyncio.Event()
         self._reviving: dict[str, asyncio.Task] = {}  # worker id -> its revival
         # Eviction timers of silent workers and fresh workers for evicted ones.
         self._background: set[asyncio.Task] = set()
@@ -312,7 +315,7 @@ class Router:
         req, refused = flight.req, frozenset()
         num_tokens = len(req.prompt_token_ids)
         while True:
-            decision = flight.predicted = self._decide(req, refused)
+            decision = flight.predicted = await self._placement(flight, refused)
             if isinstance(decision, Colocate):
                 worker = self.workers[decision.worker]
                 flight.queued_on = worker  # until its first token, its prompt is queued there
@@ -345,19 +348,58 @@ class Router:
                            num_tokens, 0, 1, tops)
         return first, len(text)
 
+    async def _placement(self, flight: Flight, refused: frozenset[str]) -> Decision:
+        """The policy's placement. A refusal for want of capacity (KV, or headroom
+        under the TPOT SLOs) waits while the request's TTFT SLO leaves time for a
+        placement once capacity frees, and asks again each time some may have; any
+        other refusal, or one with no time to wait, raises (429)."""
+        while True:
+            decision = self._decide(flight.req, refused)
+            if not isinstance(decision, Reject):
+                self.metrics.decided(decision)
+                return decision
+            wait_s = self._may_wait(flight.req, decision)
+            if wait_s <= 0:
+                self.metrics.decided(decision)
+                raise OverloadedError(decision.reason, decision.retry_after_s)
+            self.metrics.waited.inc()
+            await self._capacity_or(flight, wait_s)
+
+    @staticmethod
+    def _may_wait(req: Accepted, decision: Reject) -> float:
+        """How long the request may wait for capacity and still meet its TTFT SLO."""
+        if decision.kind not in ("kv", "harm", "tpot") or req.slo.ttft_s is None \
+                or decision.ttft_s is None:
+            return 0.0
+        return req.arrival_time + req.slo.ttft_s - decision.ttft_s - time.time()
+
+    async def _capacity_or(self, flight: Flight, timeout_s: float) -> None:
+        """Returns once capacity may have freed, or after timeout_s; Router.abort of
+        the request raises _Cancelled."""
+        freed = asyncio.ensure_future(self._capacity.wait())
+        cancel = asyncio.ensure_future(flight.cancelled.wait())
+        try:
+            await asyncio.wait({freed, cancel}, timeout=timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            freed.cancel()
+            cancel.cancel()
+        if flight.cancelled.is_set():
+            raise _Cancelled
+
+    def _capacity_freed(self) -> None:
+        self._capacity.set()
+        self._capacity = asyncio.Event()
+
     def _decide(self, req: Accepted, refused: frozenset[str] = frozenset()) -> Decision:
-        """The policy's decision on a snapshot of now; a rejection raises (429)."""
+        """The policy's decision on a snapshot of now."""
         ids, bs = req.prompt_token_ids, self.model.block_size
         hits = (self.models.prefixes.hits(block_hashes(ids, bs))
                 if self.models.prefixes and self.config.routing.prefix_aware else {})
         view = RequestView(len(ids), -(-(len(ids) + 1) // bs), refused, req.slo,
                            req.params.priority, req.params.max_tokens,
                            {w: n * bs for w, n in hits.items()}, next(self._placed))
-        decision = decide(view, self.snapshot(), self.config.routing.routing_policy)
-        self.metrics.decided(decision)
-        if isinstance(decision, Reject):
-            raise OverloadedError(decision.reason, decision.retry_after_s)
-        return decision
+        return decide(view, self.snapshot(), self.config.routing.routing_policy)
 
     def snapshot(self) -> ClusterState:
         """Every worker's state now, as the policy sees it, with the TPOT headroom of
@@ -571,6 +613,7 @@ class Router:
         self._flights.pop(flight.request_id, None)
         if not self._flights:
             self._idle.set()
+        self._capacity_freed()
 
     def _abort_on_holders(self, flight: Flight) -> None:
         for worker in flight.holders():
@@ -686,6 +729,7 @@ class Router:
     def _reported(self, worker: WorkerHandle, telemetry: WorkerTelemetry) -> None:
         self.metrics.observe_worker(telemetry)
         worker.step_cost = self.models.reported(telemetry)
+        self._capacity_freed()
 
     # ---- workers leaving and rejoining service ---------------------------------------
 

@@ -25,6 +25,7 @@ from pdserve.kv_transfer import (
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import OverloadedError, WorkerError, WorkerStalled
 from pdserve.router.router import ModelInfo, Router
+from pdserve.router.slo import Slo
 from tests.router.fakes import (
     FakeActor,
     batch,
@@ -288,3 +289,33 @@ def test_a_worker_silent_past_the_bound_is_evicted_and_one_that_speaks_again_is_
     assert any(s.get("e0") == "stalled" for s in seen)
     assert any(s.get("e1") == "serving" and s.get("e0") == "stalled" for s in seen)
     assert list(router.workers) == ["e1"] and router.worker_states() == {"e1": "serving"}
+
+
+def test_a_request_waits_for_kv_while_its_ttft_slo_allows_and_is_refused_when_not(tok):
+    # The decode worker reports no free KV. A request whose TTFT SLO leaves time
+    # waits (no 429), and is placed when the worker's next report frees blocks; one
+    # whose SLO leaves no time gets 429 at once. Nothing is left held either way.
+    async def scenario():
+        decode = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
+        prefill = FakeActor(prefill=prefill_ok(7), abort=resolve(None))
+        router = _disaggregated(tok, decode, prefill, free_blocks=0)
+        await router.start()
+        patient = router.generate(await router.accept([5, 6, 7], PARAMS,
+                                                      slo=Slo(ttft_s=30.0)))
+        first = asyncio.ensure_future(patient.__anext__())
+        await asyncio.wait({first}, timeout=0.3)  # a bound: it must still be waiting
+        waiting = not first.done() and not decode.calls["reserve"]
+        with pytest.raises(OverloadedError, match="KV"):
+            await _drain(router.generate(await router.accept([5, 6, 8], PARAMS,
+                                                              slo=Slo(ttft_s=1e-4))))
+        await decode.batches.put(StepBatch("d0", [], telemetry("d0", "decode", 100)))
+        token = await asyncio.wait_for(first, 10)
+        await decode.batches.put(batch("d0", token.request_id, [7, 8], "", "length"))
+        rest = await _drain(patient)
+        waits = router.metrics.waited._value.get()
+        await router.stop()
+        return waiting, token, rest, waits, router
+    waiting, token, rest, waits, router = asyncio.run(scenario())
+    assert waiting and token.token_ids == [7] and rest[-1].finish_reason == "length"
+    assert waits >= 1
+    assert _counts(router) == (0, 0, 0, 0, 0)
