@@ -82,7 +82,29 @@ def run_sweep(config, mode, routing, workload, rates, slo, burstiness, seed) -> 
     with Cluster(config, mode, routing) as server:
         cfg = driver.RunConfig("grpc", server.grpc_target, burstiness=burstiness, seed=seed,
                                progress=False, slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms)
-        return asyncio.run(sweep(workload, cfg, rates, slo, num_workers=2))
+        result = asyncio.run(sweep(workload, cfg, rates, slo, num_workers=2))
+        result["decisions"] = decisions(server)
+        print(f"  {mode} decisions: {result['decisions']}", flush=True)
+    for row in result["rows"]:
+        print(f"  {mode} {routing.routing_policy}/{routing.admission}: rate {row['rate']:g} "
+              f"attainment {row['slo_attainment']:.2f} rejected {row['rejected']} ttft p50 "
+              f"{row['ttft_ms']['p50']} tpot p50 {row['tpot_ms']['p50']} forecast error "
+              f"{row['prediction_error']}", flush=True)
+    return result
+
+
+def decisions(server: RouterServer) -> dict[str, float]:
+    """The router's placement decisions by kind and reason, and its waits."""
+    counts = {}
+    for metric in server.router.metrics.registry.collect():
+        for sample in metric.samples:
+            if sample.name == "pdserve:router_decisions_total":
+                key = sample.labels["kind"] + (f"/{sample.labels['reason']}"
+                                               if sample.labels["reason"] else "")
+                counts[key] = sample.value
+            elif sample.name == "pdserve:router_placement_waits_total":
+                counts["waits"] = sample.value
+    return counts
 
 
 def run_fixed(config, mode, routing, requests, rate, slo, burstiness, seed) -> dict:
@@ -91,7 +113,8 @@ def run_fixed(config, mode, routing, requests, rate, slo, burstiness, seed) -> d
                                burstiness=burstiness, seed=seed, progress=False,
                                slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms)
         records, duration = asyncio.run(driver.run(requests, cfg))
-        return summarize(records, duration, slo, num_workers=2)
+        return {**summarize(records, duration, slo, num_workers=2),
+                "decisions": decisions(server)}
 
 
 def spread(values: list) -> dict:

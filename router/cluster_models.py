@@ -1,17 +1,12 @@
 """What the router learns of its workers for the latency model: a StepModel per
 worker (fitted on the steps each telemetry report carries), a TransferModel per
 (prefill, decode) pair (fitted on completed transfers), the prefix index (from the
-reports' prefix-cache events), and a calibration from finished requests: what the
-step model does not see (the router's own path, Ray calls, streaming) as an
-average TTFT offset per placement kind and a TPOT ratio. A worker that leaves or
-restarts is forgotten."""
+reports' prefix-cache events). A worker that leaves or restarts is forgotten."""
 from __future__ import annotations
 
 from pdserve.engine.latency_model import StepCost, StepModel, TransferCost, TransferModel
 from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.prefix_index import PrefixIndex
-
-_WEIGHT = 0.02  # of each finished request in the calibration's average
 
 
 class ClusterModels:
@@ -20,25 +15,6 @@ class ClusterModels:
         self.transfers: dict[tuple[str, str], TransferModel] = {}
         self.prefixes = PrefixIndex()
         self._transfer_costs: dict[tuple[str, str], TransferCost] = {}
-        self.ttft_offset_s: dict[str, float] = {}  # placement kind -> measured - forecast
-        self.tpot_ratio = 1.0  # measured / forecast
-        self._calibrated: dict[str, int] = {}  # placement kind -> requests seen
-
-    def calibrate(self, kind: str, forecast: tuple[float, float],
-                  measured: tuple[float, float | None]) -> None:
-        """A finished request's forecast (TTFT, TPOT) and what it measured: a plain
-        mean over the first 50 requests, then an exponential average over about the
-        last 50."""
-        (ttft_f, tpot_f), (ttft, tpot) = forecast, measured
-        seen = self._calibrated[kind] = self._calibrated.get(kind, 0) + 1
-        weight = max(_WEIGHT, 1.0 / seen)
-        raw_ttft = ttft_f - self.ttft_offset_s.get(kind, 0.0)
-        offset = self.ttft_offset_s.get(kind, 0.0)
-        self.ttft_offset_s = {**self.ttft_offset_s,
-                              kind: offset + weight * (ttft - raw_ttft - offset)}
-        if tpot is not None and tpot_f > 0:
-            ratio = tpot / (tpot_f / self.tpot_ratio)
-            self.tpot_ratio += weight * (min(max(ratio, 0.5), 2.0) - self.tpot_ratio)
 
     def reported(self, t: WorkerTelemetry) -> StepCost:
         """Takes in one report; returns the worker's step cost as now fitted."""

@@ -79,10 +79,6 @@ class ClusterState:
     kv_bytes_per_block: int = 0  # the KV of one block, all layers
     adaptive: bool = False  # workers in role both may also be paired (P on one, D on another)
     admission: str = "slo"  # slo: refuse what would miss its SLOs; always: place anyway
-    # Calibration from finished requests (cluster_models.py): added to a TTFT forecast
-    # per placement kind (colocate | disaggregate), and a TPOT forecast's factor.
-    ttft_offset_s: Mapping[str, float] = field(default_factory=dict)
-    tpot_ratio: float = 1.0
 
     def report(self, worker: WorkerState) -> WorkerTelemetry | None:
         """The worker's telemetry if fresh, else None (unknown)."""

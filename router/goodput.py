@@ -11,8 +11,6 @@ decodes. For each, from the workers' fitted step costs and loads:
             (+ for a pair: the exposed KV transfer of the blocks D does not hold)
     TPOT  = a step of D's decode batch with this request in it, plus the prompt work
             queued on D spread over this request's output
-    (each calibrated by what finished requests measured against their forecasts:
-    an average TTFT offset per placement kind, a TPOT ratio)
     harm  = per running request on D: each step longer by the join; on a worker that
             computes the prompt (colocated, or a P in role both): its decodes stall
             for the prompt's compute, spread over their remaining tokens
@@ -125,7 +123,7 @@ class _Side:
         n = request.num_prompt_tokens
         self.cached = request.cached_tokens.get(w.worker_id, 0)
         self.ttft = ttft_seconds(cost, load, n, self.cached)  # computing the prompt here
-        self.tpot = tpot_seconds(cost, load, n, request.max_tokens) * state.tpot_ratio
+        self.tpot = tpot_seconds(cost, load, n, request.max_tokens)
         self.step = decode_step_seconds(cost, load)  # its decode batch's step now
         self.join_s = joining_slowdown(cost, n)  # per step, when the request decodes here
         self.stall_s = prompt_compute_seconds(cost, n, self.cached)  # once, computing it
@@ -137,8 +135,7 @@ class _Side:
 
 
 def _colocate(request: RequestView, state: ClusterState, w: _Side) -> Forecast:
-    ttft = w.ttft + state.ttft_offset_s.get("colocate", 0.0)
-    return _forecast(Colocate(w.w.worker_id, ttft, w.tpot), request, state, ttft, w.tpot,
+    return _forecast(Colocate(w.w.worker_id, w.ttft, w.tpot), request, state, w.ttft, w.tpot,
                      [w.harm(request, joins=True, computes=True)], w.w)
 
 
@@ -147,7 +144,7 @@ def _pair(request: RequestView, state: ClusterState, p: _Side, d: _Side) -> Fore
     blocks_sent = max(prompt_blocks - d.cached // state.block_size, 0)  # D's hits stay
     transfer = state.transfer_cost(p.w.worker_id, d.w.worker_id).seconds(
         blocks_sent * state.kv_bytes_per_block)
-    ttft = p.ttft + transfer + state.ttft_offset_s.get("disaggregate", 0.0)
+    ttft = p.ttft + transfer
     harms = [d.harm(request, joins=True, computes=False)]
     if p.w.decodes:  # its own decodes stall while it computes the prompt
         harms.append(p.harm(request, joins=False, computes=True))

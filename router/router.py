@@ -244,7 +244,7 @@ class Router:
     async def generate(self, req: Accepted) -> AsyncIterator[TokenDelta]:
         """Streams the request's deltas; the last one has finished=True."""
         flight = self._claim(req)
-        track = _Tracker(self.metrics, flight, self.models)
+        track = _Tracker(self.metrics, flight)
         try:
             first, skip_text = await self._begin(flight)
             if first is not None:
@@ -409,8 +409,7 @@ class Router:
                             self.config.max_queued_prefill_tokens, self.config.retry_after_s,
                             self.models.transfer_costs, self.model.block_size,
                             self.model.kv_bytes_per_block, self.config.adaptive,
-                            self.config.routing.admission, self.models.ttft_offset_s,
-                            self.models.tpot_ratio)
+                            self.config.routing.admission)
         timed = [f for f in self._flights.values() if f.req.slo.tpot_s is not None
                  and f.first_token_at is not None and f.phase is Phase.STREAMING]
         if not timed:
@@ -879,8 +878,8 @@ class _Tracker:
     """One request's metrics: waiting until its first token, then running; at its end
     its SLO attainment and how far its latencies were from the forecast."""
 
-    def __init__(self, metrics: RouterMetrics, flight: Flight, models: ClusterModels):
-        self.m, self.flight, self.req, self.models = metrics, flight, flight.req, models
+    def __init__(self, metrics: RouterMetrics, flight: Flight):
+        self.m, self.flight, self.req = metrics, flight, flight.req
         self.waiting = True
         self.last = flight.req.arrival_time
         self.closed = False
@@ -911,11 +910,7 @@ class _Tracker:
         ttft = flight.first_token_at - self.req.arrival_time
         n = flight.num_output_tokens
         tpot = (now - flight.first_token_at) / (n - 1) if n > 1 else None
-        placed = flight.predicted
-        self.m.judged(self.req.slo, placed, ttft, tpot)
-        if getattr(placed, "ttft_s", None) is not None:
-            self.models.calibrate(type(placed).__name__.lower(),
-                                  (placed.ttft_s, placed.tpot_s), (ttft, tpot))
+        self.m.judged(self.req.slo, flight.predicted, ttft, tpot)
 
     def close(self) -> None:
         if not self.closed:

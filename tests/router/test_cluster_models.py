@@ -1,5 +1,5 @@
 """What the router learns for the latency model, without Ray: the prefix index from
-telemetry events, the transfer and step fits, the calibration by finished requests."""
+telemetry events, the transfer and step fits."""
 from __future__ import annotations
 
 import pytest
@@ -43,12 +43,3 @@ def test_reports_fit_the_step_model_and_fill_the_prefix_index():
     models.forget("w")
     assert not models.transfer_costs and models.prefixes.hits([b"h1"]) == {}
 
-
-def test_finished_requests_calibrate_the_forecasts():
-    models = ClusterModels()
-    for _ in range(20):  # TTFT always 30 ms over its forecast, TPOT 1.5x
-        forecast = (0.1 + models.ttft_offset_s.get("colocate", 0.0), 0.01 * models.tpot_ratio)
-        models.calibrate("colocate", forecast, (0.13, 0.015))
-    assert models.ttft_offset_s["colocate"] == pytest.approx(0.03)
-    assert models.tpot_ratio == pytest.approx(1.5)
-    assert "disaggregate" not in models.ttft_offset_s
