@@ -57,7 +57,7 @@ class Forecast:
 
 
 def decide(request: RequestView, state: ClusterState) -> Decision:
-    forecasts = [f for f in candidates(request, state)]
+    forecasts = candidates(request, state)
     if not forecasts:
         return Reject("no worker can take this request now", state.retry_after_s)
     fits = [f for f in forecasts if not f.miss]

@@ -125,7 +125,8 @@ class Router:
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
         # Set (and replaced) whenever capacity may have freed: a request ended, a
-        # worker reported. Requests waiting for a placement ask again then.
+        # worker reported more free KV or a smaller batch. Requests waiting for a
+        # placement ask again then.
         self._capacity = asyncio.Event()
         self._reviving: dict[str, asyncio.Task] = {}  # worker id -> its revival
         # Eviction timers of silent workers and fresh workers for evicted ones.
@@ -725,10 +726,13 @@ class Router:
         log.warning("worker %s left", worker.worker_id)
         self._changed()
 
-    def _reported(self, worker: WorkerHandle, telemetry: WorkerTelemetry) -> None:
+    def _reported(self, worker: WorkerHandle, telemetry: WorkerTelemetry,
+                  previous: WorkerTelemetry | None) -> None:
         self.metrics.observe_worker(telemetry)
         worker.step_cost = self.models.reported(telemetry)
-        self._capacity_freed()
+        if previous is None or telemetry.free_blocks > previous.free_blocks \
+                or telemetry.running < previous.running:
+            self._capacity_freed()  # not on every step: waiting requests would herd
 
     # ---- workers leaving and rejoining service ---------------------------------------
 

@@ -48,7 +48,9 @@ class WorkerHandle(HasRole):
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)
     pump: asyncio.Task | None = None
     # Called with each report (the router's metrics and latency models).
-    on_report: Callable[["WorkerHandle", WorkerTelemetry], None] | None = None
+    # (worker, report, the report before it)
+    on_report: Callable[["WorkerHandle", WorkerTelemetry, WorkerTelemetry | None], None] \
+        | None = None
     _state: WorkerState | None = field(default=None, repr=False)
     _drained: asyncio.Event | None = field(default=None, repr=False)
 
@@ -84,9 +86,10 @@ class WorkerHandle(HasRole):
         self.queued_tokens -= num_tokens
 
     def heard(self, telemetry: WorkerTelemetry) -> None:
+        previous = self.telemetry
         self.telemetry, self.heard_at = telemetry, time.monotonic()
         if self.on_report is not None:
-            self.on_report(self, telemetry)
+            self.on_report(self, telemetry, previous)
 
     def start_pump(self, stall_timeout_s: float,
                    on_death: Callable[["WorkerHandle"], None] = lambda worker: None,

@@ -238,7 +238,7 @@ def test_telemetry_on_the_stream_moves_placement_without_any_scrape(tok):
                          worker("d1", d1, "decode", 100)])
         await router.start()
         reported = asyncio.Event()
-        router.workers["d0"].on_report = lambda w, t: reported.set()
+        router.workers["d0"].on_report = lambda w, t, previous: reported.set()
 
         async def place() -> str:
             stream = router.generate(await router.accept([5, 6, 7], PARAMS))
