@@ -7,10 +7,11 @@ from pathlib import Path
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.options import option
+from pdserve.router import policy
 from pdserve.router.slo import Slo
 
 MODES = ("disaggregated", "colocated", "adaptive")
-POLICIES = ("goodput", "least-loaded", "round-robin")
+POLICIES = tuple(policy.POLICIES)
 ADMISSIONS = ("slo", "always")
 
 

@@ -136,7 +136,7 @@ class _Side:
 
 def _colocate(request: RequestView, state: ClusterState, w: _Side) -> Forecast:
     return _forecast(Colocate(w.w.worker_id, w.ttft, w.tpot), request, state, w.ttft, w.tpot,
-                     [w.harm(request, joins=True, computes=True)], w.w)
+                     [w.harm(request, joins=True, computes=True)], w.w, w.decode_seqs)
 
 
 def _pair(request: RequestView, state: ClusterState, p: _Side, d: _Side) -> Forecast:
@@ -149,7 +149,7 @@ def _pair(request: RequestView, state: ClusterState, p: _Side, d: _Side) -> Fore
     if p.w.decodes:  # its own decodes stall while it computes the prompt
         harms.append(p.harm(request, joins=False, computes=True))
     return _forecast(Disaggregate(p.w.worker_id, d.w.worker_id, ttft, d.tpot), request,
-                     state, ttft, d.tpot, harms, d.w)
+                     state, ttft, d.tpot, harms, d.w, d.decode_seqs)
 
 
 class _Harm:
@@ -175,7 +175,7 @@ class _Harm:
 
 
 def _forecast(decision, request: RequestView, state: ClusterState, ttft: float, tpot: float,
-              harms: list[_Harm], decode: WorkerState) -> Forecast:
+              harms: list[_Harm], decode: WorkerState, decode_seqs: int) -> Forecast:
     slo = request.slo
     cost = (ttft / (slo.ttft_s or _REFERENCE_TTFT_S) + tpot / (slo.tpot_s or _REFERENCE_TPOT_S)
             + sum(h.cost for h in harms))
@@ -185,7 +185,10 @@ def _forecast(decision, request: RequestView, state: ClusterState, ttft: float, 
         return Forecast(decision, ttft, tpot, cost, "kv", state.retry_after_s)
     if not slo.ttft_met(ttft):
         return Forecast(decision, ttft, tpot, cost, "ttft", ttft - slo.ttft_s)
-    if not slo.tpot_met(tpot):
+    # A one-token request has no TPOT. And one that would decode alone is not refused
+    # on its TPOT forecast: nothing could serve it faster, and only measuring it can
+    # correct a model that overestimates (an idle worker reports no steps).
+    if request.max_tokens > 1 and not slo.tpot_met(tpot) and decode_seqs > 0:
         return Forecast(decision, ttft, tpot, cost, "tpot", state.retry_after_s)
     if breaks:
         # until the first request it would break has finished

@@ -122,12 +122,10 @@ class _Sampling(_SamplingFields):
 
     def slo(self, headers) -> Slo:
         """The body's SLOs, else the headers' (each named as the client spelled it)."""
-        ttft = Slo.from_ms(parse_ms(headers.get(SLO_TTFT_HEADER), SLO_TTFT_HEADER), None,
-                           ttft_field=SLO_TTFT_HEADER)
-        tpot = Slo.from_ms(None, parse_ms(headers.get(SLO_TPOT_HEADER), SLO_TPOT_HEADER),
-                           tpot_field=SLO_TPOT_HEADER)
-        return Slo.from_ms(self.slo_ttft_ms, self.slo_tpot_ms).over(Slo(ttft.ttft_s,
-                                                                        tpot.tpot_s))
+        header = Slo.from_ms(parse_ms(headers.get(SLO_TTFT_HEADER), SLO_TTFT_HEADER),
+                             parse_ms(headers.get(SLO_TPOT_HEADER), SLO_TPOT_HEADER),
+                             ttft_field=SLO_TTFT_HEADER, tpot_field=SLO_TPOT_HEADER)
+        return Slo.from_ms(self.slo_ttft_ms, self.slo_tpot_ms).over(header)
 
     def _params(self, max_tokens: int | None, logprobs: bool,
                 top_logprobs: int) -> SamplingParams:

@@ -377,16 +377,10 @@ class Router:
     async def _capacity_or(self, flight: Flight, timeout_s: float) -> None:
         """Returns once capacity may have freed, or after timeout_s; Router.abort of
         the request raises _Cancelled."""
-        freed = asyncio.ensure_future(self._capacity.wait())
-        cancel = asyncio.ensure_future(flight.cancelled.wait())
         try:
-            await asyncio.wait({freed, cancel}, timeout=timeout_s,
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            freed.cancel()
-            cancel.cancel()
-        if flight.cancelled.is_set():
-            raise _Cancelled
+            await self._until(flight, self._capacity.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
 
     def _capacity_freed(self) -> None:
         self._capacity.set()

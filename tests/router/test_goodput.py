@@ -182,3 +182,16 @@ def test_colocated_mode_never_splits_and_disaggregated_mode_always_does():
     assert all(isinstance(decide(request(n), both), Colocate) for n in (10, 1000))
     split = state(worker("p", "prefill"), worker("d", "decode"))
     assert all(isinstance(decide(request(n), split), Disaggregate) for n in (10, 1000))
+
+
+def test_a_tpot_forecast_refuses_only_beside_a_running_batch_and_never_one_token():
+    # A step of 71 ms misses a 20 ms TPOT SLO; an idle worker's forecast (11 ms with
+    # this cost) would not, but a slow one alone is admitted: only a measurement can
+    # correct a model that overestimates, and nothing would serve it faster.
+    slow = StepCost(base_s=0.05, prefill_token_s=1e-4, prefill_pair_s=0.0,
+                    decode_seq_s=0.001, decode_context_s=0.0)
+    assert decide(request(10, slo=Slo(tpot_s=0.02)),
+                  state(worker("e", "both", cost=slow))) == Colocate("e")
+    busy = state(worker("e", "both", running=1, cost=slow))
+    assert decide(request(10, slo=Slo(tpot_s=0.02)), busy).kind == "tpot"
+    assert decide(request(10, slo=Slo(tpot_s=0.02), max_tokens=1), busy) == Colocate("e")
