@@ -56,8 +56,11 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         except InvalidRequestError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         completion, first_at = 0, None
+        # Closed on every exit, a client's cancel included: the request is released
+        # then, not whenever the garbage collector finalizes the generator.
+        stream = self.router.generate(accepted)
         try:
-            async for delta in self.router.generate(accepted):
+            async for delta in stream:
                 if first_at is None and delta.token_ids:
                     first_at = time.time()
                 completion += len(delta.token_ids)
@@ -82,6 +85,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         except RequestFailedError as err:  # a step failed for this request alone
             await context.abort(grpc.StatusCode.INTERNAL, str(err))
+        finally:
+            await stream.aclose()
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         caller = await self._owner(context)
