@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.latency_model import StepCost
 
 
@@ -17,7 +18,7 @@ class WorkerLoad:
     queued_requests: int = 0  # the prompts they belong to
     decode_seqs: int = 0  # requests in its decode batch
     decode_context: int = 0  # their KV lengths, summed
-    token_budget: int = 2048  # tokens per step (max_num_batched_tokens)
+    token_budget: int = SchedulerConfig.max_num_batched_tokens  # tokens per step
 
 
 def prompt_pairs(tokens: int, cached: int = 0) -> int:

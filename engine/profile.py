@@ -12,6 +12,7 @@ from pdserve.engine.scheduler_output import SchedulerStats
 PROMPT_LENGTHS = (8, 32, 128, 512)
 DECODE_BATCH = 4
 DECODE_STEPS = 8
+_MAX_STEPS = 10_000  # a profile that cannot finish fails the worker's start, not hangs it
 
 
 def profile(engine: LLMEngine) -> int:
@@ -43,5 +44,8 @@ def _tokens(seed: int, n: int, vocab: int) -> list[int]:
 def _run(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams) -> None:
     for request_id, ids in prompts.items():
         engine.add_request(request_id, ids, params)
-    while engine.has_unfinished():
+    for _ in range(_MAX_STEPS):
+        if not engine.has_unfinished():
+            return
         engine.step()
+    raise RuntimeError(f"the start-up profile made no end within {_MAX_STEPS} steps")

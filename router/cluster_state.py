@@ -30,6 +30,11 @@ class HasRole:
     def decodes(self) -> bool:
         return self.role in ("decode", "both")
 
+    def sends_kv(self, adaptive: bool) -> bool:
+        """Whether it prefills for other workers: role prefill, or both in adaptive
+        mode (outside it, role both runs whole requests only)."""
+        return self.role == "prefill" or (adaptive and self.role == "both")
+
 
 @dataclass(frozen=True)
 class TpotBudget:

@@ -97,8 +97,7 @@ _MAX_PAIRS = 64
 def candidates(request: RequestView, state: ClusterState) -> list[Forecast]:
     live = [w for w in state.workers if w.available]
     decoders = [w for w in live if w.decodes and w.worker_id not in request.refused]
-    prefillers = [w for w in live if (w.role == "prefill" or (state.adaptive and w.role == "both"))
-                  and has_room(w, request, state)]
+    prefillers = [w for w in live if w.sends_kv(state.adaptive) and has_room(w, request, state)]
     sides: dict[str, _Side] = {}
     for w in decoders + prefillers:
         if w.worker_id not in sides:

@@ -12,8 +12,10 @@ from dataclasses import replace
 import ray
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import bytes_per_block
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_path import resolve_model_path
+from pdserve.engine.model_runner import DTYPES
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec, RouterConfig
@@ -102,19 +104,15 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     # every pair, before traffic
     adaptive = pools.mode == "adaptive"
     _get([w.actor.connect.remote([a for d, a in zip(decoders, addresses) if d is not w])
-          for w in workers if w.role == "prefill" or adaptive], router_config, "pair up")
+          for w in workers if w.sends_kv(adaptive)], router_config, "pair up")
     model = ModelConfig.from_dir(model_dir)
     max_len = min(engine_config.max_model_len or model.max_position_embeddings,
                   model.max_position_embeddings)
     block_size = engine_config.cache.block_size
-    info = ModelInfo(served, max_len, model.vocab_size, block_size,
-                     kv_bytes_per_block=2 * model.num_layers * model.kv_size * block_size
-                     * _DTYPE_BYTES[engine_config.resolved_dtype])
+    info = ModelInfo(served, max_len, model.vocab_size, block_size, bytes_per_block(
+        model, block_size, DTYPES[engine_config.resolved_dtype]))
     return Router(Tokenizer(model_dir), info, workers,
                   replace(router_config, adaptive=adaptive), spawner)
-
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _get(refs: list, config: RouterConfig, what: str) -> list:

@@ -409,13 +409,16 @@ class Router:
                  and f.first_token_at is not None and f.phase is Phase.STREAMING]
         if not timed:
             return base
-        now, budgets = time.time(), {}
-        steps = {w.worker_id: decode_step_seconds(base.step_cost(w), base.load(w))
-                 for w in base.workers}
+        now, budgets, steps = time.time(), {}, {}
+        states = {w.worker_id: w for w in base.workers}
         for flight in timed:
             wid = flight.decode.worker_id
-            if wid in steps:
-                budgets.setdefault(wid, []).append(self._budget(flight, now, steps[wid]))
+            if wid not in states:
+                continue
+            if wid not in steps:  # only workers running timed requests
+                steps[wid] = decode_step_seconds(base.step_cost(states[wid]),
+                                                 base.load(states[wid]))
+            budgets.setdefault(wid, []).append(self._budget(flight, now, steps[wid]))
         return replace(base, workers=tuple(
             replace(w, budgets=tuple(budgets[w.worker_id])) if w.worker_id in budgets else w
             for w in base.workers))
@@ -817,9 +820,6 @@ class Router:
         await self._pair_with_cluster(worker)
         self._subscribe(worker)
 
-    def _prefills_for_others(self, worker: WorkerHandle) -> bool:
-        return worker.role == "prefill" or (self.config.adaptive and worker.role == "both")
-
     async def _pair_with_cluster(self, worker: WorkerHandle) -> None:
         """Pairs the worker, ahead of traffic, with every worker it may send KV to or
         receive KV from: role prefill (and in adaptive mode role both) sends to every
@@ -830,10 +830,10 @@ class Router:
             worker.address = await asyncio.wait_for(worker.actor.address.remote(), timeout_s)
         live = [w for w in self.workers.values() if w.alive and w is not worker]
         pairs = []
-        if self._prefills_for_others(worker):
+        if worker.sends_kv(self.config.adaptive):
             pairs += [(worker, d.address) for d in live if d.decodes and d.address]
         if worker.decodes:
-            pairs += [(p, worker.address) for p in live if self._prefills_for_others(p)]
+            pairs += [(p, worker.address) for p in live if p.sends_kv(self.config.adaptive)]
         await self._pair(pairs)
 
     async def _pair(self, pairs: list[tuple[WorkerHandle, str]]) -> None:
