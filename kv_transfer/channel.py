@@ -1,22 +1,26 @@
-"""One pair's process group: rank 0 the receiver, rank 1 the sender.
+"""One pair: rank 0 the receiver, rank 1 the sender.
 
 Created lazily per (sender, receiver) over a prefix of the receiver's TCPStore, so
-workers join and leave without anyone else re-initializing. gloo moves the bytes;
-CUDA tensors are staged through host memory, which is how two workers sharing one
-GPU, or on distinct GPUs, exchange KV. (NCCL would move them GPU to GPU, but it
-matches sends to receives by issue order and ignores tags, and interleaved transfers
-on one pair are told apart by tag here; see config.BACKENDS.)
+workers join and leave without anyone else re-initializing. A 2-rank gloo group
+carries the control stream and the status replies (small CPU messages, told apart by
+tag); the data stream is `data` (data_plane.py): the same gloo group on a tag of its
+own, or an NCCL communicator of the pair. Both sides exchange one message on the data
+stream before the pair is used, so an NCCL communicator is created here, on the
+connecting thread, and never inside a prefill step.
 """
 from __future__ import annotations
 
 import datetime
 import threading
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from pdserve.kv_transfer.data_plane import GlooData, NcclData
+from pdserve.kv_transfer.protocol import CONTROL_TAG
+
 RECEIVER_RANK, SENDER_RANK = 0, 1
-CONTROL_TAG = 0  # the ordered stream of headers and handshakes
 # An idle pair waits for its next header indefinitely: a gloo recv that times out
 # closes the pair. Transfer deadlines are enforced above this layer; a dead peer
 # surfaces at once as a closed connection. gloo's context keeps the timeout it was
@@ -26,8 +30,11 @@ _IDLE = datetime.timedelta(days=365)
 
 
 class PairChannel:
-    def __init__(self, store: dist.Store, pair: str, rank: int, host: str):
-        """`host`: the address this side's gloo connections bind to (its node's)."""
+    def __init__(self, store: dist.Store, pair: str, rank: int, host: str,
+                 backend: str = "gloo", device: torch.device = torch.device("cpu"),
+                 ready_timeout_s: float = 30.0):
+        """`host`: the address this side's gloo connections bind to (its node's);
+        `device`: this side's KV cache device (the NCCL stream's)."""
         self.pair = pair
         self.peer = SENDER_RANK if rank == RECEIVER_RANK else RECEIVER_RANK
         prefixed = dist.PrefixStore(f"pair/{pair}/", store)
@@ -36,29 +43,55 @@ class PairChannel:
         options._timeout = _IDLE
         self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, options)
         self._send_lock = threading.Lock()
+        try:
+            if backend == "nccl":
+                self.data = NcclData(prefixed, rank, self.peer, device)
+            elif backend == "gloo":
+                self.data = GlooData(self.pg, self.peer)
+            else:
+                raise ValueError(f"unknown data backend {backend!r}")
+            self._ready(rank, ready_timeout_s)
+        except BaseException:
+            self.close()
+            raise
 
     @property
-    def wire_device(self) -> torch.device:
-        return torch.device("cpu")
+    def backend(self) -> str:
+        return self.data.backend
+
+    def _ready(self, rank: int, timeout_s: float) -> None:
+        probe = torch.ones(1, dtype=torch.uint8, device=self.data.device)
+        work = self.data.send(probe) if rank == SENDER_RANK else self.data.post_recv(probe)
+        self.data.wait(work, timeout_s)
 
     def send(self, messages: list[torch.Tensor], tag: int = CONTROL_TAG) -> list:
-        """Queue tensors in order on `tag`, atomically with respect to other senders on
-        this pair; returns their Work handles (async: the caller keeps computing)."""
+        """Queue control messages in order on `tag`, atomically with respect to other
+        senders on this pair; returns their Work handles (async)."""
         with self._send_lock:
-            return [self.pg.send([self._to_wire(t)], self.peer, tag) for t in messages]
+            return [self.pg.send([t], self.peer, tag) for t in messages]
+
+    def send_announced(self, announcement: torch.Tensor,
+                       payload: Callable[[], torch.Tensor]) -> tuple:
+        """A LAYER message and its payload, as one step of both streams' order (no other
+        sender on this pair can come between them); returns both Works. `payload()`
+        is called after the announcement went out: the receiver posts its receive while
+        the payload is still being gathered, and the bytes move without waiting."""
+        with self._send_lock:
+            control = self.pg.send([announcement], self.peer, CONTROL_TAG)
+            return control, self.data.send(payload())
 
     def recv(self, buffer: torch.Tensor, tag: int = CONTROL_TAG) -> None:
-        """Blocking receive of the next message on `tag` into `buffer` (wire device)."""
+        """Blocking receive of the next control message on `tag` into `buffer`."""
         self.pg.recv([buffer], self.peer, tag).wait()
 
-    def post_recv(self, buffer: torch.Tensor, tag: int):
-        """Post a receive now, complete later: data flows without a round trip."""
+    def post_recv(self, buffer: torch.Tensor, tag: int = CONTROL_TAG):
+        """Post a control receive now, complete later."""
         return self.pg.recv([buffer], self.peer, tag)
 
-    def _to_wire(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.wire_device) if t.device != self.wire_device else t
-
     def close(self) -> None:
+        data = getattr(self, "data", None)
+        if data is not None:
+            data.close()
         try:
             self.pg.shutdown()
         except Exception:  # already broken by a lost peer

@@ -3,17 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-BACKENDS = ("auto", "gloo")
-# NCCL is not offered: it ignores send/recv tags (matching is by issue order), and this
-# protocol multiplexes interleaved transfers on one pair by tag. Until the data plane
-# is serialized per pair for it, CUDA caches move through host memory over gloo.
+from pdserve.kv_transfer.backend import BACKENDS
 
 
 @dataclass(frozen=True)
 class TransferConfig:
     timeout_s: float = 30.0  # from BEGIN: a transfer not complete by then fails on both sides
     connect_timeout_s: float = 30.0  # store connection and pair rendezvous
-    backend: str = "auto"  # auto = gloo (CUDA caches staged through host memory)
+    # The data stream's (backend.py): auto = NCCL between distinct GPUs, else gloo
+    # (CUDA caches staged through pinned host memory); "gloo" or "nccl" to force one.
+    backend: str = "auto"
     # Leases on the decode side (held KV is released when one expires): reserved blocks
     # whose transfer has not begun, and landed KV whose request was never started.
     # The router bounds its prefill queues so that no admitted request waits this long.
@@ -27,9 +26,5 @@ class TransferConfig:
         for name in ("timeout_s", "connect_timeout_s", "begin_lease_s", "start_lease_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.backend == "nccl":
-            raise ValueError("backend 'nccl' is not supported yet: NCCL ignores send/recv "
-                             "tags, and kv_transfer multiplexes interleaved transfers by "
-                             "tag; use 'gloo' (CUDA caches are staged through host memory)")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}")

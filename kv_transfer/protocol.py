@@ -1,23 +1,32 @@
-"""The wire protocol of one sender -> receiver pair.
+"""The wire protocol of one sender -> receiver pair: three ordered streams.
 
-Control (tag 0, one ordered stream): a BEGIN is one message of exactly CONTROL_BYTES,
-int64[4] = [BEGIN, seq, inline_nbytes, extension_nbytes] followed by the handshake
-(json of `Handshake`). The receiver keeps the next control receive posted, so a
-BEGIN never waits for a round trip; a handshake too long for the message (tens of
-thousands of blocks) sends its tail as one more control message of extension_nbytes.
-Data (tag `data_tag(seq)`): exactly num_layers payloads, layer 0 first, each the
-transfer's blocks of one layer, [2, n, block, Hkv, D] bytes, then an int64 trailer:
-LAYER_DATA, or LAYER_ABORT for scratch padding. On BEGIN the receiver posts all of
-them at once, so layers flow without a round trip each. Posted receives cannot be
-withdrawn, so every transfer's layers are always delivered in full: an aborting
-sender pads the rest (the trailer says so, in the same ordered stream), and the
-receiver drains what it refused. One transfer's failure never desynchronizes the
-pair for the others.
+Control (sender -> receiver, gloo, tag 0): messages of exactly CONTROL_BYTES, each an
+int64[4] header and, for BEGIN, the handshake:
+    BEGIN  [BEGIN, seq, inline_nbytes, extension_nbytes] + json of `Handshake`
+           (a handshake too long for the message, tens of thousands of blocks, sends
+           its tail as the next extension_nbytes / CONTROL_BYTES messages, rounded up)
+    LAYER  [LAYER, seq, layer, nbytes]: the next message on the data stream is layer
+           `layer` of transfer `seq`, exactly nbytes
+    ABORT  [ABORT, seq, 0, 0]: the sender gives up on transfer `seq`
+Every control message has one size, so the receiver keeps CONTROL_RING receives posted
+ahead and announcements stream without a round trip each (a gloo send moves no byte
+until its receive is posted).
 
-Status (receiver -> sender, tag `ack_tag(seq)`): exactly one int64[1] per BEGIN,
-OK, REFUSED, ABORTED or TIMED_OUT. The sender posts its receive before BEGIN.
+Data (sender -> receiver, one FIFO: gloo on a tag of its own, or the pair's NCCL
+communicator): payloads only, [2, n, block, Hkv, D] of one layer's blocks, in the
+order their LAYER messages announced them. Nothing on it is told apart by tag: the
+receiver posts one receive per LAYER, in control order, which is the order the
+sender issued the sends (announcement and data go out under one lock). This is
+NCCL's matching rule (per communicator and peer, in issue order), so the same
+protocol runs on gloo and on NCCL. A receive is posted only for an announced message
+and every announced message is sent, so nothing is ever left posted: an abort is one
+control message, and a transfer the receiver refused or ended is drained as it comes.
 
-Control: the receiver's TCPStore. `layout` describes the receiver; a new
+Status (receiver -> sender, gloo, tag `ack_tag(seq)`): exactly one int64[1] per
+BEGIN: OK, REFUSED, ABORTED or TIMED_OUT. The sender posts its receive before BEGIN,
+and sends no more layers once a status arrived early (the receiver ended it).
+
+Control: the receiver's TCPStore. `layout` and `device` describe the receiver; a new
 pair registers under `join/<n>`; a failure's message waits under `reason/<pair>/<seq>`.
 """
 from __future__ import annotations
@@ -25,30 +34,30 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import struct
 from dataclasses import asdict, dataclass
 
 import torch
 
 from pdserve.kv_transfer.layout import KVLayout
 
-BEGIN = 1
+BEGIN, LAYER, ABORT = 1, 2, 3
 HEADER_LEN = 4
 HEADER_BYTES = 8 * HEADER_LEN
-CONTROL_BYTES = 16 << 10
-LAYER_DATA, LAYER_ABORT = 1, 0
-TRAILER_BYTES = 8
+CONTROL_BYTES = 4 << 10
+CONTROL_RING = 16
 OK, REFUSED, ABORTED, TIMED_OUT = 0, 1, 2, 3
+CONTROL_TAG = 0
+DATA_TAG = 1  # gloo's data stream: one tag, so one FIFO, as NCCL
 _TAG_SPACE = 1 << 29
 
 
-def data_tag(seq: int) -> int:
-    return 1 + seq % _TAG_SPACE
-
-
 def ack_tag(seq: int) -> int:
-    return 1 + _TAG_SPACE + seq % _TAG_SPACE
+    return 2 + seq % _TAG_SPACE
+
 
 LAYOUT_KEY = "layout"
+DEVICE_KEY = "device"
 JOIN_COUNTER = "joins"
 
 
@@ -60,24 +69,48 @@ def reason_key(pair: str, seq: int) -> str:
     return f"reason/{pair}/{seq}"
 
 
+def _header(kind: int, seq: int, a: int, b: int) -> torch.Tensor:
+    message = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
+    message[:HEADER_BYTES] = torch.tensor([kind, seq, a, b], dtype=torch.int64).view(torch.uint8)
+    return message
+
+
 def begin_messages(seq: int, hs: "Handshake") -> list[torch.Tensor]:
     """The BEGIN control message, plus the handshake's tail when it does not fit."""
     body = hs.encode()
     inline = min(len(body), CONTROL_BYTES - HEADER_BYTES)
-    message = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
-    message[:HEADER_BYTES] = torch.tensor([BEGIN, seq, inline, len(body) - inline],
-                                          dtype=torch.int64).view(torch.uint8)
+    message = _header(BEGIN, seq, inline, len(body) - inline)
     message[HEADER_BYTES:HEADER_BYTES + inline] = torch.frombuffer(body[:inline], dtype=torch.uint8)
     tail = body[inline:]
-    return [message] + ([torch.frombuffer(tail, dtype=torch.uint8)] if tail else [])
+    chunks = []
+    for start in range(0, len(tail), CONTROL_BYTES):
+        chunk = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
+        piece = tail[start:start + CONTROL_BYTES]
+        chunk[:len(piece)] = torch.frombuffer(piece, dtype=torch.uint8)
+        chunks.append(chunk)
+    return [message] + chunks
 
 
-def parse_begin(message: torch.Tensor) -> tuple[int, int, bytes, int]:
-    """(kind, seq, inline handshake bytes, extension nbytes) of a control message."""
-    raw = bytes(message.numpy())
-    kind, seq, inline, extension = torch.frombuffer(bytearray(raw[:HEADER_BYTES]),
-                                                    dtype=torch.int64).tolist()
-    return kind, seq, raw[HEADER_BYTES:HEADER_BYTES + inline], extension
+def extension_messages(extension_nbytes: int) -> int:
+    return -(-extension_nbytes // CONTROL_BYTES)
+
+
+def layer_message(seq: int, layer: int, nbytes: int) -> torch.Tensor:
+    return _header(LAYER, seq, layer, nbytes)
+
+
+def abort_message(seq: int) -> torch.Tensor:
+    return _header(ABORT, seq, 0, 0)
+
+
+def parse_control(raw: bytes | torch.Tensor) -> tuple[int, int, int, int, bytes]:
+    """(kind, seq, a, b, inline body) of a control message; for BEGIN a and b are the
+    inline and extension byte counts, for LAYER the layer and its byte count."""
+    if isinstance(raw, torch.Tensor):
+        raw = bytes(raw.numpy())
+    kind, seq, a, b = struct.unpack_from("<4q", raw)
+    body = raw[HEADER_BYTES:HEADER_BYTES + a] if kind == BEGIN else b""
+    return kind, seq, a, b, body
 
 
 @dataclass(frozen=True)
@@ -101,16 +134,12 @@ class Handshake:
     def kv_layout(self) -> KVLayout:
         return KVLayout(**self.layout)
 
-    @property
-    def message_bytes(self) -> int:
-        return len(self.block_ids) * self.kv_layout.block_bytes_per_layer + TRAILER_BYTES
-
 
 @dataclass(frozen=True)
 class JoinRecord:
     sender_id: str
     pair: str  # store prefix and name of the pair, unique per sender incarnation
-    backend: str  # "gloo" (the field leaves room for a GPU-to-GPU data plane)
+    backend: str  # the data stream's: "gloo" or "nccl" (backend.choose)
     proof: str = ""  # HMAC-SHA256 of `pair` under the cluster's secret
 
     def encode(self) -> str:

@@ -12,11 +12,12 @@ and every ending take the transfer's lock, so they cannot interleave.
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import hmac
-import itertools
 import json
 import logging
+import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -26,10 +27,11 @@ from typing import Callable
 
 import torch
 
+from pdserve.kv_transfer import backend as B
 from pdserve.kv_transfer import protocol as P
 from pdserve.kv_transfer import rendezvous
 from pdserve.kv_transfer.buffer_pool import BufferPool
-from pdserve.kv_transfer.channel import CONTROL_TAG, RECEIVER_RANK, PairChannel
+from pdserve.kv_transfer.channel import RECEIVER_RANK, PairChannel
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.errors import (
     KVTransferError,
@@ -58,6 +60,7 @@ class _Incoming:
     pair: str | None = None
     seq: int | None = None
     index: torch.Tensor | None = None  # block_ids on the cache's device
+    layers_announced: int = 0  # LAYER messages accepted, in order
     layers_landed: int = 0
     settled: bool = False  # claimed under `lock` by the one path that ends it
     # Held across each scatter: once a failure releases the blocks to their owner,
@@ -82,9 +85,15 @@ class KVReceiver:
         self.address = f"{host}:{self._server.port}"
         self.store = rendezvous.scoped(self._server, config.secret)
         self.store.set(P.LAYOUT_KEY, json.dumps(self.layout.to_dict()))
+        self.store.set(P.DEVICE_KEY, B.DeviceId.of(self.device).encode())
         self.bytes_received = 0
         self.lease_expiries = dict.fromkeys(LEASES, 0)
-        self._staging = BufferPool()  # layer receive buffers, reused once scattered
+        # Layer receive buffers, reused once scattered; pinned where they stage a GPU's.
+        self._staging = BufferPool(pin=self.device.type == "cuda")
+        # The largest payload a LAYER may announce: every block of one layer.
+        self._max_payload = kv_caches[0].shape[1] * self.layout.block_bytes_per_layer
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._copies: list = []  # (CUDA event, staged buffer) until the copy is done
         self._lock = threading.Lock()
         self._by_request: dict[str, _Incoming] = {}
         self._by_seq: dict[tuple[str, int], _Incoming] = {}
@@ -177,61 +186,119 @@ class KVReceiver:
         return proven and fresh
 
     def _serve_pair(self, record: P.JoinRecord) -> None:
+        if record.backend not in ("gloo", "nccl") or (
+                record.backend == "nccl" and self.device.type != "cuda"):
+            log.warning("kv rendezvous %s: refused pair %r: data backend %r on a %s cache",
+                        self.address, record.pair[:64], record.backend[:16], self.device.type)
+            return  # the sender's rendezvous times out
         try:
-            channel = PairChannel(self.store, record.pair, RECEIVER_RANK, self.host)
+            channel = PairChannel(self.store, record.pair, RECEIVER_RANK, self.host,
+                                  record.backend, self.device, self.config.connect_timeout_s)
         except Exception:
             return  # the sender gave up before the rendezvous finished
         self._pairs[record.pair] = channel
-        # Two control buffers: the next BEGIN's receive is posted before this one is
-        # handled, so a sender never waits on this thread to accept its handshake.
-        control = [torch.empty(P.CONTROL_BYTES, dtype=torch.uint8) for _ in range(2)]
+        landings: queue.SimpleQueue = queue.SimpleQueue()  # the data stream's, in order
+        threading.Thread(target=self._collect, args=(channel, landings),
+                         name=f"kv-land-{record.pair[:32]}", daemon=True).start()
+        # A ring of posted control receives: announcements never wait on this thread.
+        ring = collections.deque()
         try:
-            posted = channel.post_recv(control[0], CONTROL_TAG)
-            for turn in itertools.count():
-                if self._closed.is_set():
-                    break
-                posted.wait()
-                message = control[turn % 2]
-                kind, seq, body, extension = P.parse_begin(message)
-                if kind != P.BEGIN:
+            for _ in range(P.CONTROL_RING):
+                buffer = torch.empty(P.CONTROL_BYTES, dtype=torch.uint8)
+                ring.append((buffer, channel.post_recv(buffer)))
+
+            def next_message() -> bytes:
+                buffer, work = ring.popleft()
+                work.wait()
+                raw = bytes(buffer.numpy())
+                ring.append((buffer, channel.post_recv(buffer)))  # free again: re-post
+                return raw
+
+            while not self._closed.is_set():
+                kind, seq, a, b, body = P.parse_control(next_message())
+                if kind == P.BEGIN:
+                    for _ in range(P.extension_messages(b)):  # the handshake's tail
+                        body += next_message()
+                    self._begin(channel, seq, P.Handshake.decode(body[:a + b]))
+                elif kind == P.LAYER:
+                    self._announced(channel, landings, seq, a, b)
+                elif kind == P.ABORT:
+                    incoming = self._by_seq.get((record.pair, seq))
+                    if incoming is not None:
+                        self._fail(incoming, TransferAborted(incoming.request_id,
+                                                             "aborted by the sender"), P.ABORTED)
+                else:
                     raise RuntimeError(f"unknown control message {kind}")
-                if extension:
-                    tail = torch.empty(extension, dtype=torch.uint8)
-                    channel.recv(tail)
-                    body += bytes(tail.numpy())
-                posted = channel.post_recv(control[(turn + 1) % 2], CONTROL_TAG)
-                self._begin(channel, seq, P.Handshake.decode(body))
-        except Exception as exc:  # the sender died or closed the pair
+        except Exception as exc:  # the sender died or closed the pair, or broke protocol
             self._pair_lost(record.pair, exc)
         finally:
             self._pairs.pop(record.pair, None)
+            landings.put(None)
             channel.close()
 
-    def _collect(self, incoming: _Incoming | None, works: list, buffers: list) -> None:
-        """Lands each layer as its posted receive completes. `incoming` is None for a
-        refused transfer, whose layers are drained and dropped."""
-        for layer, work in enumerate(works):
-            try:
-                work.wait()
-            except Exception as exc:
+    def _announced(self, channel: PairChannel, landings: queue.SimpleQueue, seq: int,
+                   layer: int, nbytes: int) -> None:
+        """A LAYER message: post the receive of its payload, next in the data stream.
+        A payload nobody wants (refused, ended, out of step) is still received, and
+        dropped, so the stream stays in step."""
+        if not 0 <= nbytes <= self._max_payload:
+            raise RuntimeError(f"a LAYER message announced {nbytes} bytes (at most "
+                               f"{self._max_payload} fit this cache)")
+        incoming = self._by_seq.get((channel.pair, seq))
+        if incoming is not None:
+            expected = len(incoming.block_ids) * self.layout.block_bytes_per_layer
+            if (layer, nbytes) != (incoming.layers_announced, expected):
+                self._fail(incoming, TransferAborted(incoming.request_id, (
+                    f"layer {layer} of {nbytes} bytes announced, expected layer "
+                    f"{incoming.layers_announced} of {expected}")), P.ABORTED)
+                incoming = None
+            else:
+                incoming.layers_announced += 1
+        buffer = self._staging.get(nbytes, channel.data.device)
+        work = channel.data.post_recv(buffer[:nbytes])
+        landings.put((incoming, layer, nbytes, work, buffer))
+
+    def _collect(self, channel: PairChannel, landings: queue.SimpleQueue) -> None:
+        """Lands each payload of the pair's data stream as its receive completes, in
+        stream order; one thread per pair. `incoming` None: drained and dropped."""
+        broken = None
+        while (item := landings.get()) is not None:
+            incoming, layer, nbytes, work, buffer = item
+            if broken is None:
+                try:
+                    channel.data.wait(work)
+                except Exception as exc:  # the pair is gone: so is every later payload
+                    broken = exc
+            if broken is not None:
                 if incoming is not None:
                     self._fail(incoming, PeerLostError(
-                        incoming.request_id, f"sender connection lost: {exc}"), None)
-                return
-            buffer, buffers[layer] = buffers[layer], None
-            with self._lock:  # several transfers' collectors count at once
-                self.bytes_received += buffer.numel()
-            try:
-                if incoming is None or incoming.done.done():
-                    continue  # drained and dropped
-                data, trailer = buffer[:-P.TRAILER_BYTES], buffer[-P.TRAILER_BYTES:]
-                if int(trailer.cpu().clone().view(torch.int64)[0]) != P.LAYER_DATA:
-                    self._fail(incoming, TransferAborted(incoming.request_id,
-                                                         "aborted by the sender"), P.ABORTED)
-                else:
-                    self._land(incoming, layer, data)
-            finally:
+                        incoming.request_id, f"sender connection lost: {broken}"), None)
+                continue
+            with self._lock:  # several pairs' collectors count at once
+                self.bytes_received += nbytes
+            if incoming is None or incoming.done.done():
                 self._staging.put(buffer)
+                continue
+            self._land(incoming, layer, buffer[:nbytes])
+            self._release_staged(buffer)
+
+    def _release_staged(self, buffer: torch.Tensor) -> None:
+        """Back to the pool once the scatter read it: at once on CPU; on CUDA once the
+        side stream's copy out of it completed."""
+        if self._stream is None:
+            self._staging.put(buffer)
+            return
+        copied = torch.cuda.Event()
+        copied.record(self._stream)
+        with self._lock:
+            self._copies.append((copied, buffer))
+            still = []
+            for event, held in self._copies:
+                if event.query():
+                    self._staging.put(held)
+                else:
+                    still.append((event, held))
+            self._copies = still
 
     def _land(self, incoming: _Incoming, layer: int, payload: torch.Tensor) -> None:
         with incoming.lock:
@@ -245,8 +312,8 @@ class KVReceiver:
                 incoming.lease, incoming.expires = "start", (
                     self._clock() + self.config.start_lease_s)
         if complete:
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
+            if self._stream is not None:  # a collector thread, never the engine's
+                self._stream.synchronize()
             self._finish(incoming, None, P.OK)
 
     def _begin(self, channel: PairChannel, seq: int, hs: P.Handshake) -> None:
@@ -265,16 +332,9 @@ class KVReceiver:
             self._send_status(pair, seq, P.REFUSED, problem)
             if incoming is not None and incoming.pair is None:
                 self._fail(incoming, TransferRefused(hs.request_id, problem), None)
-            incoming = None
         else:
             with self._lock:
                 self._by_seq[(pair, seq)] = incoming
-        num_layers = hs.kv_layout.num_layers  # the sender's count: drain what it sends
-        buffers = [self._staging.get(hs.message_bytes, channel.wire_device)
-                   for _ in range(num_layers)]
-        works = [channel.post_recv(b, P.data_tag(seq)) for b in buffers]
-        threading.Thread(target=self._collect, args=(incoming, works, buffers),
-                         daemon=True).start()
 
     def _check(self, hs: P.Handshake, incoming: _Incoming | None) -> str | None:
         diffs = self.layout.differences(hs.kv_layout)
@@ -295,7 +355,13 @@ class KVReceiver:
         cache = self.kv_caches[layer]  # [2, num_blocks, block, Hkv, D]
         n = len(incoming.block_ids)
         data = payload.view(self.layout.torch_dtype).view(2, n, *cache.shape[2:])
-        cache.index_copy_(1, incoming.index, data.to(cache.device, non_blocking=True))
+        if self._stream is None:
+            cache.index_copy_(1, incoming.index, data)
+            return
+        # On the side stream: a pinned host payload is copied up asynchronously; an
+        # NCCL one is on the GPU already, its receive complete.
+        with torch.cuda.stream(self._stream):
+            cache.index_copy_(1, incoming.index, data.to(cache.device, non_blocking=True))
 
     def _pair_lost(self, pair: str, exc: Exception) -> None:
         for incoming in [i for (p, _), i in list(self._by_seq.items()) if p == pair]:

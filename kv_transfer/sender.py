@@ -6,7 +6,14 @@
 
 send_layer gathers the request's scattered blocks of one layer into one contiguous
 buffer and queues it asynchronously, so computing layer i+1 overlaps sending layer i.
-Blocks the receiver already holds (its prefix hit) are never sent.
+Blocks the receiver already holds (its prefix hit) are never sent. How the gather
+reaches the wire depends on the pair's data stream (backend.py):
+    CPU cache, gloo   gathered into a pooled host buffer, sent at once
+    CUDA cache, nccl  gathered on a side stream that waits for the compute stream;
+                      the NCCL send is issued on that stream, so it follows the
+                      gather on the GPU and the engine thread never waits
+    CUDA cache, gloo  gathered and copied to pinned host memory on the side stream;
+                      the stager (staging.py) sends it once the copy's event fired
 """
 from __future__ import annotations
 
@@ -15,15 +22,17 @@ import json
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from pdserve.kv_transfer import backend as B
 from pdserve.kv_transfer import protocol as P
 from pdserve.kv_transfer import rendezvous
 from pdserve.kv_transfer.buffer_pool import BufferPool
-from pdserve.kv_transfer.channel import CONTROL_TAG, SENDER_RANK, PairChannel
+from pdserve.kv_transfer.channel import SENDER_RANK, PairChannel
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.errors import (
     KVTransferError,
@@ -34,6 +43,7 @@ from pdserve.kv_transfer.errors import (
     TransferTimeout,
 )
 from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.staging import HostStager
 
 _STATUS_ERRORS = {P.REFUSED: TransferRefused, P.ABORTED: TransferAborted,
                   P.TIMED_OUT: TransferTimeout}
@@ -54,16 +64,50 @@ class SendHandle:
     started: float
     status: torch.Tensor  # int64[1], filled by the receiver's one reply
     status_work: object  # its posted receive
-    layers_sent: int = 0
+    layers_sent: int = 0  # handed to send_layer (not sent once the receiver ended it)
     bytes_sent: int = 0
-    # In-flight sends as (Work, pooled buffer or None). A Work owns its tensor until it
-    # completes; pooled buffers then go back to the pool.
+    # In-flight sends as _Inflight. A Work owns its tensor until it completes; pooled
+    # buffers then go back to the pool.
     inflight: list = field(default_factory=list)
     closed: bool = False
     aborted: bool = False
-    # send_layer (engine thread) and abort (another thread) take turns: an abort pads
-    # exactly the layers not sent, so the pair sees one message per layer.
+    # send_layer (engine thread) and abort (another thread) take turns: an ABORT goes
+    # out after every layer announced, never between an announcement and its payload.
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def answered(self) -> bool:
+        """The receiver's one status arrived: before the last layer, it ended the
+        transfer (refused, aborted, timed out) and wants no more layers."""
+        return self.status_work.is_completed()
+
+
+@dataclass
+class _Inflight:
+    """One send: its Works (or a Future of them, while staged) and the pooled buffers
+    they read, which return to the pool once the Works completed."""
+    works: object  # tuple of (Work, data plane or None), or a Future of one
+    buffers: tuple = ()
+
+    def _resolved(self, timeout_s: float | None):
+        works = self.works
+        return works.result(timeout_s) if isinstance(works, Future) else works
+
+    def done(self) -> bool:
+        if isinstance(self.works, Future):
+            if not self.works.done():
+                return False
+            if self.works.exception() is not None:
+                return True  # never sent: nothing reads the buffers
+        return all(plane.done(w) if plane else w.is_completed()
+                   for w, plane in self._resolved(0))
+
+    def wait(self, deadline: float) -> None:
+        for work, plane in self._resolved(max(deadline - time.monotonic(), 0.001)):
+            if plane is None:
+                work.wait(_remaining(deadline))
+            else:
+                plane.wait(work, max(deadline - time.monotonic(), 0.001))
 
 
 class KVSender:
@@ -84,7 +128,10 @@ class KVSender:
         self._lock = threading.Lock()
         self._connect_lock = threading.Lock()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._pool = BufferPool()  # layer messages, reused once sent
+        self._device_id = B.DeviceId.of(self.device)
+        # Layer messages, reused once sent; host ones pinned when they stage a GPU's.
+        self._pool = BufferPool(pin=self.device.type == "cuda")
+        self._stager = HostStager(f"kv-stager-{sender_id}") if self._stream is not None else None
 
     def begin(self, request_id: str, receiver_address: str, src_block_ids: list[int],
               dst_block_ids: list[int], num_cached_blocks: int = 0,
@@ -128,26 +175,61 @@ class KVSender:
         if layer != handle.layers_sent:
             raise ValueError(f"request {handle.request_id}: layer {layer} sent out of order "
                              f"(expected {handle.layers_sent})")
-        cache = self.kv_caches[layer]
-        wire = handle.peer.channel.wire_device
-        message, data = self._layer_message(handle, P.LAYER_DATA, wire)
-        gathered = data.view(cache.dtype).view(2, len(handle.src_index), *cache.shape[2:])
-        if self._stream is None:
-            torch.index_select(cache, 1, handle.src_index, out=gathered)  # [2, n, block, Hkv, D]
-        else:
-            # Gather on a side stream once the compute stream has written this layer;
-            # for gloo the gathered blocks then move to host memory in one copy.
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                if wire == cache.device:
-                    torch.index_select(cache, 1, handle.src_index, out=gathered)
-                else:
-                    gathered.copy_(cache.index_select(1, handle.src_index))
-            self._stream.synchronize()
-        handle.bytes_sent += data.numel()
         handle.layers_sent += 1
         self._recycle(handle)
-        self._send(handle, [message], P.data_tag(handle.seq), pooled=message)
+        if handle.answered:
+            return  # the receiver ended it: finish() reports why
+        cache = self.kv_caches[layer]
+        channel = handle.peer.channel
+        nbytes = len(handle.src_index) * self.layout.block_bytes_per_layer
+        announcement = P.layer_message(handle.seq, layer, nbytes)
+        try:
+            if self._stream is None:  # a CPU cache: gather straight into the message
+                message = self._pool.get(nbytes, self.device)
+
+                def gathered() -> torch.Tensor:
+                    torch.index_select(cache, 1, handle.src_index,
+                                       out=self._blocks(message, nbytes, cache))
+                    return message[:nbytes]
+                works = channel.send_announced(announcement, gathered)
+                inflight = _Inflight(self._with_planes(works, channel), (message,))
+            else:
+                inflight = self._send_from_gpu(handle, channel, cache, announcement, nbytes)
+        except Exception as exc:
+            self._drop_peer(handle.peer)
+            self._close(handle)
+            raise PeerLostError(handle.request_id, f"send failed: {exc}") from None
+        handle.bytes_sent += nbytes
+        handle.inflight.append(inflight)
+
+    def _send_from_gpu(self, handle: SendHandle, channel: PairChannel, cache: torch.Tensor,
+                       announcement: torch.Tensor, nbytes: int) -> _Inflight:
+        """Gather on the side stream once the compute stream wrote this layer; no host
+        synchronize on the caller's (the engine's) thread."""
+        scratch = self._pool.get(nbytes, self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            torch.index_select(cache, 1, handle.src_index, out=self._blocks(scratch, nbytes, cache))
+            if channel.data.device.type == "cuda":  # NCCL: issued in this stream's order
+                works = channel.send_announced(announcement, lambda: scratch[:nbytes])
+                return _Inflight(self._with_planes(works, channel), (scratch,))
+            host = self._pool.get(nbytes, channel.data.device)
+            host[:nbytes].copy_(scratch[:nbytes], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        staged = self._stager.submit(copied, lambda: self._with_planes(
+            channel.send_announced(announcement, lambda: host[:nbytes]), channel))
+        return _Inflight(staged, (scratch, host))
+
+    @staticmethod
+    def _blocks(message: torch.Tensor, nbytes: int, cache: torch.Tensor) -> torch.Tensor:
+        """The first nbytes of a pooled message, as a layer's [2, n, block, Hkv, D]."""
+        return message[:nbytes].view(cache.dtype).view(2, -1, *cache.shape[2:])
+
+    @staticmethod
+    def _with_planes(works: tuple, channel: PairChannel) -> tuple:
+        control, data = works
+        return (control, None), (data, channel.data)
 
     def finish(self, handle: SendHandle, timeout: float | None = None) -> SendHandle:
         """Wait until the receiver confirms every layer landed; typed error otherwise."""
@@ -185,17 +267,13 @@ class KVSender:
             if handle.closed or handle.aborted:
                 return
             handle.aborted = True
-            # The receiver posted a receive for every layer: pad the rest with scratch
-            # whose trailer says "aborted"; the first one ends the transfer there.
-            missing = self.layout.num_layers - handle.layers_sent
-            try:
-                if missing:
-                    scratch, _ = self._layer_message(handle, P.LAYER_ABORT,
-                                                     handle.peer.channel.wire_device)
-                    self._send(handle, [scratch] * missing, P.data_tag(handle.seq))
-            except Exception:
-                self._close(handle)
-                return  # the pair is gone: the receiver's side fails on its own
+            # Only announced layers were posted on the receiver: one ABORT ends the
+            # transfer there, after them.
+            if handle.layers_sent < self.layout.num_layers and not handle.answered:
+                try:
+                    self._send(handle, [P.abort_message(handle.seq)])
+                except Exception:
+                    return  # the pair is gone: the receiver's side fails on its own
         try:
             deadline = time.monotonic() + self.config.timeout_s
             self._settle(handle, deadline)
@@ -208,25 +286,20 @@ class KVSender:
         for peer in list(self._peers.values()):
             peer.channel.close()
         self._peers.clear()
+        if self._stager is not None:
+            self._stager.close()
 
     # ---- internals ----------------------------------------------------------------
 
-    def _send(self, handle: SendHandle, messages: list[torch.Tensor],
-              tag: int = CONTROL_TAG, pooled: torch.Tensor | None = None) -> None:
+    def _send(self, handle: SendHandle, messages: list[torch.Tensor]) -> None:
+        """Control messages (BEGIN, ABORT)."""
         try:
-            works = handle.peer.channel.send(messages, tag)
-            handle.inflight.extend((w, pooled) for w in works)
+            works = handle.peer.channel.send(messages)
+            handle.inflight.extend(_Inflight(((w, None),)) for w in works)
         except Exception as exc:
             self._drop_peer(handle.peer)
             self._close(handle)
             raise PeerLostError(handle.request_id, f"send failed: {exc}") from None
-
-    def _layer_message(self, handle: SendHandle, mark: int, device: torch.device):
-        """A uint8 message of one layer's data plus its trailer; returns (message, data)."""
-        nbytes = len(handle.src_index) * self.layout.block_bytes_per_layer
-        message = self._pool.get(nbytes + P.TRAILER_BYTES, device)
-        message[nbytes:] = torch.tensor([mark], dtype=torch.int64).view(torch.uint8)
-        return message, message[:nbytes]
 
     def _reason(self, handle: SendHandle) -> str:
         key = P.reason_key(handle.peer.channel.pair, handle.seq)
@@ -236,18 +309,19 @@ class KVSender:
 
     def _settle(self, handle: SendHandle, deadline: float) -> None:
         """Wait for in-flight sends: a Work owns its tensor, and dropping it early
-        would free bytes gloo is still sending."""
-        for work, _ in handle.inflight:
-            work.wait(_remaining(deadline))
+        would free bytes still being sent."""
+        for inflight in handle.inflight:
+            inflight.wait(deadline)
         self._recycle(handle)
 
     def _recycle(self, handle: SendHandle) -> None:
         """Sent buffers go back to the pool; in-flight ones stay with their Work."""
         still = []
-        for work, buffer in handle.inflight:
-            if not work.is_completed():
-                still.append((work, buffer))
-            elif buffer is not None:
+        for inflight in handle.inflight:
+            if not inflight.done():
+                still.append(inflight)
+                continue
+            for buffer in inflight.buffers:
                 self._pool.put(buffer)
         handle.inflight = still
 
@@ -290,13 +364,19 @@ class KVSender:
         if diffs:
             raise LayoutMismatchError(None, f"receiver at {address} has another KV layout: "
                                       + "; ".join(diffs))
+        try:
+            backend = B.choose(self.config.backend, self._device_id,
+                               B.DeviceId.decode(store.get(P.DEVICE_KEY)))
+        except ValueError as exc:
+            raise LayoutMismatchError(None, f"receiver at {address}: {exc}") from None
         self._connections += 1  # a reconnect must not meet the old pair's store keys
         pair = f"{self.sender_id}-{self._incarnation}-{self._connections}"
         index = store.add(P.JOIN_COUNTER, 1)
         store.set(P.join_key(index), P.JoinRecord(
-            self.sender_id, pair, "gloo", P.join_proof(self.config.secret, pair)).encode())
+            self.sender_id, pair, backend, P.join_proof(self.config.secret, pair)).encode())
         try:
-            channel = PairChannel(store, pair, SENDER_RANK, self.host)
+            channel = PairChannel(store, pair, SENDER_RANK, self.host, backend, self.device,
+                                  timeout_s)
         except Exception as exc:
             raise PeerLostError(None, f"pair rendezvous with {address} failed: {exc}") from None
         return _Peer(store, channel)

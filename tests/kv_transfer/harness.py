@@ -22,12 +22,14 @@ class CacheSpec:
     num_kv_heads: int = 2
     head_dim: int = 64
     dtype: str = "float32"
+    device: str = "cpu"  # the caches' (the CUDA tests place each side on its own GPU)
 
     def layer_shape(self):
         return (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
 
 def sender_cache(spec: CacheSpec, seed: int) -> list[torch.Tensor]:
+    """On the CPU (what a test compares against); the worker moves it to spec.device."""
     dtype = getattr(torch, spec.dtype)
     return [torch.randn(spec.layer_shape(), generator=torch.Generator().manual_seed(seed * 100 + i))
             .to(dtype) for i in range(spec.num_layers)]
@@ -38,12 +40,13 @@ def _main(role: str, name: str, spec: CacheSpec, seed: int, config: TransferConf
     dtype = getattr(torch, spec.dtype)
     released = _Released()
     if role == "receiver":
-        caches = [torch.zeros(spec.layer_shape(), dtype=dtype) for _ in range(spec.num_layers)]
+        caches = [torch.zeros(spec.layer_shape(), dtype=dtype, device=spec.device)
+                  for _ in range(spec.num_layers)]
         side = KVReceiver(caches, config, on_release=released.append)
         _notify_landings(side)
         conn.send(side.address)
     else:
-        caches = sender_cache(spec, seed)
+        caches = [c.to(spec.device) for c in sender_cache(spec, seed)]
         side = KVSender(name, caches, config)
         conn.send(None)
     while True:
@@ -113,7 +116,7 @@ def _wait_landed(receiver: KVReceiver, caches, released, request_id, layers, tim
 
 
 def _blocks(receiver: KVReceiver, caches, released, block_ids):
-    return [c[:, block_ids].clone() for c in caches]
+    return [c[:, block_ids].cpu() for c in caches]
 
 
 _COMMANDS = {

@@ -1,4 +1,8 @@
-"""kv_transfer between real processes over real torch.distributed (gloo) pairs."""
+"""kv_transfer between real processes over real torch.distributed (gloo) pairs.
+
+The data stream is one FIFO with no tags (gloo on a single tag), which is NCCL's
+matching rule: every test here runs the ordered protocol NCCL depends on. The CUDA
+tests at the end need GPUs and say which."""
 from __future__ import annotations
 
 import json
@@ -102,12 +106,15 @@ def test_two_senders_two_receivers_interleaved_and_a_late_joiner():
     senders = [Worker("sender", f"s{i}", seed=10 + i) for i in range(2)]
     late = None
     try:
+        # Each transfer has its own size: a payload landing in another's receive
+        # (the stream out of order) would fail the size check or the bitwise compare.
         jobs = {}  # (sender, receiver) -> (request id, src, dst)
         for si, s in enumerate(senders):
             for ri, r in enumerate(receivers):
                 rid = f"s{si}-r{ri}"
-                src = [si * 8 + ri * 4 + k for k in range(3)]
-                dst = [si * 12 + ri * 3 + k for k in range(3)]
+                n = 1 + si * 2 + ri
+                src = [si * 8 + ri * 4 + k for k in range(n)]
+                dst = [si * 12 + ri * 5 + k for k in range(n)]
                 jobs[si, ri] = (rid, src, dst)
                 r.call("expect", rid, dst)
         for si, s in enumerate(senders):  # both senders stream at once, slowly
@@ -250,11 +257,6 @@ def test_a_handshake_longer_than_one_control_message_and_the_next_transfer():
         sender.stop()
 
 
-def test_nccl_is_refused_until_its_data_plane_is_ordered():
-    with pytest.raises(ValueError, match="NCCL ignores send/recv tags"):
-        TransferConfig(backend="nccl")
-
-
 def test_a_pair_survives_idle_time_longer_than_every_timeout():
     # Regression: gloo's context kept the connect timeout for every op, so the
     # receiver's always-posted control receive expired on an idle pair and the next
@@ -275,10 +277,23 @@ def test_a_pair_survives_idle_time_longer_than_every_timeout():
         sender.stop()
 
 
-def test_an_abort_during_send_layer_pads_only_the_layers_not_sent():
-    # Defect 5 of #12: abort ran on another thread while send_layer was mid-way, both
-    # counted the same layer as unsent, and one message more than the layers went out
-    # on the transfer's tag. The hook holds send_layer(1) inside its gather until the
+def _in_process_transfer_lands(receiver: Worker, sender, seed: int) -> None:
+    """One more transfer from an in-process KVSender lands bitwise equal."""
+    receiver.call("expect", "next", [5, 6])
+    handle = sender.begin("next", receiver.address, [7, 8], [5, 6])
+    for layer in range(SPEC.num_layers):
+        sender.send_layer(handle, layer)
+    sender.finish(handle)
+    receiver.call("wait", "next")
+    got = receiver.call("blocks", [5, 6])
+    assert all(torch.equal(g, w) for g, w in zip(got, expected_blocks(SPEC, seed, [7, 8])))
+
+
+def test_an_abort_during_send_layer_goes_out_after_that_layer():
+    # Defect 5 of #12, in the ordered protocol: abort runs on another thread while
+    # send_layer is mid-way. The ABORT must not come between a LAYER announcement and
+    # its payload, nor before it: the receiver has to see every announced payload
+    # and then the ABORT. The hook holds send_layer(1) inside its gather until the
     # aborting thread has had its chance to run.
     import threading
 
@@ -288,24 +303,26 @@ def test_an_abort_during_send_layer_pads_only_the_layers_not_sent():
     sender = KVSender("s", sender_cache(SPEC, 3), config)
     try:
         inside, proceed = threading.Event(), threading.Event()
-        real_message = sender._layer_message
+        real_blocks = sender._blocks
 
-        def gated(handle, mark, device):
-            message = real_message(handle, mark, device)
-            if mark == P.LAYER_DATA and handle.layers_sent == 1:
+        def gated(message, nbytes, cache):
+            if handle.layers_sent == 2:  # layer 1, announced, not yet sent
                 inside.set()
                 proceed.wait(30)
-            return message
-        sender._layer_message = gated
-        data_messages = []
+            return real_blocks(message, nbytes, cache)
+        sender._blocks = gated
+        stream = []  # what the pair carried, in order
         channel = sender._peer(receiver.address).channel
-        real_send = channel.send
+        real_send, real_announced = channel.send, channel.send_announced
 
-        def counting(messages, tag=0):
-            if tag != 0:
-                data_messages.extend(messages)
+        def control(messages, tag=0):
+            stream.extend(P.parse_control(m)[0] for m in messages)
             return real_send(messages, tag)
-        channel.send = counting
+
+        def announced(announcement, payload):
+            stream.append("layer+payload")
+            return real_announced(announcement, payload)
+        channel.send, channel.send_announced = control, announced
 
         receiver.call("expect", "race", [1, 2])
         handle = sender.begin("race", receiver.address, [3, 4], [1, 2])
@@ -315,20 +332,77 @@ def test_an_abort_during_send_layer_pads_only_the_layers_not_sent():
         assert inside.wait(30)
         aborter = threading.Thread(target=sender.abort, args=(handle,))
         aborter.start()
-        aborter.join(0.5)  # unfixed, the abort completes here, mid-layer
+        aborter.join(0.5)  # without the handle's lock, the abort goes out here
         proceed.set()
         layer1.join(30)
         aborter.join(30)
-        assert len(data_messages) == SPEC.num_layers
+        assert stream == [P.BEGIN, "layer+payload", "layer+payload", P.ABORT]
         with pytest.raises(RemoteError) as err:
             receiver.call("wait", "race")
         assert err.value.kind == TransferAborted.__name__
-        receiver.call("expect", "after", [5, 6])  # the pair keeps working
-        handle = sender.begin("after", receiver.address, [7, 8], [5, 6])
-        for layer in range(SPEC.num_layers):
-            sender.send_layer(handle, layer)
-        sender.finish(handle)
-        receiver.call("wait", "after")
+        sender._blocks = real_blocks
+        _in_process_transfer_lands(receiver, sender, 3)  # the pair keeps working
     finally:
         sender.close()
         receiver.stop()
+
+
+def test_a_payload_out_of_step_with_its_reservation_ends_only_that_transfer():
+    # A sender that announces a layer the receiver does not expect (wrong size, or
+    # layers out of order) gets ABORTED with what differed; the payload is still
+    # received, so the data stream stays in step for the next transfer.
+    from pdserve.kv_transfer import KVSender, TransferAborted
+    config = TransferConfig(timeout_s=10, connect_timeout_s=20)
+    receiver = Worker("receiver", "r", config=config)
+    sender = KVSender("s", sender_cache(SPEC, 4), config)
+    try:
+        receiver.call("expect", "odd", [1, 2])
+        handle = sender.begin("odd", receiver.address, [3, 4], [1, 2])
+        channel = handle.peer.channel
+        payload = torch.zeros(5 * KVLayout.of(sender.kv_caches).block_bytes_per_layer,
+                              dtype=torch.uint8)
+        for work in channel.send_announced(P.layer_message(handle.seq, 0, payload.numel()),
+                                           lambda: payload):
+            work.wait()
+        with pytest.raises(RemoteError) as err:
+            receiver.call("wait", "odd")
+        assert err.value.kind == TransferAborted.__name__
+        assert "expected layer 0 of" in str(err.value)
+        handle.layers_sent = SPEC.num_layers  # what the sender owes is settled
+        with pytest.raises(TransferAborted):
+            sender.finish(handle)
+        _in_process_transfer_lands(receiver, sender, 4)
+    finally:
+        sender.close()
+        receiver.stop()
+
+
+def _cuda_pair_roundtrip(receiver_device: str, sender_device: str, backend: str) -> None:
+    spec_r = CacheSpec(num_layers=3, dtype="bfloat16", device=receiver_device)
+    spec_s = CacheSpec(num_layers=3, dtype="bfloat16", device=sender_device)
+    config = TransferConfig(timeout_s=30, connect_timeout_s=60, backend=backend)
+    receiver = Worker("receiver", "r", spec_r, config=config)
+    sender = Worker("sender", "s", spec_s, seed=6, config=config)
+    try:
+        jobs = [("a", [5, 1, 17], [9, 20, 3]), ("b", [2, 30], [11, 0])]
+        for rid, _, dst in jobs:
+            receiver.call("expect", rid, dst)
+        sender.call("transfer", [(rid, receiver.address, src, dst) for rid, src, dst in jobs])
+        for rid, src, dst in jobs:
+            receiver.call("wait", rid)
+            assert_landed(receiver, sender, src, dst)
+    finally:
+        receiver.stop()
+        sender.stop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host staging of CUDA caches "
+                    "needs a GPU (this machine has none)")
+def test_cuda_caches_on_one_gpu_move_through_pinned_host_memory():
+    _cuda_pair_roundtrip("cuda:0", "cuda:0", "auto")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs in one "
+                    "machine (this one has fewer)")
+def test_cuda_caches_on_two_gpus_move_over_nccl():
+    _cuda_pair_roundtrip("cuda:0", "cuda:1", "nccl")
