@@ -3,8 +3,8 @@
 Created lazily per (sender, receiver) over a prefix of the receiver's TCPStore, so
 workers join and leave without anyone else re-initializing. A 2-rank gloo group
 carries the control stream and the status replies (small CPU messages, told apart by
-tag); the data stream is `data` (data_plane.py): the same gloo group on a tag of its
-own, or an NCCL communicator of the pair. Both sides exchange one message on the data
+tag); the data stream is `data` (data_plane.py): a gloo group of its own, or an NCCL
+communicator of the pair. Both sides exchange one message on the data
 stream before the pair is used, so an NCCL communicator is created here, on the
 connecting thread, and never inside a prefill step.
 """
@@ -47,7 +47,7 @@ class PairChannel:
             if backend == "nccl":
                 self.data = NcclData(prefixed, rank, self.peer, device)
             elif backend == "gloo":
-                self.data = GlooData(self.pg, self.peer)
+                self.data = GlooData(prefixed, rank, self.peer, options)
             else:
                 raise ValueError(f"unknown data backend {backend!r}")
             self._ready(rank, ready_timeout_s)

@@ -3,8 +3,11 @@
 Both implementations match a send to a receive by issue order alone, which is NCCL's
 rule; protocol.py says how both sides know that order before a byte moves.
 
-    GlooData  the pair's gloo group, on one tag of its own (CPU tensors; CUDA caches
-              are staged through pinned host memory by the sender and receiver)
+    GlooData  a 2-rank gloo group of its own (CPU tensors; CUDA caches are staged
+              through pinned host memory by the sender and receiver). Its own group
+              is its own TCP connection: on the control group's, the next LAYER
+              announcement would queue behind the payload before it, and the wire
+              would idle a round trip between payloads.
     NcclData  a 2-rank NCCL communicator of the pair (CUDA tensors, GPU to GPU); its
               sends go out on the caller's current stream's order, so a send issued
               on a side stream after a CUDA event waits for that event on the GPU,
@@ -30,8 +33,10 @@ _POLL_S = 0.0005
 class GlooData:
     backend = "gloo"
 
-    def __init__(self, pg: dist.ProcessGroup, peer: int):
-        self._pg, self._peer = pg, peer
+    def __init__(self, store: dist.Store, rank: int, peer: int,
+                 options: dist.ProcessGroupGloo._Options):
+        self._pg = dist.ProcessGroupGloo(dist.PrefixStore("data/", store), rank, 2, options)
+        self._peer = peer
         self.device = torch.device("cpu")
 
     def send(self, tensor: torch.Tensor):
@@ -41,16 +46,23 @@ class GlooData:
         return self._pg.recv([tensor], self._peer, DATA_TAG)
 
     def done(self, work) -> bool:
+        # A gloo send or receive Work reports completion only once waited: until then
+        # this says False, and a buffer goes back to its pool when the transfer settles.
         return work.is_completed()
 
     def wait(self, work, timeout_s: float | None = None) -> None:
+        """Once per Work: a second wait on a completed gloo Work waits for the next
+        message instead."""
         if timeout_s is None:
             work.wait()
         else:
             work.wait(datetime.timedelta(seconds=max(timeout_s, 0.001)))
 
     def close(self) -> None:
-        pass  # the gloo group is the channel's, closed with it
+        try:
+            self._pg.shutdown()
+        except Exception:  # already broken by a lost peer
+            pass
 
 
 class NcclData:

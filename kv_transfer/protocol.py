@@ -12,8 +12,8 @@ Every control message has one size, so the receiver keeps CONTROL_RING receives 
 ahead and announcements stream without a round trip each (a gloo send moves no byte
 until its receive is posted).
 
-Data (sender -> receiver, one FIFO: gloo on a tag of its own, or the pair's NCCL
-communicator): payloads only, [2, n, block, Hkv, D] of one layer's blocks, in the
+Data (sender -> receiver, one FIFO: the pair's second gloo group, on one tag, or its
+NCCL communicator): payloads only, [2, n, block, Hkv, D] of one layer's blocks, in the
 order their LAYER messages announced them. Nothing on it is told apart by tag: the
 receiver posts one receive per LAYER, in control order, which is the order the
 sender issued the sends (announcement and data go out under one lock). This is
@@ -23,8 +23,9 @@ and every announced message is sent, so nothing is ever left posted: an abort is
 control message, and a transfer the receiver refused or ended is drained as it comes.
 
 Status (receiver -> sender, gloo, tag `ack_tag(seq)`): exactly one int64[1] per
-BEGIN: OK, REFUSED, ABORTED or TIMED_OUT. The sender posts its receive before BEGIN,
-and sends no more layers once a status arrived early (the receiver ended it).
+BEGIN: OK, REFUSED, ABORTED or TIMED_OUT. The sender posts its receive before BEGIN.
+(It learns of an early end only at finish: a gloo Work reports completion only once
+waited, so the layers of a refused transfer still go out, and are dropped.)
 
 Control: the receiver's TCPStore. `layout` and `device` describe the receiver; a new
 pair registers under `join/<n>`; a failure's message waits under `reason/<pair>/<seq>`.
@@ -48,7 +49,7 @@ CONTROL_BYTES = 4 << 10
 CONTROL_RING = 16
 OK, REFUSED, ABORTED, TIMED_OUT = 0, 1, 2, 3
 CONTROL_TAG = 0
-DATA_TAG = 1  # gloo's data stream: one tag, so one FIFO, as NCCL
+DATA_TAG = 0  # gloo's data stream: one tag, so one FIFO, as NCCL
 _TAG_SPACE = 1 << 29
 
 

@@ -64,7 +64,7 @@ class SendHandle:
     started: float
     status: torch.Tensor  # int64[1], filled by the receiver's one reply
     status_work: object  # its posted receive
-    layers_sent: int = 0  # handed to send_layer (not sent once the receiver ended it)
+    layers_sent: int = 0
     bytes_sent: int = 0
     # In-flight sends as _Inflight. A Work owns its tensor until it completes; pooled
     # buffers then go back to the pool.
@@ -74,12 +74,6 @@ class SendHandle:
     # send_layer (engine thread) and abort (another thread) take turns: an ABORT goes
     # out after every layer announced, never between an announcement and its payload.
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def answered(self) -> bool:
-        """The receiver's one status arrived: before the last layer, it ended the
-        transfer (refused, aborted, timed out) and wants no more layers."""
-        return self.status_work.is_completed()
 
 
 @dataclass
@@ -177,8 +171,6 @@ class KVSender:
                              f"(expected {handle.layers_sent})")
         handle.layers_sent += 1
         self._recycle(handle)
-        if handle.answered:
-            return  # the receiver ended it: finish() reports why
         cache = self.kv_caches[layer]
         channel = handle.peer.channel
         nbytes = len(handle.src_index) * self.layout.block_bytes_per_layer
@@ -269,7 +261,7 @@ class KVSender:
             handle.aborted = True
             # Only announced layers were posted on the receiver: one ABORT ends the
             # transfer there, after them.
-            if handle.layers_sent < self.layout.num_layers and not handle.answered:
+            if handle.layers_sent < self.layout.num_layers:
                 try:
                     self._send(handle, [P.abort_message(handle.seq)])
                 except Exception:
