@@ -2,7 +2,8 @@
 
 A transfer's life, each stage under a lease (TransferConfig):
     expect() (blocks reserved)        -> BEGIN within begin_lease_s
-    BEGIN validated, a receive posted per layer -> every layer landed within timeout_s
+    BEGIN validated and claimed       -> every layer landed within timeout_s (a
+                                         receive is posted per LAYER announcement)
     landed (status OK)                -> the owner watches it (landed() / wait())
                                          within start_lease_s
 A refusal, an abort (either side), an expired lease or a lost peer ends it instead:
