@@ -345,20 +345,20 @@ class KVSender:
         try:
             store = rendezvous.scoped(rendezvous.connect(host, int(port), timeout_s),
                                       self.config.secret)
-            known = store.check([P.LAYOUT_KEY])
+            known = store.check([P.LAYOUT_KEY, P.DEVICE_KEY])
             theirs = KVLayout(**json.loads(store.get(P.LAYOUT_KEY))) if known else None
+            device = B.DeviceId.decode(store.get(P.DEVICE_KEY)) if known else None
         except Exception as exc:
             raise PeerLostError(None, f"cannot reach receiver at {address}: {exc}") from None
         if theirs is None:
             raise PeerLostError(None, f"the receiver at {address} is not of this cluster "
-                                "(its rendezvous has no layout under our secret)")
+                                "(its rendezvous has no layout and device under our secret)")
         diffs = self.layout.differences(theirs)
         if diffs:
             raise LayoutMismatchError(None, f"receiver at {address} has another KV layout: "
                                       + "; ".join(diffs))
         try:
-            backend = B.choose(self.config.backend, self._device_id,
-                               B.DeviceId.decode(store.get(P.DEVICE_KEY)))
+            backend = B.choose(self.config.backend, self._device_id, device)
         except ValueError as exc:
             raise LayoutMismatchError(None, f"receiver at {address}: {exc}") from None
         self._connections += 1  # a reconnect must not meet the old pair's store keys

@@ -377,6 +377,23 @@ def test_a_payload_out_of_step_with_its_reservation_ends_only_that_transfer():
         receiver.stop()
 
 
+def test_nccl_forced_between_cpu_caches_is_refused_before_a_byte_moves():
+    receiver = Worker("receiver", "r")
+    sender = Worker("sender", "s", config=TransferConfig(timeout_s=10, connect_timeout_s=20,
+                                                         backend="nccl"))
+    try:
+        receiver.call("expect", "gpu-only", [1, 2])
+        with pytest.raises(RemoteError) as err:
+            sender.call("transfer", [("gpu-only", receiver.address, [3, 4], [1, 2])])
+        assert err.value.kind == "LayoutMismatchError"
+        assert "backend 'nccl' cannot carry this pair: both KV caches must be on CUDA" in str(
+            err.value)
+        assert receiver.call("bytes_received") == 0
+    finally:
+        receiver.stop()
+        sender.stop()
+
+
 def _cuda_pair_roundtrip(receiver_device: str, sender_device: str, backend: str) -> None:
     spec_r = CacheSpec(num_layers=3, dtype="bfloat16", device=receiver_device)
     spec_s = CacheSpec(num_layers=3, dtype="bfloat16", device=sender_device)
