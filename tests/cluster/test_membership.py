@@ -157,12 +157,21 @@ def test_workers_join_drain_flip_and_leave_under_load(cluster, expected):
 def test_each_worker_s_telemetry_is_on_metrics(cluster, expected):
     with Client(cluster.grpc_target) as client:
         client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    text = httpx.get(f"{cluster.http_url}/metrics").text
-    for worker_id, worker in cluster.router.workers.items():
-        labels = f'model_name="test-llama",role="{worker.role}",worker="{worker_id}"'
-        for metric in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                       "num_free_kv_blocks"):
-            assert f"pdserve:{metric}{{{labels}}}" in text, (metric, worker_id)
+    wanted = [f'pdserve:{metric}{{model_name="test-llama",role="{worker.role}",'
+              f'worker="{worker_id}"}}'
+              for worker_id, worker in cluster.router.workers.items()
+              for metric in ("num_requests_running", "num_requests_waiting",
+                             "kv_cache_usage_perc", "num_free_kv_blocks")]
+    # A worker whose role an earlier test changed shows its new series from its next
+    # telemetry report on: read until every series is there, or the deadline passes.
+    deadline = time.monotonic() + 15
+    while True:
+        text = httpx.get(f"{cluster.http_url}/metrics").text
+        missing = [series for series in wanted if series not in text]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)  # the poll's interval; the condition above is what ends it
+    assert not missing
     assert "pdserve:step_duration_seconds_count{" in text
 
 
