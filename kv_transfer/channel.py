@@ -80,10 +80,6 @@ class PairChannel:
             control = self.pg.send([announcement], self.peer, CONTROL_TAG)
             return control, self.data.send(payload())
 
-    def recv(self, buffer: torch.Tensor, tag: int = CONTROL_TAG) -> None:
-        """Blocking receive of the next control message on `tag` into `buffer`."""
-        self.pg.recv([buffer], self.peer, tag).wait()
-
     def post_recv(self, buffer: torch.Tensor, tag: int = CONTROL_TAG):
         """Post a control receive now, complete later."""
         return self.pg.recv([buffer], self.peer, tag)

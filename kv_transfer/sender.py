@@ -385,4 +385,7 @@ def _remaining(deadline: float) -> datetime.timedelta:
 
 
 def _is_timeout(exc: Exception) -> bool:
-    return "timeout" in str(exc).lower() or "timed out" in str(exc).lower()
+    """gloo says so in its message; a staged send's Future or NCCL's poll raise
+    TimeoutError (the Future's with no message at all)."""
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timeout" in text or "timed out" in text

@@ -163,14 +163,31 @@ def test_each_worker_s_telemetry_is_on_metrics(cluster, expected):
               for metric in ("num_requests_running", "num_requests_waiting",
                              "kv_cache_usage_perc", "num_free_kv_blocks")]
     # A worker whose role an earlier test changed shows its new series from its next
-    # telemetry report on: read until every series is there, or the deadline passes.
-    deadline = time.monotonic() + 15
-    while True:
-        text = httpx.get(f"{cluster.http_url}/metrics").text
-        missing = [series for series in wanted if series not in text]
-        if not missing or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)  # the poll's interval; the condition above is what ends it
+    # telemetry report on: read again after each report, until every series is there.
+    metrics, reports = cluster.router.metrics, threading.Condition()
+    observe, seen = metrics.observe_worker, [0]
+
+    def observed(telemetry) -> None:
+        observe(telemetry)
+        with reports:
+            seen[0] += 1
+            reports.notify_all()
+    metrics.observe_worker = observed
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            with reports:
+                before = seen[0]
+            text = httpx.get(f"{cluster.http_url}/metrics").text
+            missing = [series for series in wanted if series not in text]
+            if not missing:
+                break
+            with reports:
+                if not reports.wait_for(lambda: seen[0] > before,
+                                        deadline - time.monotonic()):
+                    break
+    finally:
+        metrics.observe_worker = observe
     assert not missing
     assert "pdserve:step_duration_seconds_count{" in text
 

@@ -105,3 +105,15 @@ def test_the_stager_sends_in_submission_order_each_once_its_copy_is_done():
         stager.submit(done, broken).result(30)
     assert stager.submit(done, lambda: "still serving").result(30) == "still serving"
     stager.close()
+
+
+def test_a_staged_send_that_outlives_its_deadline_reads_as_a_timeout():
+    # A Future's TimeoutError carries no message: it must still count as a timeout
+    # (TransferTimeout), not as a lost peer.
+    from concurrent.futures import Future
+
+    from pdserve.kv_transfer.sender import _Inflight, _is_timeout
+    never: Future = Future()
+    with pytest.raises(TimeoutError) as err:
+        _Inflight(never).wait(deadline=0.0)
+    assert _is_timeout(err.value)
