@@ -9,11 +9,12 @@ memory when both sides share one GPU (with CUDA); NCCL between two GPUs (with tw
    gloo rows (so the staged row pays its copies), NCCL GPU to GPU for the NCCL row.
    1..256 MiB. Each paged round is paired with the contiguous round right after it;
    the median of the paired ratios is reported with its quartiles.
-   The ratio times the transfer as the engine runs it: the handshake (BEGIN) goes out
-   when the step starts, before layer 0 is computed, so the clock starts at the first
-   layer. `ratio_with_handshake` starts the clock before the handshake instead; the
-   difference is the handshake's round trip (gloo moves no byte of a message until
-   the receiver posted its receive, which it does on BEGIN).
+   The ratio times the transfer as the engine runs it: the handshake (BEGIN) and the
+   step's announcement (STEP) go out when the step starts, before layer 0 is
+   computed, so the clock starts at the first layer. `ratio_with_handshake` starts
+   the clock before the handshake instead; the difference is the handshake's round
+   trip (gloo moves no byte of a message until the receiver posted its receive,
+   which it does on STEP).
 2. Overlap: the engine prefills a 2,048-token prompt on the tiny model while streaming
    each layer's KV as it is written (CPU caches, gloo). Exposed transfer time (TTFT
    with transfer minus TTFT without) divided by the prefill time; runs with and
@@ -140,6 +141,7 @@ def paged_transfer(sender: KVSender, receiver: Receiver, rid: str, src: list[int
     receiver.call("expect", rid, dst)
     t0 = time.perf_counter()
     handle = sender.begin(rid, receiver.address, src, dst)
+    assert not sender.announce([handle])
     if ahead:
         time.sleep(HANDSHAKE_AHEAD_S)
         t0 = time.perf_counter()
@@ -225,6 +227,7 @@ def overlap(receiver: Receiver, prompt_len: int, repeats: int, config: TransferC
         t0 = time.perf_counter()
         if transfer:
             handle = sender.begin(tag, receiver.address, request.block_ids, dst)
+            assert not sender.announce([handle])
             hook = lambda layer: sender.send_layer(handle, layer)  # noqa: E731
         result = engine.runner.execute(out, on_layer_done=hook)
         if transfer:

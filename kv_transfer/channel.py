@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import threading
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -69,16 +68,6 @@ class PairChannel:
         senders on this pair; returns their Work handles (async)."""
         with self._send_lock:
             return [self.pg.send([t], self.peer, tag) for t in messages]
-
-    def send_announced(self, announcement: torch.Tensor,
-                       payload: Callable[[], torch.Tensor]) -> tuple:
-        """A LAYER message and its payload, as one step of both streams' order (no other
-        sender on this pair can come between them); returns both Works. `payload()`
-        is called after the announcement went out: the receiver posts its receive while
-        the payload is still being gathered, and the bytes move without waiting."""
-        with self._send_lock:
-            control = self.pg.send([announcement], self.peer, CONTROL_TAG)
-            return control, self.data.send(payload())
 
     def post_recv(self, buffer: torch.Tensor, tag: int = CONTROL_TAG):
         """Post a control receive now, complete later."""

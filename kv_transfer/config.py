@@ -18,6 +18,9 @@ class TransferConfig:
     # The router bounds its prefill queues so that no admitted request waits this long.
     begin_lease_s: float = 120.0
     start_lease_s: float = 30.0
+    # Receives a receiver keeps posted ahead on each pair's data stream (receive_window.py):
+    # a step's payloads up to this many bytes are posted when its STEP arrives.
+    receive_window_bytes: int = 64 << 20
     # Names the key space of every receiver's rendezvous store: only workers of the
     # same cluster (launch makes one per cluster) can read it or pair. "" = none.
     secret: str = field(default="", repr=False)
@@ -26,5 +29,7 @@ class TransferConfig:
         for name in ("timeout_s", "connect_timeout_s", "begin_lease_s", "start_lease_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
+        if not self.receive_window_bytes > 0:
+            raise ValueError("receive_window_bytes must be > 0")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}")

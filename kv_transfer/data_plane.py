@@ -5,9 +5,8 @@ rule; protocol.py says how both sides know that order before a byte moves.
 
     GlooData  a 2-rank gloo group of its own (CPU tensors; CUDA caches are staged
               through pinned host memory by the sender and receiver). Its own group
-              is its own TCP connection: on the control group's, the next LAYER
-              announcement would queue behind the payload before it, and the wire
-              would idle a round trip between payloads.
+              is its own TCP connection: on the control group's, the next STEP or
+              BEGIN would queue behind the payloads before it.
     NcclData  a 2-rank NCCL communicator of the pair (CUDA tensors, GPU to GPU); its
               sends go out on the caller's current stream's order, so a send issued
               on a side stream after a CUDA event waits for that event on the GPU,

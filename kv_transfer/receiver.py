@@ -2,8 +2,8 @@
 
 A transfer's life, each stage under a lease (TransferConfig):
     expect() (blocks reserved)        -> BEGIN within begin_lease_s
-    BEGIN validated and claimed       -> every layer landed within timeout_s (a
-                                         receive is posted per LAYER announcement)
+    BEGIN validated and claimed       -> every layer landed within timeout_s (its
+                                         receives are posted when its STEP arrives)
     landed (status OK)                -> the owner watches it (landed() / wait())
                                          within start_lease_s
 A refusal, an abort (either side), an expired lease or a lost peer ends it instead:
@@ -18,7 +18,6 @@ import datetime
 import hmac
 import json
 import logging
-import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -42,6 +41,7 @@ from pdserve.kv_transfer.errors import (
     TransferTimeout,
 )
 from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.receive_window import ReceiveWindow, Slot
 
 _POLL_S = 0.05
 
@@ -61,7 +61,8 @@ class _Incoming:
     pair: str | None = None
     seq: int | None = None
     index: torch.Tensor | None = None  # block_ids on the cache's device
-    layers_announced: int = 0  # LAYER messages accepted, in order
+    stepped: bool = False  # a STEP announced its payloads
+    whole: bool = False  # its step's STEP_SENT came with no ABORT before it
     layers_landed: int = 0
     settled: bool = False  # claimed under `lock` by the one path that ends it
     # Held across each scatter: once a failure releases the blocks to their owner,
@@ -91,7 +92,7 @@ class KVReceiver:
         self.lease_expiries = dict.fromkeys(LEASES, 0)
         # Layer receive buffers, reused once scattered; pinned where they stage a GPU's.
         self._staging = BufferPool(pin=self.device.type == "cuda")
-        # The largest payload a LAYER may announce: every block of one layer.
+        # The largest payload a STEP may announce: every block of one layer.
         self._max_payload = kv_caches[0].shape[1] * self.layout.block_bytes_per_layer
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._copies: list = []  # (CUDA event, staged buffer) until the copy is done
@@ -198,8 +199,9 @@ class KVReceiver:
         except Exception:
             return  # the sender gave up before the rendezvous finished
         self._pairs[record.pair] = channel
-        landings: queue.SimpleQueue = queue.SimpleQueue()  # the data stream's, in order
-        threading.Thread(target=self._collect, args=(channel, landings),
+        window = ReceiveWindow(channel.data, self._staging, self.config.receive_window_bytes)
+        steps: collections.deque = collections.deque()  # members of each open step
+        threading.Thread(target=self._collect, args=(channel, window),
                          name=f"kv-land-{record.pair[:32]}", daemon=True).start()
         # A ring of posted control receives: announcements never wait on this thread.
         ring = collections.deque()
@@ -217,12 +219,22 @@ class KVReceiver:
 
             while not self._closed.is_set():
                 kind, seq, a, b, body = P.parse_control(next_message())
-                if kind == P.BEGIN:
-                    for _ in range(P.extension_messages(b)):  # the handshake's tail
+                if kind in (P.BEGIN, P.STEP):
+                    for _ in range(P.extension_messages(b)):  # the body's tail
                         body += next_message()
-                    self._begin(channel, seq, P.Handshake.decode(body[:a + b]))
-                elif kind == P.LAYER:
-                    self._announced(channel, landings, seq, a, b)
+                    body = body[:a + b]
+                if kind == P.BEGIN:
+                    self._begin(channel, seq, P.Handshake.decode(body))
+                elif kind == P.STEP:
+                    steps.append(self._stepped(channel, window, P.step_members(seq, body)))
+                elif kind == P.STEP_SENT:
+                    members = steps.popleft() if steps else None
+                    if members is None or len(members) != seq:
+                        raise RuntimeError(f"STEP_SENT of {seq} transfers does not match "
+                                           "the oldest open step")
+                    for incoming in members:
+                        if incoming is not None:
+                            self._made_whole(incoming)
                 elif kind == P.ABORT:
                     incoming = self._by_seq.get((record.pair, seq))
                     if incoming is not None:
@@ -234,40 +246,51 @@ class KVReceiver:
             self._pair_lost(record.pair, exc)
         finally:
             self._pairs.pop(record.pair, None)
-            landings.put(None)
+            window.close()
             channel.close()
 
-    def _announced(self, channel: PairChannel, landings: queue.SimpleQueue, seq: int,
-                   layer: int, nbytes: int) -> None:
-        """A LAYER message: post the receive of its payload, next in the data stream.
+    def _stepped(self, channel: PairChannel, window: ReceiveWindow,
+                 members: list[tuple[int, int]]) -> list:
+        """A STEP message: plan its payloads, layer-major, and post their receives;
+        returns the step's transfers (None where its payloads are dropped).
         A payload nobody wants (refused, ended, out of step) is still received, and
-        dropped, so the stream stays in step."""
-        if not 0 <= nbytes <= self._max_payload:
-            raise RuntimeError(f"a LAYER message announced {nbytes} bytes (at most "
-                               f"{self._max_payload} fit this cache)")
-        incoming = self._by_seq.get((channel.pair, seq))
-        if incoming is not None:
-            expected = len(incoming.block_ids) * self.layout.block_bytes_per_layer
-            if (layer, nbytes) != (incoming.layers_announced, expected):
-                self._fail(incoming, TransferAborted(incoming.request_id, (
-                    f"layer {layer} of {nbytes} bytes announced, expected layer "
-                    f"{incoming.layers_announced} of {expected}")), P.ABORTED)
-                incoming = None
-            else:
-                incoming.layers_announced += 1
-        buffer = self._staging.get(nbytes, channel.data.device)
-        work = channel.data.post_recv(buffer[:nbytes])
-        landings.put((incoming, layer, nbytes, work, buffer))
+        dropped, so the stream stays in step; one announcing more than a whole cache
+        layer breaks the protocol and ends the pair."""
+        if len(members) > P.MAX_STEP:
+            raise RuntimeError(f"a STEP announced {len(members)} transfers (at most "
+                               f"{P.MAX_STEP})")
+        owners = []
+        for seq, nbytes in members:
+            if not 0 <= nbytes <= self._max_payload:
+                raise RuntimeError(f"a STEP announced {nbytes} bytes per layer (at most "
+                                   f"{self._max_payload} fit this cache)")
+            incoming = self._by_seq.get((channel.pair, seq))
+            if incoming is not None:
+                expected = len(incoming.block_ids) * self.layout.block_bytes_per_layer
+                problem = ("its layers were announced already" if incoming.stepped
+                           else None if nbytes == expected else
+                           f"{nbytes} bytes per layer announced, expected {expected}")
+                incoming.stepped = True
+                if problem is not None:
+                    self._fail(incoming, TransferAborted(incoming.request_id, problem),
+                               P.ABORTED)
+                    incoming = None
+            owners.append((incoming, nbytes))
+        window.plan([Slot(incoming, layer, nbytes) for layer in range(self.layout.num_layers)
+                     for incoming, nbytes in owners])
+        return [incoming for incoming, _ in owners]
 
-    def _collect(self, channel: PairChannel, landings: queue.SimpleQueue) -> None:
+    def _collect(self, channel: PairChannel, window: ReceiveWindow) -> None:
         """Lands each payload of the pair's data stream as its receive completes, in
-        stream order; one thread per pair. `incoming` None: drained and dropped."""
+        stream order; one thread per pair. A slot with no owner is drained and dropped."""
         broken = None
-        while (item := landings.get()) is not None:
-            incoming, layer, nbytes, work, buffer = item
+        while (item := window.next()) is not None:
+            slot, work, buffer = item
+            incoming = slot.owner
             if broken is None:
                 try:
                     channel.data.wait(work)
+                    window.landed(slot)  # posts the next receives
                 except Exception as exc:  # the pair is gone: so is every later payload
                     broken = exc
             if broken is not None:
@@ -276,11 +299,11 @@ class KVReceiver:
                         incoming.request_id, f"sender connection lost: {broken}"), None)
                 continue
             with self._lock:  # several pairs' collectors count at once
-                self.bytes_received += nbytes
+                self.bytes_received += slot.nbytes
             if incoming is None or incoming.done.done():
                 self._staging.put(buffer)
                 continue
-            self._land(incoming, layer, buffer[:nbytes])
+            self._land(incoming, slot.layer, buffer[:slot.nbytes])
             self._release_staged(buffer)
 
     def _release_staged(self, buffer: torch.Tensor) -> None:
@@ -307,15 +330,32 @@ class KVReceiver:
                 return
             self._scatter(incoming, layer, payload)
             incoming.layers_landed += 1
-            complete = incoming.layers_landed == self.layout.num_layers
-            incoming.settled = complete
-            if complete and incoming.lease is not None:
-                incoming.lease, incoming.expires = "start", (
-                    self._clock() + self.config.start_lease_s)
+            complete = self._complete_locked(incoming)
         if complete:
-            if self._stream is not None:  # a collector thread, never the engine's
-                self._stream.synchronize()
-            self._finish(incoming, None, P.OK)
+            self._complete(incoming)
+
+    def _made_whole(self, incoming: _Incoming) -> None:
+        """Its step's STEP_SENT arrived before any ABORT of it: what lands is its KV."""
+        with incoming.lock:
+            if incoming.settled:
+                return
+            incoming.whole = True
+            complete = self._complete_locked(incoming)
+        if complete:
+            self._complete(incoming)
+
+    def _complete_locked(self, incoming: _Incoming) -> bool:
+        """Under its lock: every layer landed and none of them can be padding."""
+        complete = incoming.whole and incoming.layers_landed == self.layout.num_layers
+        incoming.settled = complete
+        if complete and incoming.lease is not None:
+            incoming.lease, incoming.expires = "start", self._clock() + self.config.start_lease_s
+        return complete
+
+    def _complete(self, incoming: _Incoming) -> None:
+        if self._stream is not None:  # a collector or pair thread, never the engine's
+            self._stream.synchronize()
+        self._finish(incoming, None, P.OK)
 
     def _begin(self, channel: PairChannel, seq: int, hs: P.Handshake) -> None:
         pair = channel.pair

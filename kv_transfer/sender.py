@@ -1,19 +1,25 @@
-"""The prefill side: opens pairs lazily and streams a request's KV layer by layer.
+"""The prefill side: opens pairs lazily and streams requests' KV layer by layer.
 
-    handle = sender.begin(request_id, receiver_address, src_blocks, dst_blocks, cached)
-    ... forward pass: after layer i writes its KV, sender.send_layer(handle, i) ...
+    handles = [sender.begin(request_id, receiver_address, src, dst, cached), ...]
+    sender.announce(handles)     # before the forward pass: one STEP per receiver
+    ... after layer i writes its KV, sender.send_layers(handles, i) ...
     sender.finish(handle)        # every layer landed on the receiver, or a typed error
 
-send_layer gathers the request's scattered blocks of one layer into one contiguous
-buffer and queues it asynchronously, so computing layer i+1 overlaps sending layer i.
-Blocks the receiver already holds (its prefix hit) are never sent. How the gather
-reaches the wire depends on the pair's data stream (backend.py):
+A transfer on its own may skip announce and call send_layer(handle, i). Each layer
+of a transfer is gathered from its scattered blocks into one contiguous buffer and
+sent asynchronously, so computing layer i+1 overlaps sending layer i. Blocks the
+receiver already holds (its prefix hit) are never sent. How the gather reaches the
+wire depends on the pair's data stream (backend.py):
     CPU cache, gloo   gathered into a pooled host buffer, sent at once
     CUDA cache, nccl  gathered on a side stream that waits for the compute stream;
                       the NCCL send is issued on that stream, so it follows the
                       gather on the GPU and the engine thread never waits
     CUDA cache, gloo  gathered and copied to pinned host memory on the side stream;
                       the stager (staging.py) sends it once the copy's event fired
+Every slot a STEP announced is sent, in its order (protocol.py): sends and aborts on
+one pair take turns under the pair's lock, a transfer aborted mid-step has its
+remaining slots padded, and a step left unfinished (its forward pass failed) is
+padded out before the pair's next STEP.
 """
 from __future__ import annotations
 
@@ -49,13 +55,32 @@ _STATUS_ERRORS = {P.REFUSED: TransferRefused, P.ABORTED: TransferAborted,
                   P.TIMED_OUT: TransferTimeout}
 
 
-@dataclass
+@dataclass(eq=False)
 class _Peer:
     store: dist.Store
     channel: PairChannel
+    # Sends and aborts on this pair take turns: slots go out in their STEP's order.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    step: "_Step | None" = None  # the last one announced
+    issued: int = 0  # sends issued on this pair, counted
+    # (issue count, _Inflight) of sends tied to no one transfer: STEP messages and
+    # padding. A Work owns its tensor until it completes; each is waited by the first
+    # transfer on this pair to settle after it (by then it completed: both streams
+    # are FIFOs), so waiting costs nothing.
+    loose: list = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)
+class _Step:
+    """The transfers one prefill step streams to one receiver, announced by one STEP:
+    their payloads go layer-major, in this order."""
+    members: list  # SendHandle
+    nbytes: list  # per layer, each member's
+    layers_sent: int = 0
+    padded_out: bool = False  # every member ended; its remaining slots went as padding
+
+
+@dataclass(eq=False)
 class SendHandle:
     request_id: str
     peer: _Peer
@@ -64,16 +89,16 @@ class SendHandle:
     started: float
     status: torch.Tensor  # int64[1], filled by the receiver's one reply
     status_work: object  # its posted receive
+    step: _Step | None = None
     layers_sent: int = 0
     bytes_sent: int = 0
+    last_issued: int = 0  # the pair's issue count at this transfer's last send
     # In-flight sends as _Inflight. A Work owns its tensor until it completes; pooled
     # buffers then go back to the pool.
     inflight: list = field(default_factory=list)
     closed: bool = False
-    aborted: bool = False
-    # send_layer (engine thread) and abort (another thread) take turns: an ABORT goes
-    # out after every layer announced, never between an announcement and its payload.
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    aborted: bool = False  # given up: no more of its layers go out
+    settling: bool = False  # finish or abort claimed the wait for its sends
 
 
 @dataclass
@@ -156,83 +181,164 @@ class KVSender:
         handle = SendHandle(request_id, peer, seq,
                             torch.tensor(src_block_ids[num_cached_blocks:], device=self.device),
                             time.monotonic(), status, status_work)
-        self._send(handle, P.begin_messages(seq, hs))
+        with peer.lock:
+            try:
+                handle.inflight.extend(self._control(peer, P.begin_messages(seq, hs)))
+            except PeerLostError as exc:
+                self._close(handle)
+                raise PeerLostError(request_id, exc.message) from None
         return handle
 
+    def announce(self, handles: list[SendHandle]) -> dict[str, KVTransferError]:
+        """Announce the transfers one prefill step streams, before its forward pass:
+        those bound for each receiver go in one STEP, so the receiver posts the
+        step's receives now and every payload moves as soon as it is sent. A transfer
+        announced, aborted or closed already is left out. Returns the failures by
+        request id: a lost peer fails its own transfers, not the step."""
+        failures: dict[str, KVTransferError] = {}
+        by_peer: dict[int, list[SendHandle]] = {}
+        for handle in handles:
+            if handle.step is None and not (handle.aborted or handle.closed):
+                by_peer.setdefault(id(handle.peer), []).append(handle)
+        bytes_per_layer = self.layout.block_bytes_per_layer
+        for members in by_peer.values():
+            peer = members[0].peer
+            with peer.lock:
+                members = [h for h in members if not (h.aborted or h.closed)]  # meanwhile
+                if not members:
+                    continue
+                step = _Step(members, [len(h.src_index) * bytes_per_layer for h in members])
+                try:
+                    self._abandon(peer.step)
+                    works = self._control(peer, P.step_messages(
+                        [(h.seq, n) for h, n in zip(members, step.nbytes)]))
+                except PeerLostError as exc:
+                    self._lost(members, exc, failures)
+                    continue
+                peer.loose.extend((peer.issued, inflight) for inflight in works)
+                peer.step = step
+                for handle in members:
+                    handle.step = step
+        return failures
+
+    def send_layers(self, handles: list[SendHandle], layer: int) -> dict[str, KVTransferError]:
+        """Layer `layer` of every announced transfer in `handles` (whole steps: all of
+        a step's members go, in its order; an aborted member's slot as padding).
+        Returns the failures by request id, as announce does."""
+        failures: dict[str, KVTransferError] = {}
+        steps = dict.fromkeys(h.step for h in handles if h.step is not None)
+        for step in steps:
+            peer = step.members[0].peer
+            with peer.lock:
+                if step.padded_out:
+                    continue  # every member ended; its slots went out already
+                if layer != step.layers_sent:
+                    raise ValueError(f"layer {layer} sent out of order (expected "
+                                     f"{step.layers_sent})")
+                step.layers_sent += 1
+                try:
+                    for handle, nbytes in zip(step.members, step.nbytes):
+                        if handle.aborted or handle.closed:
+                            self._pad(peer, nbytes)
+                            continue
+                        handle.layers_sent += 1
+                        self._recycle(handle)
+                        handle.inflight.append(self._send_slot(
+                            peer, nbytes, self.kv_caches[layer], handle.src_index))
+                        handle.last_issued = peer.issued
+                        handle.bytes_sent += nbytes
+                    if step.layers_sent == self.layout.num_layers:
+                        self._step_sent(peer, step)
+                except Exception as exc:
+                    self._drop_peer(peer)
+                    self._lost([h for h in step.members if not (h.aborted or h.closed)],
+                               PeerLostError(None, f"send failed: {exc}"), failures)
+        return failures
+
+    def _step_sent(self, peer: _Peer, step: _Step) -> None:
+        """STEP_SENT, once a step's last slot went out: its members not aborted by now
+        are whole (the receiver completes none before reading this)."""
+        works = self._control(peer, [P.step_sent_message(len(step.members))])
+        peer.loose.extend((peer.issued, inflight) for inflight in works)
+
     def send_layer(self, handle: SendHandle, layer: int) -> None:
-        with handle.lock:
-            if handle.closed or handle.aborted:
+        """One layer of a transfer streamed on its own (announced alone at layer 0);
+        raises its failure."""
+        if handle.step is None and layer == 0:
+            open_step = handle.peer.step
+            if open_step is not None and not open_step.padded_out and (
+                    open_step.layers_sent < self.layout.num_layers) and any(
+                    not (h.aborted or h.closed) for h in open_step.members):
+                # announce() would end that transfer: its step is the pair's slot order
+                raise ValueError(f"request {handle.request_id}: another transfer is still "
+                                 "streaming on this pair; transfers that interleave are "
+                                 "announced together (announce, send_layers)")
+            self._raise_for(handle, self.announce([handle]))
+        if handle.step is None:
+            if handle.aborted or handle.closed:
                 return
-            self._send_layer(handle, layer)
+            raise ValueError(f"request {handle.request_id}: layer {layer} sent before layer 0")
+        if handle.step.members != [handle]:
+            raise ValueError(f"request {handle.request_id} was announced with other "
+                             "transfers: send their layers together (send_layers)")
+        self._raise_for(handle, self.send_layers([handle], layer))
 
-    def _send_layer(self, handle: SendHandle, layer: int) -> None:
-        if layer != handle.layers_sent:
-            raise ValueError(f"request {handle.request_id}: layer {layer} sent out of order "
-                             f"(expected {handle.layers_sent})")
-        handle.layers_sent += 1
-        self._recycle(handle)
-        cache = self.kv_caches[layer]
-        channel = handle.peer.channel
-        nbytes = len(handle.src_index) * self.layout.block_bytes_per_layer
-        announcement = P.layer_message(handle.seq, layer, nbytes)
-        try:
-            if self._stream is None:  # a CPU cache: gather straight into the message
-                message = self._pool.get(nbytes, self.device)
+    @staticmethod
+    def _raise_for(handle: SendHandle, failures: dict[str, KVTransferError]) -> None:
+        if handle.request_id in failures:
+            raise failures[handle.request_id]
 
-                def gathered() -> torch.Tensor:
-                    torch.index_select(cache, 1, handle.src_index,
-                                       out=self._blocks(message, nbytes, cache))
-                    return message[:nbytes]
-                works = channel.send_announced(announcement, gathered)
-                inflight = _Inflight(self._with_planes(works, channel), (message,))
-            else:
-                inflight = self._send_from_gpu(handle, channel, cache, announcement, nbytes)
-        except Exception as exc:
-            self._drop_peer(handle.peer)
-            self._close(handle)
-            raise PeerLostError(handle.request_id, f"send failed: {exc}") from None
-        handle.bytes_sent += nbytes
-        handle.inflight.append(inflight)
-
-    def _send_from_gpu(self, handle: SendHandle, channel: PairChannel, cache: torch.Tensor,
-                       announcement: torch.Tensor, nbytes: int) -> _Inflight:
-        """Gather on the side stream once the compute stream wrote this layer; no host
-        synchronize on the caller's (the engine's) thread."""
+    def _send_slot(self, peer: _Peer, nbytes: int, cache: torch.Tensor | None = None,
+                   index: torch.Tensor | None = None) -> _Inflight:
+        """The next slot of the pair's data stream: blocks `index` of `cache`, gathered,
+        or (no index) padding of nbytes. Under the pair's lock."""
+        peer.issued += 1
+        data = peer.channel.data
+        if self._stream is None:  # a CPU cache: gather straight into the message
+            message = self._pool.get(nbytes, self.device)
+            if index is not None:
+                torch.index_select(cache, 1, index, out=self._blocks(message, nbytes, cache))
+            return _Inflight(((data.send(message[:nbytes]), data),), (message,))
+        # A CUDA cache: gather on the side stream once the compute stream wrote this
+        # layer; no host synchronize on the caller's (the engine's) thread.
         scratch = self._pool.get(nbytes, self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            torch.index_select(cache, 1, handle.src_index, out=self._blocks(scratch, nbytes, cache))
-            if channel.data.device.type == "cuda":  # NCCL: issued in this stream's order
-                works = channel.send_announced(announcement, lambda: scratch[:nbytes])
-                return _Inflight(self._with_planes(works, channel), (scratch,))
-            host = self._pool.get(nbytes, channel.data.device)
+            if index is not None:
+                torch.index_select(cache, 1, index, out=self._blocks(scratch, nbytes, cache))
+            if data.device.type == "cuda":  # NCCL: issued in this stream's order
+                return _Inflight(((data.send(scratch[:nbytes]), data),), (scratch,))
+            host = self._pool.get(nbytes, data.device)
             host[:nbytes].copy_(scratch[:nbytes], non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self._stream)
-        staged = self._stager.submit(copied, lambda: self._with_planes(
-            channel.send_announced(announcement, lambda: host[:nbytes]), channel))
+        staged = self._stager.submit(copied, lambda: ((data.send(host[:nbytes]), data),))
         return _Inflight(staged, (scratch, host))
+
+    def _pad(self, peer: _Peer, nbytes: int) -> None:
+        """A slot whose transfer ended: bytes of no meaning, which the receiver drops."""
+        peer.loose.append((peer.issued + 1, self._send_slot(peer, nbytes)))
 
     @staticmethod
     def _blocks(message: torch.Tensor, nbytes: int, cache: torch.Tensor) -> torch.Tensor:
         """The first nbytes of a pooled message, as a layer's [2, n, block, Hkv, D]."""
         return message[:nbytes].view(cache.dtype).view(2, -1, *cache.shape[2:])
 
-    @staticmethod
-    def _with_planes(works: tuple, channel: PairChannel) -> tuple:
-        control, data = works
-        return (control, None), (data, channel.data)
-
     def finish(self, handle: SendHandle, timeout: float | None = None) -> SendHandle:
         """Wait until the receiver confirms every layer landed; typed error otherwise."""
         if handle.layers_sent != self.layout.num_layers:
             raise ValueError(f"request {handle.request_id}: finish() after "
                              f"{handle.layers_sent}/{self.layout.num_layers} layers")
+        with handle.peer.lock:
+            if handle.settling:
+                raise ValueError(f"request {handle.request_id}: finished or aborted already")
+            if handle.closed:  # its pair was lost under it
+                raise PeerLostError(handle.request_id, "the pair with the receiver was lost")
+            handle.settling = True
         deadline = handle.started + (self.config.timeout_s if timeout is None else timeout)
         try:
             try:
                 self._settle(handle, deadline)
-                handle.status_work.wait(_remaining(deadline))
             except Exception as exc:
                 if not _is_timeout(exc):
                     raise
@@ -255,23 +361,20 @@ class KVSender:
 
     def abort(self, handle: SendHandle) -> None:
         """Give up on a transfer: the receiver releases its blocks; buffers are dropped."""
-        with handle.lock:
-            if handle.closed or handle.aborted:
+        peer = handle.peer
+        with peer.lock:
+            if handle.closed or handle.settling:
                 return
-            handle.aborted = True
-            # Only announced layers were posted on the receiver: one ABORT ends the
-            # transfer there, after them.
-            if handle.layers_sent < self.layout.num_layers:
-                try:
-                    self._send(handle, [P.abort_message(handle.seq)])
-                except Exception:
-                    return  # the pair is gone: the receiver's side fails on its own
+            handle.settling = True
+            try:
+                self._end(handle)
+            except PeerLostError:
+                self._close(handle)  # the pair is gone: the receiver's side fails on its own
+                return
         try:
-            deadline = time.monotonic() + self.config.timeout_s
-            self._settle(handle, deadline)
-            handle.status_work.wait(_remaining(deadline))  # owed even for an abort
+            self._settle(handle, time.monotonic() + self.config.timeout_s)  # a status is owed
         except Exception:
-            self._drop_peer(handle.peer)  # the receiver's side fails on its own
+            self._drop_peer(peer)  # the receiver's side fails on its own
         self._close(handle)
 
     def close(self) -> None:
@@ -283,15 +386,53 @@ class KVSender:
 
     # ---- internals ----------------------------------------------------------------
 
-    def _send(self, handle: SendHandle, messages: list[torch.Tensor]) -> None:
-        """Control messages (BEGIN, ABORT)."""
+    def _end(self, handle: SendHandle) -> None:
+        """Under the pair's lock: no more of the transfer's layers go out. The receiver
+        hears an ABORT (after every slot sent so far); a step whose members all ended
+        has its remaining slots padded now, since nobody else will send them."""
+        handle.aborted = True
+        if handle.layers_sent == self.layout.num_layers:
+            return  # all of it went out: the receiver's status says how it ended
+        handle.inflight.extend(self._control(handle.peer, [P.abort_message(handle.seq)]))
+        handle.last_issued = handle.peer.issued
+        step = handle.step
+        if step is not None and not step.padded_out and all(
+                m.aborted or m.closed for m in step.members):
+            try:
+                for _ in range(step.layers_sent, self.layout.num_layers):
+                    for nbytes in step.nbytes:
+                        self._pad(handle.peer, nbytes)
+            except Exception as exc:
+                self._drop_peer(handle.peer)
+                raise PeerLostError(handle.request_id, f"send failed: {exc}") from None
+            step.layers_sent, step.padded_out = self.layout.num_layers, True
+            self._step_sent(handle.peer, step)
+
+    def _abandon(self, step: _Step | None) -> None:
+        """Under the pair's lock, before its next STEP: a step left unfinished (its
+        forward pass failed before the last layer) ends every member still running,
+        so its remaining slots go out as padding."""
+        if step is None or step.padded_out or step.layers_sent == self.layout.num_layers:
+            return
+        for handle in step.members:
+            if not (handle.aborted or handle.closed):
+                self._end(handle)
+
+    def _control(self, peer: _Peer, messages: list[torch.Tensor]) -> list[_Inflight]:
+        """Control messages (STEP, ABORT), under the pair's lock; a failure drops the pair."""
         try:
-            works = handle.peer.channel.send(messages)
-            handle.inflight.extend(_Inflight(((w, None),)) for w in works)
+            works = peer.channel.send(messages)
         except Exception as exc:
-            self._drop_peer(handle.peer)
+            self._drop_peer(peer)
+            raise PeerLostError(None, f"send failed: {exc}") from None
+        peer.issued += 1
+        return [_Inflight(((w, None),)) for w in works]
+
+    def _lost(self, handles: list[SendHandle], exc: KVTransferError,
+              failures: dict[str, KVTransferError]) -> None:
+        for handle in handles:
             self._close(handle)
-            raise PeerLostError(handle.request_id, f"send failed: {exc}") from None
+            failures[handle.request_id] = type(exc)(handle.request_id, exc.message)
 
     def _reason(self, handle: SendHandle) -> str:
         key = P.reason_key(handle.peer.channel.pair, handle.seq)
@@ -300,11 +441,22 @@ class KVSender:
         return message
 
     def _settle(self, handle: SendHandle, deadline: float) -> None:
-        """Wait for in-flight sends: a Work owns its tensor, and dropping it early
-        would free bytes still being sent."""
+        """Wait for the transfer's sends (a Work owns its tensor, and dropping it early
+        would free bytes still being sent), then for its status, then reap the pair's
+        loose sends issued before its last: complete by then, as both streams are
+        FIFOs and the receiver took this transfer's STEP and slots."""
         for inflight in handle.inflight:
             inflight.wait(deadline)
         self._recycle(handle)
+        handle.status_work.wait(_remaining(deadline))
+        peer = handle.peer
+        with peer.lock:
+            reaped = [i for n, i in peer.loose if n <= handle.last_issued]
+            peer.loose = [(n, i) for n, i in peer.loose if n > handle.last_issued]
+        for inflight in reaped:
+            inflight.wait(deadline)
+            for buffer in inflight.buffers:
+                self._pool.put(buffer)
 
     def _recycle(self, handle: SendHandle) -> None:
         """Sent buffers go back to the pool; in-flight ones stay with their Work."""

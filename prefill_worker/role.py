@@ -147,15 +147,19 @@ class PrefillRole:
             started.append(entry.handle)
         if not started:
             return None
+        # Announced before the forward pass, so each decode worker posts the step's
+        # receives while layer 0 computes.
+        self._fail_all(self.sender.announce(started))
 
         def send(layer: int) -> None:
-            for handle in started:
-                try:
-                    self.sender.send_layer(handle, layer)
-                except Exception as exc:  # one lost peer fails its request, not the step
-                    self._resolve(handle.request_id, error=exc)
+            self._fail_all(self.sender.send_layers(started, layer))
 
         return send
+
+    def _fail_all(self, failures: dict) -> None:
+        """A lost peer fails its own requests, never the step."""
+        for request_id, error in failures.items():
+            self._resolve(request_id, error=error)
 
     def on_step(self, outputs: list[RequestOutput]) -> None:
         """Outputs of this role's requests (the worker routes them here)."""

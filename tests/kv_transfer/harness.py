@@ -77,8 +77,10 @@ class _Released(list):
 
 def _transfer(sender: KVSender, caches, released, jobs, layer_delay=0.0, stop_after=None,
               then="finish"):
-    """Interleaved transfers: begin all jobs, send layer by layer round-robin."""
+    """Interleaved transfers, as one prefill step sends them: begin all jobs, announce
+    them together, send layer by layer round-robin."""
     handles = [sender.begin(*job) for job in jobs]
+    _raise_first(sender.announce(handles))
     for layer in range(len(caches)):
         if stop_after is not None and layer == stop_after:
             if then == "abort":
@@ -86,10 +88,14 @@ def _transfer(sender: KVSender, caches, released, jobs, layer_delay=0.0, stop_af
                     sender.abort(h)
                 return "aborted"
             time.sleep(3600)  # hang mid-transfer until the test kills this process
-        for h in handles:
-            sender.send_layer(h, layer)
+        _raise_first(sender.send_layers(handles, layer))
         time.sleep(layer_delay)
     return [sender.finish(h).bytes_sent for h in handles]
+
+
+def _raise_first(failures: dict) -> None:
+    if failures:
+        raise next(iter(failures.values()))
 
 
 def _notify_landings(receiver: KVReceiver) -> None:

@@ -117,3 +117,58 @@ def test_a_staged_send_that_outlives_its_deadline_reads_as_a_timeout():
     with pytest.raises(TimeoutError) as err:
         _Inflight(never).wait(deadline=0.0)
     assert _is_timeout(err.value)
+
+
+class _RecordingStream:
+    """The data stream's boundary (data_plane.py, tested for real over gloo in
+    test_kv_transfer.py): records receives in posting order."""
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.posted: list[int] = []
+
+    def post_recv(self, tensor):
+        self.posted.append(tensor.numel())
+        return len(self.posted)
+
+
+def test_a_step_is_posted_ahead_up_to_the_window_then_one_per_landing():
+    from pdserve.kv_transfer.receive_window import ReceiveWindow, Slot
+    stream = _RecordingStream()
+    window = ReceiveWindow(stream, BufferPool(), window_bytes=10_000)
+    sizes = [4_000, 5_000, 3_000, 6_000]
+    window.plan([Slot(None, i, n) for i, n in enumerate(sizes)])
+    assert stream.posted == [4_000, 5_000]  # a third would pass the window
+    slot, work, buffer = window.next()
+    assert (slot.layer, work, buffer.numel() >= 4_000) == (0, 1, True)
+    window.landed(slot)
+    assert stream.posted == [4_000, 5_000, 3_000]  # 8k posted; 6k more would pass it
+    slot, _, _ = window.next()
+    window.landed(slot)
+    assert stream.posted == [4_000, 5_000, 3_000, 6_000]
+
+
+def test_a_payload_larger_than_the_window_is_still_posted_alone():
+    from pdserve.kv_transfer.receive_window import ReceiveWindow, Slot
+    stream = _RecordingStream()
+    window = ReceiveWindow(stream, BufferPool(), window_bytes=1)
+    window.plan([Slot(None, 0, 8_000), Slot(None, 1, 8_000)])
+    assert stream.posted == [8_000]
+    slot, _, _ = window.next()
+    window.landed(slot)
+    assert stream.posted == [8_000, 8_000]
+    window.close()
+    assert window.next()[0].layer == 1 and window.next() is None
+
+
+def test_a_step_of_hundreds_of_transfers_round_trips_through_its_messages():
+    from pdserve.kv_transfer import protocol as P
+    members = [(seq, seq * 4096) for seq in range(1, 301)]  # 4.8 KB: an extension
+    messages = P.step_messages(members)
+    assert len(messages) == 2 and all(m.numel() == P.CONTROL_BYTES for m in messages)
+    kind, count, inline, extension, body = P.parse_control(messages[0])
+    body += bytes(messages[1].numpy())
+    assert (kind, count) == (P.STEP, 300)
+    assert P.step_members(count, body[:inline + extension]) == members
+    with pytest.raises(ValueError, match="300 transfers carried"):
+        P.step_members(count, body[:inline])

@@ -67,6 +67,10 @@ def decode_worker(llama_dir):
     process.join(10)
 
 
+def assert_sent(failures: dict) -> None:
+    assert not failures, failures
+
+
 def prefill_and_hand_off(prefill: LLMEngine, sender: KVSender, address: str, call,
                          prompts: dict[str, list[int]]) -> dict[str, int]:
     """Prefill every prompt, streaming KV to the decode worker; returns first tokens."""
@@ -83,7 +87,10 @@ def prefill_and_hand_off(prefill: LLMEngine, sender: KVSender, address: str, cal
                 started.append(sender.begin(request.request_id, address, request.block_ids,
                                             dst, cached))
         handles.extend(started)
-        return (lambda layer: [sender.send_layer(h, layer) for h in started]) if started else None
+        if not started:
+            return None
+        assert not sender.announce(started)
+        return lambda layer: assert_sent(sender.send_layers(started, layer))
 
     first = {}
     while prefill.has_unfinished():

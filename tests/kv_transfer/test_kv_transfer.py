@@ -135,6 +135,63 @@ def test_two_senders_two_receivers_interleaved_and_a_late_joiner():
             w.stop()
 
 
+@pytest.mark.parametrize("window", [1, 64 << 20])
+def test_one_step_of_several_transfers_to_one_receiver_lands_each_bitwise(window):
+    # Three transfers of different sizes in one step: layer-major slots, every
+    # receive posted at the STEP (the default window), or one at a time (a window
+    # smaller than any payload posts one receive per landing).
+    config = TransferConfig(timeout_s=20, connect_timeout_s=20, receive_window_bytes=window)
+    receiver = Worker("receiver", "r", config=config)
+    sender = Worker("sender", "s", seed=8, config=config)
+    try:
+        jobs = [("t1", [3], [20]), ("t3", [9, 10, 11], [21, 25, 22]), ("t2", [6, 7], [30, 23])]
+        for rid, _, dst in jobs:
+            receiver.call("expect", rid, dst)
+        sender.call("transfer", [(rid, receiver.address, src, dst) for rid, src, dst in jobs])
+        for rid, src, dst in jobs:
+            receiver.call("wait", rid)
+            assert_landed(receiver, sender, src, dst)
+    finally:
+        receiver.stop()
+        sender.stop()
+
+
+def test_a_step_left_unfinished_ends_its_transfers_at_the_next_step():
+    # A forward pass that failed after layer 0 leaves its step unfinished; the pair's
+    # next STEP first ends it (ABORT, remaining slots padded), so the stream is in
+    # step: the stranded transfer fails ABORTED, the next one lands.
+    from pdserve.kv_transfer import KVSender, TransferAborted
+    config = TransferConfig(timeout_s=10, connect_timeout_s=20)
+    receiver = Worker("receiver", "r", config=config)
+    sender = KVSender("s", sender_cache(SPEC, 6), config)
+    try:
+        receiver.call("expect", "stranded", [1, 2])
+        stranded = sender.begin("stranded", receiver.address, [3, 4], [1, 2])
+        assert not sender.announce([stranded])
+        assert not sender.send_layers([stranded], 0)
+        alone = sender.begin("alone", receiver.address, [5], [6])
+        with pytest.raises(ValueError, match="announced together"):
+            sender.send_layer(alone, 0)  # send_layer would end the stranded one
+        sender.abort(alone)
+        receiver.call("expect", "next", [5, 6])
+        handle = sender.begin("next", receiver.address, [7, 8], [5, 6])
+        assert not sender.announce([handle])  # ends the stranded transfer first
+        for layer in range(SPEC.num_layers):
+            assert not sender.send_layers([handle], layer)
+        sender.finish(handle)
+        receiver.call("wait", "next")
+        got = receiver.call("blocks", [5, 6])
+        assert all(torch.equal(g, w) for g, w in zip(got, expected_blocks(SPEC, 6, [7, 8])))
+        with pytest.raises(RemoteError) as err:
+            receiver.call("wait", "stranded")
+        assert err.value.kind == TransferAborted.__name__
+        sender.abort(stranded)  # what the prefill role does next: settles, no error
+        assert stranded.closed
+    finally:
+        sender.close()
+        receiver.stop()
+
+
 def test_sender_killed_mid_transfer_frees_the_receivers_blocks():
     receiver, sender = Worker("receiver", "r"), Worker("sender", "s")
     try:
@@ -289,12 +346,65 @@ def _in_process_transfer_lands(receiver: Worker, sender, seed: int) -> None:
     assert all(torch.equal(g, w) for g, w in zip(got, expected_blocks(SPEC, seed, [7, 8])))
 
 
-def test_an_abort_during_send_layer_goes_out_after_that_layer():
-    # Defect 5 of #12, in the ordered protocol: abort runs on another thread while
-    # send_layer is mid-way. The ABORT must not come between a LAYER announcement and
-    # its payload, nor before it: the receiver has to see every announced payload
-    # and then the ABORT. The hook holds send_layer(1) inside its gather until the
-    # aborting thread has had its chance to run.
+def _record_streams(channel) -> tuple[list, list]:
+    """What the pair's control stream (message kinds) and data stream (sizes) carry,
+    in issue order, from now on."""
+    control, data = [], []
+    real_send, real_data = channel.send, channel.data.send
+
+    def record_control(messages, tag=0):
+        control.extend(P.parse_control(m)[0] for m in messages if tag == 0)
+        return real_send(messages, tag)
+
+    def record_data(tensor):
+        data.append(tensor.numel())
+        return real_data(tensor)
+    channel.send, channel.data.send = record_control, record_data
+    return control, data
+
+
+def test_an_abort_mid_step_pads_its_slots_and_the_rest_of_the_step_lands():
+    # One step streams "quit" (2 blocks) and "stay" (3 blocks) to one receiver;
+    # "quit" is aborted after layer 0. Every slot the STEP announced still goes out,
+    # in its order and size, "quit"'s as padding; its ABORT precedes STEP_SENT, so the
+    # receiver never takes the padding for KV; "stay" lands bitwise.
+    from pdserve.kv_transfer import KVSender, TransferAborted
+    config = TransferConfig(timeout_s=10, connect_timeout_s=20)
+    receiver = Worker("receiver", "r", config=config)
+    sender = KVSender("s", sender_cache(SPEC, 3), config)
+    try:
+        control, data = _record_streams(sender._peer(receiver.address).channel)
+        receiver.call("expect", "quit", [1, 2])
+        receiver.call("expect", "stay", [5, 6, 7])
+        quit_ = sender.begin("quit", receiver.address, [3, 4], [1, 2])
+        stay = sender.begin("stay", receiver.address, [8, 9, 10], [5, 6, 7])
+        assert not sender.announce([quit_, stay])
+        assert not sender.send_layers([quit_, stay], 0)
+        sender.abort(quit_)
+        for layer in range(1, SPEC.num_layers):
+            assert not sender.send_layers([quit_, stay], layer)
+        sender.finish(stay)
+        with pytest.raises(RemoteError) as err:
+            receiver.call("wait", "quit")
+        assert err.value.kind == TransferAborted.__name__
+        receiver.call("wait", "stay")
+        got = receiver.call("blocks", [5, 6, 7])
+        assert all(torch.equal(g, w) for g, w in zip(got, expected_blocks(SPEC, 3, [8, 9, 10])))
+        block = KVLayout.of(sender.kv_caches).block_bytes_per_layer
+        assert data == [2 * block, 3 * block] * SPEC.num_layers
+        assert control == [P.BEGIN, P.BEGIN, P.STEP, P.ABORT, P.STEP_SENT]
+    finally:
+        sender.close()
+        receiver.stop()
+
+
+def test_the_abort_that_ends_a_step_pads_it_after_the_layer_being_sent():
+    # Step ["gone" (3 blocks), "quit" (2 blocks)]; "gone" is aborted after layer 0,
+    # so its slots are padding from then on. Layer 1 is held inside the gather of
+    # "quit" when another thread aborts "quit", the step's last live member: that
+    # abort pads the rest of the step, and must wait for the pair's lock until layer
+    # 1 is out. Padding layer 2 mid-layer would put sizes [3, 2, 3, 3, 2, 2] on the
+    # stream, and the receiver's slots of 2 would meet payloads of 3.
     import threading
 
     from pdserve.kv_transfer import KVSender, TransferAborted
@@ -306,51 +416,90 @@ def test_an_abort_during_send_layer_goes_out_after_that_layer():
         real_blocks = sender._blocks
 
         def gated(message, nbytes, cache):
-            if handle.layers_sent == 2:  # layer 1, announced, not yet sent
+            if quit_.layers_sent == 2:  # layer 1 of "quit", counted, not yet sent
                 inside.set()
                 proceed.wait(30)
             return real_blocks(message, nbytes, cache)
         sender._blocks = gated
-        stream = []  # what the pair carried, in order
-        channel = sender._peer(receiver.address).channel
-        real_send, real_announced = channel.send, channel.send_announced
-
-        def control(messages, tag=0):
-            stream.extend(P.parse_control(m)[0] for m in messages)
-            return real_send(messages, tag)
-
-        def announced(announcement, payload):
-            stream.append("layer+payload")
-            return real_announced(announcement, payload)
-        channel.send, channel.send_announced = control, announced
-
-        receiver.call("expect", "race", [1, 2])
-        handle = sender.begin("race", receiver.address, [3, 4], [1, 2])
-        sender.send_layer(handle, 0)
-        layer1 = threading.Thread(target=sender.send_layer, args=(handle, 1))
+        control, data = _record_streams(sender._peer(receiver.address).channel)
+        receiver.call("expect", "gone", [5, 6, 7])
+        receiver.call("expect", "quit", [1, 2])
+        gone = sender.begin("gone", receiver.address, [8, 9, 10], [5, 6, 7])
+        quit_ = sender.begin("quit", receiver.address, [3, 4], [1, 2])
+        assert not sender.announce([gone, quit_])
+        assert not sender.send_layers([gone, quit_], 0)
+        sender.abort(gone)
+        layer1 = threading.Thread(target=sender.send_layers, args=([gone, quit_], 1))
         layer1.start()
         assert inside.wait(30)
-        aborter = threading.Thread(target=sender.abort, args=(handle,))
+        aborter = threading.Thread(target=sender.abort, args=(quit_,))
         aborter.start()
-        aborter.join(0.5)  # without the handle's lock, the abort goes out here
+        aborter.join(0.5)  # without the pair's lock, the abort pads layer 2 here
         proceed.set()
         layer1.join(30)
         aborter.join(30)
-        assert stream == [P.BEGIN, "layer+payload", "layer+payload", P.ABORT]
-        with pytest.raises(RemoteError) as err:
-            receiver.call("wait", "race")
-        assert err.value.kind == TransferAborted.__name__
+        assert not sender.send_layers([gone, quit_], 2)  # padded out already: a no-op
+        block = KVLayout.of(sender.kv_caches).block_bytes_per_layer
+        assert data == [3 * block, 2 * block] * SPEC.num_layers
+        assert control == [P.BEGIN, P.BEGIN, P.STEP, P.ABORT, P.ABORT, P.STEP_SENT]
+        for rid in ("gone", "quit"):
+            with pytest.raises(RemoteError) as err:
+                receiver.call("wait", rid)
+            assert err.value.kind == TransferAborted.__name__
         sender._blocks = real_blocks
-        _in_process_transfer_lands(receiver, sender, 3)  # the pair keeps working
+        _in_process_transfer_lands(receiver, sender, 3)  # the stream is in step
     finally:
         sender.close()
         receiver.stop()
 
 
-def test_a_payload_out_of_step_with_its_reservation_ends_only_that_transfer():
-    # A sender that announces a layer the receiver does not expect (wrong size, or
-    # layers out of order) gets ABORTED with what differed; the payload is still
-    # received, so the data stream stays in step for the next transfer.
+def test_padding_that_lands_before_its_abort_is_read_is_never_taken_for_kv():
+    # The data stream and the control stream are two connections: a transfer aborted
+    # after layer 0 has layers 1 and 2 padded, and that padding may land before the
+    # receiver reads the ABORT sent ahead of it. Here the receiver reads the ABORT
+    # only once every layer landed (a condition on its landings). The transfer must
+    # still end ABORTED with its blocks released: it is complete only once its
+    # step's STEP_SENT arrived, which follows the ABORT on the control stream.
+    import threading
+
+    from pdserve.kv_transfer import KVReceiver, KVSender, TransferAborted
+    config = TransferConfig(timeout_s=10, connect_timeout_s=20)
+    released = []
+    receiver = KVReceiver([torch.zeros(SPEC.layer_shape()) for _ in range(SPEC.num_layers)],
+                          config, on_release=released.append)
+    sender = KVSender("s", sender_cache(SPEC, 5), config)
+    landed = threading.Condition()
+    real_land, real_fail = receiver._land, receiver._fail
+
+    def land(incoming, layer, payload):
+        real_land(incoming, layer, payload)
+        with landed:
+            landed.notify_all()
+
+    def fail(incoming, error, status, lease=None):
+        if isinstance(error, TransferAborted) and "by the sender" in str(error):
+            with landed:  # the ABORT is read only after the padding landed
+                assert landed.wait_for(
+                    lambda: incoming.layers_landed == SPEC.num_layers, timeout=10)
+        return real_fail(incoming, error, status, lease)
+    receiver._land, receiver._fail = land, fail
+    try:
+        receiver.expect("quit", [1, 2])
+        handle = sender.begin("quit", receiver.address, [3, 4], [1, 2])
+        sender.send_layer(handle, 0)
+        sender.abort(handle)  # layers 1 and 2 go as padding
+        with pytest.raises(TransferAborted):
+            receiver.wait("quit")
+        assert released == ["quit"]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_step_out_of_step_with_a_reservation_ends_only_that_transfer():
+    # A sender whose STEP announces a size the receiver did not reserve gets ABORTED
+    # with what differed; its payloads are still received, so the data stream stays
+    # in step for the next transfer.
     from pdserve.kv_transfer import KVSender, TransferAborted
     config = TransferConfig(timeout_s=10, connect_timeout_s=20)
     receiver = Worker("receiver", "r", config=config)
@@ -361,13 +510,15 @@ def test_a_payload_out_of_step_with_its_reservation_ends_only_that_transfer():
         channel = handle.peer.channel
         payload = torch.zeros(5 * KVLayout.of(sender.kv_caches).block_bytes_per_layer,
                               dtype=torch.uint8)
-        for work in channel.send_announced(P.layer_message(handle.seq, 0, payload.numel()),
-                                           lambda: payload):
+        works = channel.send(P.step_messages([(handle.seq, payload.numel())]))
+        works += [channel.data.send(payload) for _ in range(SPEC.num_layers)]
+        works += channel.send([P.step_sent_message(1)])
+        for work in works:
             work.wait()
         with pytest.raises(RemoteError) as err:
             receiver.call("wait", "odd")
         assert err.value.kind == TransferAborted.__name__
-        assert "expected layer 0 of" in str(err.value)
+        assert "bytes per layer announced, expected" in str(err.value)
         handle.layers_sent = SPEC.num_layers  # what the sender owes is settled
         with pytest.raises(TransferAborted):
             sender.finish(handle)

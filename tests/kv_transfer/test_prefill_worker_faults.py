@@ -49,38 +49,42 @@ def test_dead_receiver_fails_one_request_and_the_worker_keeps_serving(llama_dir)
         live.stop()
 
 
-def test_a_send_failing_mid_forward_fails_only_that_request(llama_dir):
-    from pdserve.kv_transfer import PeerLostError
-    live = Worker("receiver", "live", SPEC)
+def test_a_peer_lost_mid_forward_fails_only_its_request(llama_dir):
+    # One prefill step streams two requests to two decode workers; the one holding
+    # "broken" dies between layer 0 and layer 1 of that step. Only "broken" fails
+    # (a typed error, at its send or at its confirmation); "intact" lands and the
+    # engine loop lives on.
+    dead, live = Worker("receiver", "dead", SPEC), Worker("receiver", "live", SPEC)
     worker = EngineWorker("p", EngineConfig.from_kwargs(
         str(llama_dir), kv_cache_memory_bytes=16 << 20), TransferConfig(timeout_s=10), "prefill")
-    real_send = worker.sender.send_layer
+    real_send = worker.sender.send_layers
+    killed = []
 
-    def flaky(handle, layer):  # the peer of "broken" vanishes after layer 0
-        if handle.request_id == "broken" and layer == 1:
-            handle.closed = True
-            raise PeerLostError("broken", "send failed: connection reset")
-        real_send(handle, layer)
+    def dies_mid_forward(handles, layer):
+        if layer == 1 and not killed and any(h.request_id == "broken" for h in handles):
+            killed.append(sorted(h.request_id for h in handles))
+            dead.kill()  # returns once the process is gone, its sockets closed
+        return real_send(handles, layer)
 
-    worker.sender.send_layer = flaky
+    worker.sender.send_layers = dies_mid_forward
     try:
-        worker.connect([live.address])
+        worker.connect([dead.address, live.address])
         params = SamplingParams(max_tokens=5, temperature=0)
-        prompts = {"broken": list(range(10, 60)), "intact": list(range(60, 110))}
-        futures = {}
-        for i, (rid, prompt) in enumerate(prompts.items()):
-            blocks = list(range(i * 4, i * 4 + 4))
-            live.call("expect", rid, blocks)
-            futures[rid] = worker.prefill(PrefillJob(rid, prompt, params,
-                                                     Reservation(rid, live.address, blocks, 0),
-                                                     time.time()))
-        with pytest.raises(PeerLostError):
+        jobs = {"broken": (dead, list(range(10, 60))), "intact": (live, list(range(60, 110)))}
+        blocks = list(range(4))
+        for rid, (receiver, _) in jobs.items():
+            receiver.call("expect", rid, blocks)
+        futures = {rid: worker.prefill(PrefillJob(rid, prompt, params, Reservation(
+            rid, receiver.address, blocks, 0), time.time()))
+            for rid, (receiver, prompt) in jobs.items()}
+        with pytest.raises(KVTransferError):
             futures["broken"].result(timeout=30)
         assert futures["intact"].result(timeout=30).kv_bytes_sent > 0
         live.call("wait", "intact")
-        assert worker.loop.error is None
+        assert killed and worker.loop.error is None
     finally:
         worker.shutdown()
+        dead.stop()
         live.stop()
 
 

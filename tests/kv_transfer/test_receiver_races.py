@@ -58,23 +58,25 @@ def test_an_abort_racing_begin_still_answers_the_sender_at_once(pair):
     _transfer_works(receiver, sender, caches, "after", [5, 6], [7, 8])
 
 
-def test_an_expiry_racing_the_last_layer_leaves_one_outcome(pair):
-    # The lease running out while the last layer is being scattered: either the
-    # transfer lands (OK, blocks kept) or it expires (TIMED_OUT, blocks released),
-    # never both, and the sender hears the same outcome the receiver settled on.
+def test_an_expiry_racing_the_completion_leaves_one_outcome(pair):
+    # The lease running out just as the transfer completes (its last layer landed
+    # and its STEP_SENT read, whichever came second): either the transfer lands (OK,
+    # blocks kept) or it expires (TIMED_OUT, blocks released), never both, and the
+    # sender hears the same outcome the receiver settled on.
     receiver, sender, caches, released = pair
-    real_scatter = receiver._scatter
+    real_complete = receiver._complete_locked
     outcome = {}
 
-    def scatter_then_expire(incoming, layer, payload):
-        real_scatter(incoming, layer, payload)
-        if layer == SPEC.num_layers - 1 and incoming.request_id == "edge":
+    def complete_racing_expiry(incoming):
+        if incoming.request_id == "edge" and incoming.whole and (
+                incoming.layers_landed == SPEC.num_layers):
             incoming.expires = time.monotonic() - 1  # the lease ran out meanwhile
             racer = threading.Thread(target=receiver._expire, args=(incoming,))
             racer.start()
-            racer.join(0.5)  # it waits for the transfer's lock, which this scatter holds
+            racer.join(0.5)  # it waits for the transfer's lock, which the caller holds
             outcome["racer_blocked"], outcome["racer"] = racer.is_alive(), racer
-    receiver._scatter = scatter_then_expire
+        return real_complete(incoming)
+    receiver._complete_locked = complete_racing_expiry
     receiver.expect("edge", [10, 11])
     sender.call("transfer", [("edge", receiver.address, [1, 2], [10, 11])])
     receiver.wait("edge")
