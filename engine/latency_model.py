@@ -10,6 +10,9 @@ another stays exposed, each fitted online from what the workers measured. Pure
 Each fit is least squares over a sliding window, pulled gently toward a prior (the
 worker's start-up profile, or the defaults below): a term the window never exercised
 (a decode worker sees no prefill) keeps its prior value instead of an arbitrary one.
+A step model's window may also be bounded in age: a worker nobody sends work to
+reports no steps, so a model that overestimates it (fitted under contention) would
+refuse it work for ever; once its samples age out, its forecast is its prior again.
 latency_forecast.py turns the costs into TTFT and TPOT predictions."""
 from __future__ import annotations
 
@@ -66,30 +69,46 @@ class OnlineFit:
     zero: no term makes a step faster."""
 
     def __init__(self, prior: Sequence[float], window: int = 512, strength: float = 1e-4,
-                 refit_every: int = 8):
+                 refit_every: int = 8, max_age_s: float | None = None):
+        """max_age_s: samples older than that (by their `at`, against the `now` given
+        to `coefficients`) leave the window; None: only the window's length bounds it."""
         self.prior = np.asarray(prior, dtype=np.float64)
         self.strength = strength
         self.refit_every = refit_every
+        self.max_age_s = max_age_s
         self._x: deque[tuple[float, ...]] = deque(maxlen=window)
         self._y: deque[float] = deque(maxlen=window)
+        self._at: deque[float] = deque(maxlen=window)
         self._w = self.prior.copy()
         self._unfitted = 0  # samples since the last fit
 
     def __len__(self) -> int:
         return len(self._y)
 
-    def add(self, x: Sequence[float], y: float) -> None:
+    def add(self, x: Sequence[float], y: float, at: float = 0.0) -> None:
+        """One sample, measured at `at` (samples arrive in time order)."""
         if len(x) != len(self.prior):
             raise ValueError(f"expected {len(self.prior)} features, got {len(x)}")
         if not np.isfinite(y) or y < 0:
             return  # a clock step or a lost measurement teaches nothing
         self._x.append(tuple(x))
         self._y.append(float(y))
+        self._at.append(float(at))
         self._unfitted += 1
 
-    def coefficients(self) -> np.ndarray:
-        """Refitted once `refit_every` samples arrived since the last fit."""
-        if self._unfitted >= self.refit_every or (self._unfitted and len(self._y) < 64):
+    def coefficients(self, now: float | None = None) -> np.ndarray:
+        """Refitted once `refit_every` samples arrived since the last fit, or once
+        samples aged out (given `now`); the prior when none is left."""
+        if now is not None and self.max_age_s is not None:
+            expired = 0
+            while self._at and self._at[0] < now - self.max_age_s:
+                self._x.popleft(), self._y.popleft(), self._at.popleft()
+                expired += 1
+            if expired:
+                self._unfitted = max(self._unfitted, self.refit_every)
+        if not self._y:
+            self._w, self._unfitted = self.prior.copy(), 0
+        elif self._unfitted >= self.refit_every or (self._unfitted and len(self._y) < 64):
             self._w = self._fit()
             self._unfitted = 0
         return self._w
@@ -114,19 +133,35 @@ class OnlineFit:
 class StepModel:
     """One worker's StepCost, fitted from the StepTimings its telemetry carries."""
 
-    def __init__(self, prior: StepCost = DEFAULT_STEP_COST, window: int = 512):
-        self._fit = OnlineFit(astuple(prior), window)
+    def __init__(self, prior: StepCost = DEFAULT_STEP_COST, window: int = 512,
+                 max_age_s: float | None = None):
+        """max_age_s: steps that ended longer ago than that (on the worker's clock,
+        against `cost(now)`) no longer count."""
+        self._fit = OnlineFit(astuple(prior), window, max_age_s=max_age_s)
+
+    @classmethod
+    def seeded(cls, timings: Sequence[StepTiming], window: int = 512,
+               max_age_s: float | None = None) -> "StepModel":
+        """A model whose prior is the fit of `timings` (a worker's start-up profile,
+        or the first steps seen of it), which it also holds as its first samples: once
+        they age out, it forecasts what it measured then."""
+        first = cls()
+        first.observe(timings)
+        model = cls(prior=first.cost(), window=window, max_age_s=max_age_s)
+        model.observe(timings)
+        return model
 
     def observe(self, timings: Sequence[StepTiming]) -> None:
         for t in timings:
-            self._fit.add(features(t.shape), t.duration_s)
+            self._fit.add(features(t.shape), t.duration_s, t.end_time)
 
     @property
     def num_samples(self) -> int:
         return len(self._fit)
 
-    def cost(self) -> StepCost:
-        return StepCost(*(float(c) for c in self._fit.coefficients()))
+    def cost(self, now: float | None = None) -> StepCost:
+        """As fitted; given `now` (the worker's clock), without the steps aged out."""
+        return StepCost(*(float(c) for c in self._fit.coefficients(now)))
 
 
 class TransferModel:

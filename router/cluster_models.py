@@ -1,16 +1,24 @@
 """What the router learns of its workers for the latency model: a StepModel per
 worker (fitted on the steps each telemetry report carries), a TransferModel per
 (prefill, decode) pair (fitted on completed transfers), the prefix index (from the
-reports' prefix-cache events). A worker that leaves or restarts is forgotten."""
+reports' prefix-cache events). A worker that leaves or restarts is forgotten.
+
+A worker's step model is seeded by the first steps seen of it (its start-up profile,
+when this router was there to see it) and forgets steps older than STEP_MAX_AGE_S:
+refused requests make no steps, so a model inflated by steps measured under
+contention would otherwise refuse an idle worker its work for ever."""
 from __future__ import annotations
 
 from pdserve.engine.latency_model import StepCost, StepModel, TransferCost, TransferModel
 from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.prefix_index import PrefixIndex
 
+STEP_MAX_AGE_S = 120.0
+
 
 class ClusterModels:
-    def __init__(self) -> None:
+    def __init__(self, step_max_age_s: float = STEP_MAX_AGE_S) -> None:
+        self.step_max_age_s = step_max_age_s
         self.steps: dict[str, StepModel] = {}
         self.transfers: dict[tuple[str, str], TransferModel] = {}
         self.prefixes = PrefixIndex()
@@ -19,12 +27,16 @@ class ClusterModels:
     def reported(self, t: WorkerTelemetry) -> StepCost:
         """Takes in one report; returns the worker's step cost as now fitted."""
         model = self.steps.get(t.worker_id)
-        if model is None:
-            model = self.steps[t.worker_id] = StepModel()
-        model.observe(t.steps)
+        if model is None and t.steps:
+            model = self.steps[t.worker_id] = StepModel.seeded(
+                t.steps, max_age_s=self.step_max_age_s)
+        elif model is None:
+            model = self.steps[t.worker_id] = StepModel(max_age_s=self.step_max_age_s)
+        else:
+            model.observe(t.steps)
         if t.prefix_stored or t.prefix_evicted:
             self.prefixes.update(t.worker_id, t.prefix_stored, t.prefix_evicted)
-        return model.cost()
+        return model.cost(now=t.time)
 
     def transferred(self, prefill: str, decode: str, nbytes: int, seconds: float) -> None:
         key = (prefill, decode)

@@ -43,3 +43,54 @@ def test_reports_fit_the_step_model_and_fill_the_prefix_index():
     models.forget("w")
     assert not models.transfer_costs and models.prefixes.hits([b"h1"]) == {}
 
+
+
+def _steps(cost, at, slowdown=1.0):
+    """A worker's steps as its start-up profile runs them: prompts alone, then a
+    decode batch; `slowdown` as measured while another worker shared its cores."""
+    shapes = [StepShape(prefill_tokens=n, prefill_pairs=n * (n + 1) // 2)
+              for n in (8, 32, 128, 512)] + [StepShape(decode_seqs=4, decode_context=4 * k)
+                                             for k in range(256, 264)]
+    return [StepTiming(s, slowdown * cost.duration(s), at + i * 0.01)
+            for i, s in enumerate(shapes)]
+
+
+def test_a_model_inflated_under_contention_recovers_once_its_worker_idles():
+    # The self-starvation trap of #14: steps measured while both workers shared the
+    # CPU make a worker look 3x slower; the policy refuses every request whose TTFT
+    # that forecast breaks, refused requests make no steps, and the model would never
+    # learn otherwise. Its steps age out instead: once the idle reports are
+    # step_max_age_s past them, the forecast is the worker's profile again and the same
+    # request is admitted.
+    from pdserve.engine.latency_model import StepCost
+    from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
+    from pdserve.router.decision import Colocate, Reject
+    from pdserve.router.goodput import decide
+    from pdserve.router.slo import Slo
+    true = StepCost(base_s=0.010, prefill_token_s=1e-4, prefill_pair_s=0.0,
+                    decode_seq_s=0.001, decode_context_s=0.0)
+
+    def report(steps, now):
+        return WorkerTelemetry("w", "both", now, 0, 0, 0, 0, 0, 1000, 1000, 0, 2048,
+                               tuple(steps))
+
+    def placed(cost):
+        worker = WorkerState("w", "both", telemetry=report((), 0.0), heard_at=0.0,
+                             num_blocks=1000, step_cost=cost)
+        view = RequestView(1000, 63, slo=Slo(ttft_s=0.2, tpot_s=0.05), max_tokens=10)
+        return decide(view, ClusterState((worker,), 0.0, stale_after_s=5.0, retry_after_s=1.0,
+                                         block_size=16, kv_bytes_per_block=1000,
+                                         adaptive=True))
+
+    models = ClusterModels(step_max_age_s=60.0)
+    profile = models.reported(report(_steps(true, at=0.0), now=1.0))
+    assert profile.duration(StepShape(prefill_tokens=1000)) == pytest.approx(0.110, rel=0.05)
+    assert isinstance(placed(profile), Colocate)  # 110 ms of a 200 ms SLO
+    contended = models.reported(report(
+        [t for at in range(10, 40, 2) for t in _steps(true, at=float(at), slowdown=3.0)],
+        now=40.0))
+    assert isinstance(placed(contended), Reject)  # about 3 x 110 ms
+    assert models.reported(report((), now=60.0)) == contended  # still too recent
+    recovered = models.reported(report((), now=40.0 + 61.0))  # idle for the max age
+    assert recovered.duration(StepShape(prefill_tokens=1000)) == pytest.approx(0.110, rel=0.05)
+    assert isinstance(placed(recovered), Colocate)
