@@ -5,6 +5,7 @@ matching rule: every test here runs the ordered protocol NCCL depends on. The CU
 tests at the end need GPUs and say which."""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -160,11 +161,8 @@ def test_a_step_left_unfinished_ends_its_transfers_at_the_next_step():
     # A forward pass that failed after layer 0 leaves its step unfinished; the pair's
     # next STEP first ends it (ABORT, remaining slots padded), so the stream is in
     # step: the stranded transfer fails ABORTED, the next one lands.
-    from pdserve.kv_transfer import KVSender, TransferAborted
-    config = TransferConfig(timeout_s=10, connect_timeout_s=20)
-    receiver = Worker("receiver", "r", config=config)
-    sender = KVSender("s", sender_cache(SPEC, 6), config)
-    try:
+    from pdserve.kv_transfer import TransferAborted
+    with _in_process_sender(6) as (receiver, sender):
         receiver.call("expect", "stranded", [1, 2])
         stranded = sender.begin("stranded", receiver.address, [3, 4], [1, 2])
         assert not sender.announce([stranded])
@@ -187,9 +185,6 @@ def test_a_step_left_unfinished_ends_its_transfers_at_the_next_step():
         assert err.value.kind == TransferAborted.__name__
         sender.abort(stranded)  # what the prefill role does next: settles, no error
         assert stranded.closed
-    finally:
-        sender.close()
-        receiver.stop()
 
 
 def test_sender_killed_mid_transfer_frees_the_receivers_blocks():
@@ -334,6 +329,21 @@ def test_a_pair_survives_idle_time_longer_than_every_timeout():
         sender.stop()
 
 
+@contextlib.contextmanager
+def _in_process_sender(seed: int):
+    """A receiver in its worker process and a KVSender in this one (the test reaches
+    into its pair)."""
+    from pdserve.kv_transfer import KVSender
+    config = TransferConfig(timeout_s=10, connect_timeout_s=20)
+    receiver = Worker("receiver", "r", config=config)
+    sender = KVSender("s", sender_cache(SPEC, seed), config)
+    try:
+        yield receiver, sender
+    finally:
+        sender.close()
+        receiver.stop()
+
+
 def _in_process_transfer_lands(receiver: Worker, sender, seed: int) -> None:
     """One more transfer from an in-process KVSender lands bitwise equal."""
     receiver.call("expect", "next", [5, 6])
@@ -368,11 +378,8 @@ def test_an_abort_mid_step_pads_its_slots_and_the_rest_of_the_step_lands():
     # "quit" is aborted after layer 0. Every slot the STEP announced still goes out,
     # in its order and size, "quit"'s as padding; its ABORT precedes STEP_SENT, so the
     # receiver never takes the padding for KV; "stay" lands bitwise.
-    from pdserve.kv_transfer import KVSender, TransferAborted
-    config = TransferConfig(timeout_s=10, connect_timeout_s=20)
-    receiver = Worker("receiver", "r", config=config)
-    sender = KVSender("s", sender_cache(SPEC, 3), config)
-    try:
+    from pdserve.kv_transfer import TransferAborted
+    with _in_process_sender(3) as (receiver, sender):
         control, data = _record_streams(sender._peer(receiver.address).channel)
         receiver.call("expect", "quit", [1, 2])
         receiver.call("expect", "stay", [5, 6, 7])
@@ -393,9 +400,6 @@ def test_an_abort_mid_step_pads_its_slots_and_the_rest_of_the_step_lands():
         block = KVLayout.of(sender.kv_caches).block_bytes_per_layer
         assert data == [2 * block, 3 * block] * SPEC.num_layers
         assert control == [P.BEGIN, P.BEGIN, P.STEP, P.ABORT, P.STEP_SENT]
-    finally:
-        sender.close()
-        receiver.stop()
 
 
 def test_the_abort_that_ends_a_step_pads_it_after_the_layer_being_sent():
@@ -407,11 +411,8 @@ def test_the_abort_that_ends_a_step_pads_it_after_the_layer_being_sent():
     # stream, and the receiver's slots of 2 would meet payloads of 3.
     import threading
 
-    from pdserve.kv_transfer import KVSender, TransferAborted
-    config = TransferConfig(timeout_s=10, connect_timeout_s=20)
-    receiver = Worker("receiver", "r", config=config)
-    sender = KVSender("s", sender_cache(SPEC, 3), config)
-    try:
+    from pdserve.kv_transfer import TransferAborted
+    with _in_process_sender(3) as (receiver, sender):
         inside, proceed = threading.Event(), threading.Event()
         real_blocks = sender._blocks
 
@@ -448,9 +449,6 @@ def test_the_abort_that_ends_a_step_pads_it_after_the_layer_being_sent():
             assert err.value.kind == TransferAborted.__name__
         sender._blocks = real_blocks
         _in_process_transfer_lands(receiver, sender, 3)  # the stream is in step
-    finally:
-        sender.close()
-        receiver.stop()
 
 
 def test_padding_that_lands_before_its_abort_is_read_is_never_taken_for_kv():
@@ -500,11 +498,8 @@ def test_a_step_out_of_step_with_a_reservation_ends_only_that_transfer():
     # A sender whose STEP announces a size the receiver did not reserve gets ABORTED
     # with what differed; its payloads are still received, so the data stream stays
     # in step for the next transfer.
-    from pdserve.kv_transfer import KVSender, TransferAborted
-    config = TransferConfig(timeout_s=10, connect_timeout_s=20)
-    receiver = Worker("receiver", "r", config=config)
-    sender = KVSender("s", sender_cache(SPEC, 4), config)
-    try:
+    from pdserve.kv_transfer import TransferAborted
+    with _in_process_sender(4) as (receiver, sender):
         receiver.call("expect", "odd", [1, 2])
         handle = sender.begin("odd", receiver.address, [3, 4], [1, 2])
         channel = handle.peer.channel
@@ -523,9 +518,6 @@ def test_a_step_out_of_step_with_a_reservation_ends_only_that_transfer():
         with pytest.raises(TransferAborted):
             sender.finish(handle)
         _in_process_transfer_lands(receiver, sender, 4)
-    finally:
-        sender.close()
-        receiver.stop()
 
 
 def test_nccl_forced_between_cpu_caches_is_refused_before_a_byte_moves():
