@@ -102,7 +102,8 @@ class OnlineFit:
         if now is not None and self.max_age_s is not None:
             expired = 0
             while self._at and self._at[0] < now - self.max_age_s:
-                self._x.popleft(), self._y.popleft(), self._at.popleft()
+                for samples in (self._x, self._y, self._at):
+                    samples.popleft()
                 expired += 1
             if expired:
                 self._unfitted = max(self._unfitted, self.refit_every)

@@ -43,11 +43,6 @@ class ReceiveWindow:
         self._posted_count = 0
         self._closed = False
 
-    @property
-    def planned(self) -> int:
-        """Announced slots not posted yet."""
-        return len(self._planned)
-
     def plan(self, slots: list[Slot]) -> None:
         """Append a step's slots to the stream, posting what the window allows."""
         with self._lock:

@@ -79,6 +79,10 @@ class _Step:
     layers_sent: int = 0
     padded_out: bool = False  # every member ended; its remaining slots went as padding
 
+    def unfinished(self, num_layers: int) -> bool:
+        """Slots of it are still to go out, and a live member would send them."""
+        return self.layers_sent < num_layers and any(h.live for h in self.members)
+
 
 @dataclass(eq=False)
 class SendHandle:
@@ -99,6 +103,11 @@ class SendHandle:
     closed: bool = False
     aborted: bool = False  # given up: no more of its layers go out
     settling: bool = False  # finish or abort claimed the wait for its sends
+
+    @property
+    def live(self) -> bool:
+        """Its layers still go out: neither aborted nor closed (by a lost pair)."""
+        return not (self.aborted or self.closed)
 
 
 @dataclass
@@ -198,13 +207,13 @@ class KVSender:
         failures: dict[str, KVTransferError] = {}
         by_peer: dict[int, list[SendHandle]] = {}
         for handle in handles:
-            if handle.step is None and not (handle.aborted or handle.closed):
+            if handle.step is None and handle.live:
                 by_peer.setdefault(id(handle.peer), []).append(handle)
         bytes_per_layer = self.layout.block_bytes_per_layer
         for members in by_peer.values():
             peer = members[0].peer
             with peer.lock:
-                members = [h for h in members if not (h.aborted or h.closed)]  # meanwhile
+                members = [h for h in members if h.live]  # aborted meanwhile?
                 if not members:
                     continue
                 step = _Step(members, [len(h.src_index) * bytes_per_layer for h in members])
@@ -238,7 +247,7 @@ class KVSender:
                 step.layers_sent += 1
                 try:
                     for handle, nbytes in zip(step.members, step.nbytes):
-                        if handle.aborted or handle.closed:
+                        if not handle.live:
                             self._pad(peer, nbytes)
                             continue
                         handle.layers_sent += 1
@@ -251,7 +260,7 @@ class KVSender:
                         self._step_sent(peer, step)
                 except Exception as exc:
                     self._drop_peer(peer)
-                    self._lost([h for h in step.members if not (h.aborted or h.closed)],
+                    self._lost([h for h in step.members if h.live],
                                PeerLostError(None, f"send failed: {exc}"), failures)
         return failures
 
@@ -266,16 +275,14 @@ class KVSender:
         raises its failure."""
         if handle.step is None and layer == 0:
             open_step = handle.peer.step
-            if open_step is not None and not open_step.padded_out and (
-                    open_step.layers_sent < self.layout.num_layers) and any(
-                    not (h.aborted or h.closed) for h in open_step.members):
+            if open_step is not None and open_step.unfinished(self.layout.num_layers):
                 # announce() would end that transfer: its step is the pair's slot order
                 raise ValueError(f"request {handle.request_id}: another transfer is still "
                                  "streaming on this pair; transfers that interleave are "
                                  "announced together (announce, send_layers)")
             self._raise_for(handle, self.announce([handle]))
         if handle.step is None:
-            if handle.aborted or handle.closed:
+            if not handle.live:
                 return
             raise ValueError(f"request {handle.request_id}: layer {layer} sent before layer 0")
         if handle.step.members != [handle]:
@@ -317,7 +324,8 @@ class KVSender:
 
     def _pad(self, peer: _Peer, nbytes: int) -> None:
         """A slot whose transfer ended: bytes of no meaning, which the receiver drops."""
-        peer.loose.append((peer.issued + 1, self._send_slot(peer, nbytes)))
+        inflight = self._send_slot(peer, nbytes)
+        peer.loose.append((peer.issued, inflight))
 
     @staticmethod
     def _blocks(message: torch.Tensor, nbytes: int, cache: torch.Tensor) -> torch.Tensor:
@@ -396,8 +404,7 @@ class KVSender:
         handle.inflight.extend(self._control(handle.peer, [P.abort_message(handle.seq)]))
         handle.last_issued = handle.peer.issued
         step = handle.step
-        if step is not None and not step.padded_out and all(
-                m.aborted or m.closed for m in step.members):
+        if step is not None and not step.padded_out and not any(m.live for m in step.members):
             try:
                 for _ in range(step.layers_sent, self.layout.num_layers):
                     for nbytes in step.nbytes:
@@ -412,10 +419,10 @@ class KVSender:
         """Under the pair's lock, before its next STEP: a step left unfinished (its
         forward pass failed before the last layer) ends every member still running,
         so its remaining slots go out as padding."""
-        if step is None or step.padded_out or step.layers_sent == self.layout.num_layers:
+        if step is None or not step.unfinished(self.layout.num_layers):
             return
         for handle in step.members:
-            if not (handle.aborted or handle.closed):
+            if handle.live:
                 self._end(handle)
 
     def _control(self, peer: _Peer, messages: list[torch.Tensor]) -> list[_Inflight]:

@@ -27,11 +27,9 @@ class ClusterModels:
     def reported(self, t: WorkerTelemetry) -> StepCost:
         """Takes in one report; returns the worker's step cost as now fitted."""
         model = self.steps.get(t.worker_id)
-        if model is None and t.steps:
+        if model is None:  # seeded by the first steps seen (the default prior if none)
             model = self.steps[t.worker_id] = StepModel.seeded(
                 t.steps, max_age_s=self.step_max_age_s)
-        elif model is None:
-            model = self.steps[t.worker_id] = StepModel(max_age_s=self.step_max_age_s)
         else:
             model.observe(t.steps)
         if t.prefix_stored or t.prefix_evicted:
