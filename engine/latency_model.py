@@ -10,8 +10,8 @@ another stays exposed, each fitted online from what the workers measured. Pure
 Each fit is least squares over a sliding window, pulled gently toward a prior (the
 worker's start-up profile, or the defaults below): a term the window never exercised
 (a decode worker sees no prefill) keeps its prior value instead of an arbitrary one.
-A step model's window may also be bounded in age: a worker nobody sends work to
-reports no steps, so a model that overestimates it (fitted under contention) would
+A model's window may also be bounded in age: a worker (or a pair) nobody sends work
+to measures nothing, so a model that overestimates it (fitted under contention) would
 refuse it work for ever; once its samples age out, its forecast is its prior again.
 latency_forecast.py turns the costs into TTFT and TPOT predictions."""
 from __future__ import annotations
@@ -170,15 +170,19 @@ class TransferModel:
     bytes sent, and the seconds from the last prefill step's end to the decode
     worker's confirmation (the part of the transfer the request waits for)."""
 
-    def __init__(self, prior: TransferCost = DEFAULT_TRANSFER_COST, window: int = 256):
-        self._fit = OnlineFit(astuple(prior), window)
+    def __init__(self, prior: TransferCost = DEFAULT_TRANSFER_COST, window: int = 256,
+                 max_age_s: float | None = None):
+        """max_age_s: transfers that completed longer ago than that (against
+        `cost(now)`, on the clock `observe` was given) no longer count."""
+        self._fit = OnlineFit(astuple(prior), window, max_age_s=max_age_s)
 
-    def observe(self, nbytes: int, seconds: float) -> None:
-        self._fit.add((1.0, float(nbytes)), seconds)
+    def observe(self, nbytes: int, seconds: float, at: float = 0.0) -> None:
+        self._fit.add((1.0, float(nbytes)), seconds, at)
 
     @property
     def num_samples(self) -> int:
         return len(self._fit)
 
-    def cost(self) -> TransferCost:
-        return TransferCost(*(float(c) for c in self._fit.coefficients()))
+    def cost(self, now: float | None = None) -> TransferCost:
+        """As fitted; given `now`, without the transfers aged out."""
+        return TransferCost(*(float(c) for c in self._fit.coefficients(now)))

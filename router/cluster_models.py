@@ -6,7 +6,8 @@ reports' prefix-cache events). A worker that leaves or restarts is forgotten.
 A worker's step model is seeded by the first steps seen of it (its start-up profile,
 when this router was there to see it) and forgets steps older than STEP_MAX_AGE_S:
 refused requests make no steps, so a model inflated by steps measured under
-contention would otherwise refuse an idle worker its work for ever."""
+contention would otherwise refuse an idle worker its work for ever. A pair's
+transfer model forgets its transfers as old, for the same reason."""
 from __future__ import annotations
 
 from pdserve.engine.latency_model import StepCost, StepModel, TransferCost, TransferModel
@@ -23,6 +24,7 @@ class ClusterModels:
         self.transfers: dict[tuple[str, str], TransferModel] = {}
         self.prefixes = PrefixIndex()
         self._transfer_costs: dict[tuple[str, str], TransferCost] = {}
+        self._aged_at = float("-inf")
 
     def reported(self, t: WorkerTelemetry) -> StepCost:
         """Takes in one report; returns the worker's step cost as now fitted."""
@@ -36,13 +38,27 @@ class ClusterModels:
             self.prefixes.update(t.worker_id, t.prefix_stored, t.prefix_evicted)
         return model.cost(now=t.time)
 
-    def transferred(self, prefill: str, decode: str, nbytes: int, seconds: float) -> None:
+    def transferred(self, prefill: str, decode: str, nbytes: int, seconds: float,
+                    now: float) -> None:
+        """One completed transfer, at `now` on the router's clock."""
         key = (prefill, decode)
         model = self.transfers.get(key)
         if model is None:
-            model = self.transfers[key] = TransferModel()
-        model.observe(nbytes, seconds)
-        self._transfer_costs = {**self._transfer_costs, key: model.cost()}
+            model = self.transfers[key] = TransferModel(max_age_s=self.step_max_age_s)
+        model.observe(nbytes, seconds, now)
+        self._transfer_costs = {**self._transfer_costs, key: model.cost(now)}
+
+    def age_transfers(self, now: float) -> None:
+        """Re-costs the pairs whose transfers aged out by `now` (the router's clock):
+        a pair whose fit was inflated gets no transfers to correct it, as no request
+        is placed on it, so it forecasts its prior again once they are old. At most
+        once a second: it is called on every report."""
+        if now - self._aged_at < 1.0:
+            return
+        self._aged_at = now
+        aged = {key: model.cost(now) for key, model in self.transfers.items()}
+        if aged != self._transfer_costs:
+            self._transfer_costs = aged
 
     @property
     def transfer_costs(self) -> dict[tuple[str, str], TransferCost]:

@@ -336,7 +336,8 @@ class Router:
             refused |= {decode.worker_id}
         if result.transfer_seconds > 0:
             self.models.transferred(prefill.worker_id, decode.worker_id,
-                                    result.kv_bytes_sent, result.transfer_seconds)
+                                    result.kv_bytes_sent, result.transfer_seconds,
+                                    time.monotonic())
         self.metrics.prompt_tokens.inc(num_tokens)
         self._start(flight, result.first_token)
         # The decode worker detokenizes from the same state: its first delta's text
@@ -727,6 +728,7 @@ class Router:
                   previous: WorkerTelemetry | None) -> None:
         self.metrics.observe_worker(telemetry)
         worker.step_cost = self.models.reported(telemetry)
+        self.models.age_transfers(time.monotonic())
         if previous is None or telemetry.free_blocks > previous.free_blocks \
                 or telemetry.running < previous.running:
             self._capacity_freed()  # not on every step: waiting requests would herd

@@ -38,7 +38,7 @@ def test_reports_fit_the_step_model_and_fill_the_prefix_index():
     cost = models.reported(telemetry(steps, stored=[b"h1"]))
     assert cost.decode_seq_s + 100 * cost.decode_context_s == pytest.approx(0.002, rel=0.05)
     assert models.prefixes.hits([b"h1"]) == {"w": 1}
-    models.transferred("p", "w", 1000, 0.003)
+    models.transferred("p", "w", 1000, 0.003, now=0.0)
     assert ("p", "w") in models.transfer_costs
     models.forget("w")
     assert not models.transfer_costs and models.prefixes.hits([b"h1"]) == {}
@@ -94,3 +94,43 @@ def test_a_model_inflated_under_contention_recovers_once_its_worker_idles():
     recovered = models.reported(report((), now=40.0 + 61.0))  # idle for the max age
     assert recovered.duration(StepShape(prefill_tokens=1000)) == pytest.approx(0.110, rel=0.05)
     assert isinstance(placed(recovered), Colocate)
+
+
+def test_a_pair_whose_transfers_were_inflated_is_chosen_again_once_they_age_out():
+    # The transfer side of the trap: d0's link measured slow (200 ms + 1 ms per block)
+    # while it was contended, so the policy sends every request to d1, no transfer
+    # to d0 completes, and its fit would never recover. Once its transfers are older
+    # than the max age, its cost is the prior again and the lighter d0 wins.
+    from pdserve.engine.latency_model import DEFAULT_TRANSFER_COST, StepCost
+    from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
+    from pdserve.router.decision import Disaggregate
+    from pdserve.router.goodput import decide
+    from pdserve.router.slo import Slo
+    cost = StepCost(base_s=0.010, prefill_token_s=1e-4, prefill_pair_s=0.0,
+                    decode_seq_s=0.001, decode_context_s=0.0)
+
+    def worker(wid, role, running=0):
+        t = WorkerTelemetry(wid, role, 0.0, 0, 0, running, 0, 0, 1000, 1000, 0, 2048)
+        return WorkerState(wid, role, telemetry=t, heard_at=0.0, num_blocks=1000,
+                           step_cost=cost)
+
+    def placed(models):
+        workers = (worker("p", "prefill"), worker("d0", "decode", running=2),
+                   worker("d1", "decode", running=3))
+        view = RequestView(100, 7, slo=Slo(ttft_s=1.0, tpot_s=0.05), max_tokens=10)
+        return decide(view, ClusterState(workers, 0.0, stale_after_s=5.0, retry_after_s=1.0,
+                                         transfer=models.transfer_costs, block_size=16,
+                                         kv_bytes_per_block=1000))
+
+    models = ClusterModels(step_max_age_s=60.0)
+    for i in range(20):
+        models.transferred("p", "d0", 7000, 0.2 + 0.007 + 0.001 * (i % 3), now=10.0 + i)
+        models.transferred("p", "d1", 7000, 0.002 + 0.007, now=10.0 + i)
+    assert placed(models) == Disaggregate("p", "d1")  # d0's 200 ms outweighs its lighter batch
+    for i in range(20):  # d1 keeps being measured; d0 gets nothing
+        models.transferred("p", "d1", 7000, 0.009, now=40.0 + i)
+    models.age_transfers(now=60.0)
+    assert placed(models) == Disaggregate("p", "d1")  # still too recent
+    models.age_transfers(now=29.0 + 61.0)  # d0's last transfer is past the max age
+    assert models.transfer_costs[("p", "d0")] == DEFAULT_TRANSFER_COST
+    assert placed(models) == Disaggregate("p", "d0")
