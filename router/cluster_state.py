@@ -4,6 +4,7 @@ these alone, so it is tested without Ray and reused by the capacity simulator.""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping
 
 from pdserve.engine.latency_forecast import WorkerLoad
@@ -67,6 +68,27 @@ class WorkerState(HasRole):
         """Whether it may be given a new request."""
         return self.alive and not self.draining
 
+    # Both loads are computed once per state: the router keeps a worker's state until
+    # it changes, so most decisions read them cached.
+    @cached_property
+    def reported_load(self) -> WorkerLoad:
+        """Its load from its report, or this router's own counts where they are higher
+        (requests sent since the report)."""
+        report = self.telemetry
+        if report is None:
+            return self.counted_load
+        decoding = report.running + report.reserved if self.decodes else 0
+        return WorkerLoad(queued_tokens=max(report.waiting_tokens, self.queued_tokens),
+                          queued_requests=max(report.waiting, self.queued),
+                          decode_seqs=max(decoding, self.inflight),
+                          decode_context=report.context_tokens if self.decodes else 0,
+                          token_budget=report.token_budget or WorkerLoad.token_budget)
+
+    @cached_property
+    def counted_load(self) -> WorkerLoad:
+        """Its load by this router's counts alone (its report is stale or missing)."""
+        return WorkerLoad(self.queued_tokens, self.queued, self.inflight)
+
 
 @dataclass(frozen=True)
 class ClusterState:
@@ -105,15 +127,9 @@ class ClusterState:
         """Its load as a forecast reads it: the report's figures, or this router's own
         counts where they are higher (requests sent since the report) or the report
         is stale."""
-        report = self.report(worker)
-        if report is None:
-            return WorkerLoad(worker.queued_tokens, worker.queued, worker.inflight)
-        decoding = report.running + report.reserved if worker.decodes else 0
-        return WorkerLoad(queued_tokens=max(report.waiting_tokens, worker.queued_tokens),
-                          queued_requests=max(report.waiting, worker.queued),
-                          decode_seqs=max(decoding, worker.inflight),
-                          decode_context=report.context_tokens if worker.decodes else 0,
-                          token_budget=report.token_budget or WorkerLoad.token_budget)
+        if self.report(worker) is None:
+            return worker.counted_load
+        return worker.reported_load
 
 
 @dataclass(frozen=True)

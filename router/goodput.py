@@ -26,6 +26,7 @@ request's TTFT), admission "always" (and a best-effort request) takes the least
 bad. Pure."""
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from pdserve.engine.latency_forecast import (
@@ -92,12 +93,19 @@ def _names(decision) -> tuple[str, ...]:
 
 # Pairs forecast at most: beyond it, the best prefill and decode sides alone are paired.
 _MAX_PAIRS = 64
+# Workers forecast at most per side: beyond it, those a rough estimate puts first.
+_SHORTLIST = 16
 
 
 def candidates(request: RequestView, state: ClusterState) -> list[Forecast]:
     live = [w for w in state.workers if w.available]
     decoders = [w for w in live if w.decodes and w.worker_id not in request.refused]
     prefillers = [w for w in live if w.sends_kv(state.adaptive) and has_room(w, request, state)]
+    if len(decoders) > _SHORTLIST:
+        decoders = heapq.nsmallest(_SHORTLIST, decoders, key=lambda w: _rough_decode(w, state))
+    if len(prefillers) > _SHORTLIST:
+        prefillers = heapq.nsmallest(_SHORTLIST, prefillers,
+                                     key=lambda w: _rough_prefill(w, request, state))
     sides: dict[str, _Side] = {}
     for w in decoders + prefillers:
         if w.worker_id not in sides:
@@ -111,6 +119,23 @@ def candidates(request: RequestView, state: ClusterState) -> list[Forecast]:
         out += [_pair(request, state, sides[p.worker_id], sides[d.worker_id]) for d in decoders
                 if d is not p and (state.adaptive or d.role == "decode" or p.role == "prefill")]
     return out
+
+
+def _rough_decode(w: WorkerState, state: ClusterState) -> float:
+    """A worker's decode step now, give or take: what shortlists decoders (a worker
+    in role both also computes prompts: its queue counts too)."""
+    cost, load = state.step_cost(w), state.load(w)
+    return (cost.base_s + cost.decode_seq_s * load.decode_seqs
+            + cost.decode_context_s * load.decode_context
+            + cost.prefill_token_s * load.queued_tokens)
+
+
+def _rough_prefill(w: WorkerState, request: RequestView, state: ClusterState) -> float:
+    """Its queue and this prompt's uncached tokens, at its per-token cost: what
+    shortlists prefill sides (a prefix hit counts)."""
+    cost, load = state.step_cost(w), state.load(w)
+    uncached = request.num_prompt_tokens - request.cached_tokens.get(w.worker_id, 0)
+    return cost.prefill_token_s * (load.queued_tokens + uncached)
 
 
 class _Side:

@@ -195,3 +195,19 @@ def test_a_tpot_forecast_refuses_only_beside_a_running_batch_and_never_one_token
     busy = state(worker("e", "both", running=1, cost=slow))
     assert decide(request(10, slo=Slo(tpot_s=0.02)), busy).kind == "tpot"
     assert decide(request(10, slo=Slo(tpot_s=0.02), max_tokens=1), busy) == Colocate("e")
+
+
+def test_past_the_shortlist_the_best_workers_are_still_found():
+    # 40 prefill and 40 decode workers: only a shortlist of each is forecast. The one
+    # prefill worker holding the prompt's prefix (behind a queue of 200 tokens, against
+    # 100 to 139 on the others) and the one idle decode worker, both listed last, are
+    # the ones a rough estimate puts on the shortlist, and the forecast chooses.
+    prefill = [worker(f"p{i}", "prefill", waiting_tokens=100 + i, waiting=1) for i in range(40)]
+    decode = [worker(f"d{i}", "decode", running=5 + i % 3) for i in range(40)]
+    hit = worker("p-hit", "prefill", waiting_tokens=200, waiting=1)
+    s = state(*prefill, hit, *decode, worker("d-idle", "decode"))
+    decision = decide(request(1024, cached={"p-hit": 960}), s)
+    assert decision == Disaggregate("p-hit", "d-idle")
+    # 200 + 64 tokens in one step (10 + 26.4 ms), then 64 blocks at the default
+    # link (2 ms + 1 ns per byte)
+    assert decision.ttft_s == pytest.approx((10 + 26.4 + 2 + 0.064) * MS)
