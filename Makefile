@@ -27,8 +27,16 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.torch
 demo: $(VENV)/.runtime
 	$(BIN)/pdserve demo
 
+# The packages that start Ray run in pytest processes of their own. Ray 2.60 leaves its
+# core worker's io thread ("worker.io") running after ray.shutdown() once a streaming
+# generator was used (the router's step streams are), and CI's pytest process aborted
+# (abseil mutex.cc, no traceback) in tests that ran after them. Nothing runs after
+# the last Ray session in a process this way, and no second Ray session follows one.
+RAY_TESTS := tests/cluster tests/multinode
+
 test: $(VENV)/.dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(RAY_TESTS))
+	$(foreach t,$(RAY_TESTS),$(BIN)/python -m pytest -q $(t) &&) true
 
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/engine_throughput.py

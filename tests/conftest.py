@@ -48,8 +48,10 @@ def _torch_threads():
 
 # The packages that run Ray and in-process gRPC servers go last. Twice a full run's
 # pytest process aborted (abseil's mutex.cc: "thread should hold at least a read lock
-# on Mutex", no traceback) in engine tests that ran after them, at different tests;
-# the cause is not found. Run last, nothing heavy follows whatever they leave behind.
+# on Mutex", no traceback) in engine tests that ran after them. Ray 2.60 leaves its
+# core worker's io thread running after ray.shutdown() once a streaming generator was
+# used; `make test` runs each Ray package in a process of its own, and a plain
+# `pytest` run at least puts nothing after them.
 _LAST = ("tests/bench/", "tests/cluster/", "tests/multinode/")
 
 
