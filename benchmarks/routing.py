@@ -7,8 +7,10 @@ Sections (--sections):
              (1 prefill + 1 decode): goodput (the highest request rate per worker with
              >= 90% SLO attainment, from a rate sweep), per workload and arrival shape
   policies   goodput / least-loaded / round-robin in adaptive mode, bursty mix
-  prefix     prefix-shared prompts (--prefix-share of prompts start with one of four
-             shared prefixes): TTFT p50 with the prefix index / without it
+  prefix     multi-turn conversations (about 37% of prompt blocks seen before, as in
+             Mooncake's trace; or --prefix-workload prefix-shared): TTFT p50 with the
+             prefix index / without it, colocated, each worker's KV cache --prefix-kv-mib,
+             every request placed (admission always, so refusals hide no slow ones)
   overload   3x the adaptive goodput rate for --overload-s: goodput with --admission
              slo / always, and how fast rejections are answered (p99)
 SLOs are set relative to isolated latencies as `pdserve bench compare` does. Every
@@ -31,7 +33,7 @@ from pdserve.bench import driver
 from pdserve.bench.compare import measure_isolated, slo_for
 from pdserve.bench.metrics import summarize
 from pdserve.bench.sweep import sweep
-from pdserve.bench.workloads import make_workload
+from pdserve.bench.workloads import make_workload, seen_block_share
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_path import resolve_model_path
@@ -104,6 +106,8 @@ def decisions(server: RouterServer) -> dict[str, float]:
                 counts[key] = sample.value
             elif sample.name == "pdserve:router_placement_waits_total":
                 counts["waits"] = sample.value
+            elif sample.name == "pdserve:router_prefix_hit_tokens_total":
+                counts[f"prefix_tokens_{sample.labels['where']}"] = sample.value
     return counts
 
 
@@ -149,6 +153,15 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=368, help="prefix-shared: suffix length")
     ap.add_argument("--output-len", type=int, default=32, help="prefix-shared: output length")
     ap.add_argument("--prefix-share", type=float, default=0.9)
+    ap.add_argument("--prefix-workload", default="conversations",
+                    choices=["conversations", "prefix-shared"],
+                    help="the prefix section's workload (conversations: multi-turn, about "
+                    "37%% of prompt blocks seen before, as in Mooncake's trace)")
+    ap.add_argument("--prefix-rate", type=float, default=None,
+                    help="the prefix section's request rate (default: the middle --rates)")
+    ap.add_argument("--prefix-kv-mib", type=int, default=64,
+                    help="each worker's KV cache in the prefix section: smaller than the "
+                    "live conversations' history on both workers, as in production")
     ap.add_argument("--slo-scale", type=float, default=4.0)
     ap.add_argument("--tpot-slo-scale", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=2)
@@ -167,7 +180,11 @@ def main() -> int:
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     results: dict = {"args": vars(args), "sections": {}}
     ratios: list[str] = []
-    goodput, noprefix = RoutingSpec(), RoutingSpec(prefix_aware=False)
+    goodput = RoutingSpec()
+    # The prefix arms place every request (admission always): refusals would drop the
+    # slowest requests from the TTFT figures of the arm that refuses more.
+    aware = RoutingSpec(admission="always")
+    unaware = RoutingSpec(admission="always", prefix_aware=False)
 
     def slo_of(workload):
         isolated = measure_isolated(config, workload(0))
@@ -217,19 +234,40 @@ def main() -> int:
                       + (f" -> {g / ll:.2f}x over least-loaded" if g and ll else ""))
 
     if "prefix" in args.sections:
-        workload = workload_fn("prefix-shared", args, vocab)
+        workload = workload_fn(args.prefix_workload, args, vocab)
         slo = slo_of(workload)
-        rate = args.rates[len(args.rates) // 2]
+        rate = args.prefix_rate or args.rates[len(args.rates) // 2]
+        small = EngineConfig.from_kwargs(str(model_dir), num_threads=args.engine_threads,
+                                         kv_cache_memory_bytes=args.prefix_kv_mib << 20)
         arms = {"prefix-aware": [], "not": []}
+        shares = []
         for r in range(args.rounds):
-            for arm, routing in (("prefix-aware", goodput), ("not", noprefix)):
-                arms[arm].append(run_fixed(config, "colocated", routing, workload(r), rate,
+            requests = workload(r)
+            shares.append(seen_block_share(requests, config.cache.block_size))
+            for arm, routing in (("prefix-aware", aware), ("not", unaware)):
+                arms[arm].append(run_fixed(small, "colocated", routing, requests, rate,
                                            slo, 1.0, args.seed + r))
+                run = arms[arm][-1]
+                print(f"  prefix round {r} {arm}: ttft p50 {run['ttft_ms']['p50']:.1f} ms, "
+                      f"p90 {run['ttft_ms']['p90']:.1f} ms, prompt tokens cached "
+                      f"{run['prefix_hit_share']:.0%}, SLO attainment "
+                      f"{run['slo_attainment']:.2f}, decisions {run['decisions']}", flush=True)
         ttft = {arm: spread([s["ttft_ms"]["p50"] for s in runs]) for arm, runs in arms.items()}
-        results["sections"]["prefix"] = {"rate": rate, "ttft_p50_ms": ttft, "runs": arms}
+        hits = {arm: spread([s["prefix_hit_share"] for s in runs]) for arm, runs in arms.items()}
+        per_round = spread([n["ttft_ms"]["p50"] / a["ttft_ms"]["p50"]
+                            for a, n in zip(arms["prefix-aware"], arms["not"])])
+        results["sections"]["prefix"] = {
+            "workload": args.prefix_workload, "rate": rate, "kv_mib": args.prefix_kv_mib,
+            "slo": vars(slo),
+            "seen_block_share": spread(shares), "prefix_hit_share": hits, "ttft_p50_ms": ttft,
+            "ratio_per_round": per_round, "runs": arms}
         a, n = ttft["prefix-aware"]["median"], ttft["not"]["median"]
-        ratios.append(f"prefix-shared TTFT p50, not / prefix-aware: {n:.1f} / {a:.1f} ms = "
-                      f"{n / a:.2f}x")
+        ratios.append(f"{args.prefix_workload} ({statistics.median(shares):.0%} of prompt blocks "
+                      f"seen before) at {rate:g} req/s, TTFT p50 not / prefix-aware: "
+                      f"{n:.1f} / {a:.1f} ms = {n / a:.2f}x (per round "
+                      f"{per_round['median']:.2f} [{per_round['min']:.2f}, "
+                      f"{per_round['max']:.2f}]); prompt tokens cached "
+                      f"{hits['prefix-aware']['median']:.0%} vs {hits['not']['median']:.0%}")
 
     if "overload" in args.sections:
         workload = workload_fn("azure-conv", args, vocab)

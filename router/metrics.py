@@ -68,6 +68,11 @@ class RouterMetrics:
         self.waited = Counter("pdserve:router_placement_waits",
                               "Times a request waited for capacity instead of a 429 "
                               "(its TTFT SLO left time)", labels, registry=r).labels(model)
+        self.prefix_tokens = Counter(
+            "pdserve:router_prefix_hit_tokens",
+            "Prompt tokens of placed requests held in a prefix cache (by the prefix index): "
+            "on the worker chosen to compute the prompt (placed), and on the worker "
+            "holding the most (best)", labels + ["where"], registry=r)
         self.prediction_error = Histogram(
             "pdserve:router_prediction_relative_error",
             "|predicted - measured| / measured of each request's TTFT and TPOT",
@@ -118,6 +123,12 @@ class RouterMetrics:
     def decided(self, decision) -> None:
         kind = type(decision).__name__.lower()
         self.decisions.labels(self._model, kind, getattr(decision, "kind", "")).inc()
+
+    def placed_prefix(self, placed: int, best: int) -> None:
+        """A placed request's prompt tokens cached where it is computed, and the most
+        any worker holds."""
+        self.prefix_tokens.labels(self._model, "placed").inc(placed)
+        self.prefix_tokens.labels(self._model, "best").inc(best)
 
     def judged(self, slo, decision, ttft_s: float, tpot_s: float | None) -> None:
         """A finished request: its SLO attainment, and its forecast's error."""

@@ -399,10 +399,15 @@ class Router:
         ids, bs = req.prompt_token_ids, self.model.block_size
         hits = (self.models.prefixes.hits(block_hashes(ids, bs))
                 if self.models.prefixes and self.config.routing.prefix_aware else {})
+        cached = {w: n * bs for w, n in hits.items()}
         view = RequestView(len(ids), -(-(len(ids) + 1) // bs), refused, req.slo,
-                           req.params.priority, req.params.max_tokens,
-                           {w: n * bs for w, n in hits.items()}, next(self._placed))
-        return decide(view, self.snapshot(), self.config.routing.routing_policy)
+                           req.params.priority, req.params.max_tokens, cached,
+                           next(self._placed))
+        decision = decide(view, self.snapshot(), self.config.routing.routing_policy)
+        if cached and not isinstance(decision, Reject):
+            computes = decision.worker if isinstance(decision, Colocate) else decision.prefill
+            self.metrics.placed_prefix(cached.get(computes, 0), max(cached.values()))
+        return decision
 
     def snapshot(self) -> ClusterState:
         """Every worker's state now, as the policy sees it, with the TPOT headroom of

@@ -11,7 +11,8 @@ from pathlib import Path
 from pdserve import env
 from pdserve.bench.driver import BACKENDS
 
-WORKLOADS = ("random", "sharegpt-like", "azure-conv", "azure-code", "prefix-shared", "file")
+WORKLOADS = ("random", "sharegpt-like", "azure-conv", "azure-code", "prefix-shared",
+             "conversations", "file")
 
 
 def add_bench_parser(sub) -> None:

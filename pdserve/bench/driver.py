@@ -115,6 +115,7 @@ class _backend:
                     record.first_output_time = now
                 if chunk.usage is not None:
                     record.num_prompt_tokens = chunk.usage.prompt_tokens
+                    record.num_cached_tokens = chunk.usage.cached_prompt_tokens
                 if chunk.timings is not None:
                     record.predicted_ttft = chunk.timings.predicted_ttft_s
                     record.predicted_tpot = chunk.timings.predicted_tpot_s
@@ -160,6 +161,8 @@ class _backend:
 def _take_sse_chunk(record: RequestRecord, chunk: dict, now: float) -> None:
     if chunk.get("usage"):
         record.num_prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+        details = chunk["usage"].get("prompt_tokens_details") or {}
+        record.num_cached_tokens = details.get("cached_tokens") or 0
     for choice in chunk.get("choices", []):
         # Servers without token ids in chunks: one non-empty text chunk ~ one token.
         ids = choice.get("token_ids")

@@ -29,6 +29,7 @@ class RequestRecord:
     # The server's forecast when it placed the request (pdserve gRPC), in seconds.
     predicted_ttft: float | None = None
     predicted_tpot: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the server's prefix cache
 
     @property
     def ok(self) -> bool:
@@ -106,6 +107,9 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO,
         "request_throughput": len(done) / duration_s,
         "output_throughput": sum(r.num_output_tokens for r in done) / duration_s,
         "input_throughput": sum(r.num_prompt_tokens for r in done) / duration_s,
+        # The share of completed requests' prompt tokens the prefix caches served.
+        "prefix_hit_share": (sum(r.num_cached_tokens for r in done)
+                             / max(1, sum(r.num_prompt_tokens for r in done))),
         "ttft_ms": _stats([r.ttft for r in done if r.ttft is not None]),
         "tpot_ms": _stats([r.tpot for r in done if r.tpot is not None]),
         "itl_ms": _stats([gap for r in done for gap in r.itls]),

@@ -27,6 +27,7 @@ def text_block(s: dict, slo_text: str = "") -> str:
     row("SLO attainment:", s["slo_attainment"], "{:<10.3f}")
     row("Output token throughput (tok/s):", s["output_throughput"], "{:<10.2f}")
     row("Input token throughput (tok/s):", s["input_throughput"], "{:<10.2f}")
+    row("Prompt tokens from prefix cache:", s["prefix_hit_share"], "{:<10.3f}")
     for key, title, name in (("ttft_ms", "Time to First Token", "TTFT"),
                              ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
                              ("itl_ms", "Inter-token Latency", "ITL"),

@@ -35,7 +35,8 @@ class Scripted(pb_grpc.GenerateServiceServicer):
             yield pb.GenerateResponse(
                 request_id="r", token_ids=[7], text="x",
                 finish_reason=pb.FINISH_REASON_LENGTH if last else pb.FINISH_REASON_UNSPECIFIED,
-                usage=pb.Usage(prompt_tokens=len(ids), completion_tokens=n) if last else None)
+                usage=pb.Usage(prompt_tokens=len(ids), completion_tokens=n,
+                               cached_prompt_tokens=len(ids) - 1) if last else None)
 
 
 async def bench(requests, slo):
@@ -62,6 +63,9 @@ def test_driver_measures_the_scripted_latencies():
     assert 0.200 <= slow.ttft < 0.200 + SLACK_S and slow.ttft > fast.ttft
     assert GAP_S * 0.9 <= fast.tpot < GAP_S + SLACK_S / 4
     assert fast.num_output_tokens == 6 and fast.num_prompt_tokens == 3
+    assert fast.num_cached_tokens == 2
+    # 7 prompt tokens completed (3 + 2 + 2), 4 of them cached (2 + 1 + 1)
+    assert s["prefix_hit_share"] == pytest.approx(4 / 7)
     assert single.tpot is None and single.num_output_tokens == 1
     assert rejected.rejected and not rejected.ok
     assert (s["completed"], s["rejected"], s["failed"]) == (3, 1, 0)

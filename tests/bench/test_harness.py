@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.bench.arrivals import arrival_times, trace_times
 from pdserve.bench.metrics import SLO, RequestRecord, crossing, summarize
-from pdserve.bench.workloads import PROFILES, make_workload
+from pdserve.bench.workloads import PROFILES, make_workload, seen_block_share
 
 
 def record(send, token_times, end=None, prompt=10, **kw) -> RequestRecord:
@@ -90,6 +90,20 @@ def test_workloads_are_seeded_and_follow_their_profiles():
     assert len({tuple(r.prompt[:32]) for r in shared}) <= 4
 
 
+def test_conversations_extend_their_last_prompt_and_reuse_about_37_percent():
+    reqs = make_workload("conversations", 400, vocab_size=1000, seed=5, scale=0.25)
+    # a later turn starts with an earlier turn's whole prompt, and that prompt's reply
+    # (max_tokens of it) and a new message follow it
+    extended = [(i, j) for i, a in enumerate(reqs) for j in range(i + 1, len(reqs))
+                if reqs[j].prompt[:len(a.prompt)] == a.prompt]
+    assert len(extended) > 100
+    i, j = extended[0]
+    assert len(reqs[j].prompt) > len(reqs[i].prompt) + reqs[i].max_tokens
+    assert 0.30 <= seen_block_share(reqs, 16) <= 0.45
+    assert seen_block_share(make_workload("azure-conv", 100, 1000), 16) == 0.0
+    assert seen_block_share([reqs[0], reqs[0]], 16) == pytest.approx(0.5)
+
+
 def test_jsonl_trace(tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps(row) for row in [
@@ -110,3 +124,9 @@ def test_openai_ttft_waits_for_the_first_visible_text():
     _take_sse_chunk(record, {"choices": [{"text": "Hi", "token_ids": [6]}]}, 10.3)
     assert record.num_output_tokens == 2
     assert record.ttft == pytest.approx(0.3)  # not 0.1: nothing was readable then
+    _take_sse_chunk(record, {"choices": [], "usage": {
+        "prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}}, 10.4)
+    assert (record.num_prompt_tokens, record.num_cached_tokens) == (40, 32)
+    _take_sse_chunk(record, {"choices": [], "usage": {"prompt_tokens": 40,
+                                                      "prompt_tokens_details": None}}, 10.5)
+    assert record.num_cached_tokens == 0  # a server that does not say

@@ -5,6 +5,7 @@ worker; whole and split placements between the two workers give HF's outputs."""
 from __future__ import annotations
 
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -18,6 +19,7 @@ from pdserve.router import router as router_module
 from pdserve.router.config import PoolSpec
 from pdserve.router.decision import Colocate, Disaggregate
 from pdserve.router.launch import launch
+from pdserve.router.prefix_index import block_hashes
 from pdserve.router.server import RouterServer
 from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
 from tests.engine.test_hf_oracle import Oracle
@@ -126,3 +128,28 @@ def test_a_bad_grpc_slo_is_invalid_argument(adaptive):
     with Client(adaptive.grpc_target) as client:
         with pytest.raises(InvalidArgumentError, match="slo_tpot_ms"):
             client.generate([5, 6, 7], max_tokens=4, slo_tpot_ms=-1.0)
+
+
+def test_a_conversations_next_turn_goes_where_its_history_is_cached(adaptive):
+    """Turn 1 computes 96 tokens on some worker; once that worker's telemetry has put
+    its blocks in the prefix index, turn 2 (turn 1's prompt and more) is placed
+    there and finds them: the placement counts the hit, and so does the response."""
+    rng = random.Random(3)
+    first = [rng.randrange(4, 2000) for _ in range(96)]
+    second = first + [rng.randrange(4, 2000) for _ in range(40)]
+    router = adaptive.router
+    metric = "pdserve:router_prefix_hit_tokens_total"
+
+    def counted(where):
+        return router.metrics.registry.get_sample_value(
+            metric, {"model_name": "test-llama", "where": where}) or 0.0
+    before = counted("placed"), counted("best")
+    with Client(adaptive.grpc_target) as client:
+        client.generate(first, max_tokens=2, temperature=0, ignore_eos=True)
+        deadline = time.monotonic() + 30
+        while not router.models.prefixes.hits(block_hashes(second, 16)):
+            assert time.monotonic() < deadline, "turn 1's blocks never reached the index"
+            time.sleep(0.05)
+        out = client.generate(second, max_tokens=2, temperature=0, ignore_eos=True)
+    assert out.usage.cached_prompt_tokens == 96  # 6 full blocks
+    assert (counted("placed") - before[0], counted("best") - before[1]) == (96, 96)
