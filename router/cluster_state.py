@@ -85,6 +85,22 @@ class WorkerState(HasRole):
                           token_budget=report.token_budget or WorkerLoad.token_budget)
 
     @cached_property
+    def rough_decode_s(self) -> float:
+        """Its decode step plus its queued prompt work, as last reported, give or take:
+        what shortlists decode sides in a large cluster."""
+        cost, load = self.step_cost or DEFAULT_STEP_COST, self.reported_load
+        return (cost.base_s + cost.decode_seq_s * load.decode_seqs
+                + cost.decode_context_s * load.decode_context
+                + cost.prefill_token_s * load.queued_tokens)
+
+    @cached_property
+    def rough_queue(self) -> tuple[float, int]:
+        """(seconds per prompt token, queued prompt tokens), as last reported: with a
+        prompt's uncached tokens, what shortlists prefill sides."""
+        cost = self.step_cost or DEFAULT_STEP_COST
+        return cost.prefill_token_s, self.reported_load.queued_tokens
+
+    @cached_property
     def counted_load(self) -> WorkerLoad:
         """Its load by this router's counts alone (its report is stale or missing)."""
         return WorkerLoad(self.queued_tokens, self.queued, self.inflight)

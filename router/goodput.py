@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from operator import attrgetter
 
 from pdserve.engine.latency_forecast import (
     decode_step_seconds,
@@ -101,11 +102,17 @@ def candidates(request: RequestView, state: ClusterState) -> list[Forecast]:
     live = [w for w in state.workers if w.available]
     decoders = [w for w in live if w.decodes and w.worker_id not in request.refused]
     prefillers = [w for w in live if w.sends_kv(state.adaptive) and has_room(w, request, state)]
+    # Past the shortlist, a rough estimate cached in each worker's state (as last
+    # reported) picks the ones forecast; their forecasts read staleness as usual.
     if len(decoders) > _SHORTLIST:
-        decoders = heapq.nsmallest(_SHORTLIST, decoders, key=lambda w: _rough_decode(w, state))
+        decoders = heapq.nsmallest(_SHORTLIST, decoders, key=attrgetter("rough_decode_s"))
     if len(prefillers) > _SHORTLIST:
-        prefillers = heapq.nsmallest(_SHORTLIST, prefillers,
-                                     key=lambda w: _rough_prefill(w, request, state))
+        n, cached = request.num_prompt_tokens, request.cached_tokens
+
+        def rough_prefill(w: WorkerState) -> float:
+            per_token, queued = w.rough_queue
+            return per_token * (queued + n - cached.get(w.worker_id, 0))
+        prefillers = heapq.nsmallest(_SHORTLIST, prefillers, key=rough_prefill)
     sides: dict[str, _Side] = {}
     for w in decoders + prefillers:
         if w.worker_id not in sides:
@@ -119,23 +126,6 @@ def candidates(request: RequestView, state: ClusterState) -> list[Forecast]:
         out += [_pair(request, state, sides[p.worker_id], sides[d.worker_id]) for d in decoders
                 if d is not p and (state.adaptive or d.role == "decode" or p.role == "prefill")]
     return out
-
-
-def _rough_decode(w: WorkerState, state: ClusterState) -> float:
-    """A worker's decode step now, give or take: what shortlists decoders (a worker
-    in role both also computes prompts: its queue counts too)."""
-    cost, load = state.step_cost(w), state.load(w)
-    return (cost.base_s + cost.decode_seq_s * load.decode_seqs
-            + cost.decode_context_s * load.decode_context
-            + cost.prefill_token_s * load.queued_tokens)
-
-
-def _rough_prefill(w: WorkerState, request: RequestView, state: ClusterState) -> float:
-    """Its queue and this prompt's uncached tokens, at its per-token cost: what
-    shortlists prefill sides (a prefix hit counts)."""
-    cost, load = state.step_cost(w), state.load(w)
-    uncached = request.num_prompt_tokens - request.cached_tokens.get(w.worker_id, 0)
-    return cost.prefill_token_s * (load.queued_tokens + uncached)
 
 
 class _Side:
