@@ -203,9 +203,19 @@ def _forecast(decision, request: RequestView, state: ClusterState, ttft: float, 
     # on its TPOT forecast: nothing could serve it faster, and only measuring it can
     # correct a model that overestimates (an idle worker reports no steps).
     if request.max_tokens > 1 and not slo.tpot_met(tpot) and decode_seqs > 0:
-        return Forecast(decision, ttft, tpot, cost, "tpot", state.retry_after_s)
+        return Forecast(decision, ttft, tpot, cost, "tpot", _first_finish(state, decode))
     if breaks:
         # until the first request it would break has finished
         soonest = min(b.remaining * step for b, step in breaks)
         return Forecast(decision, ttft, tpot, cost, "harm", soonest)
     return Forecast(decision, ttft, tpot, cost)
+
+
+def _first_finish(state: ClusterState, w: WorkerState) -> float:
+    """When the first of this router's requests running on w is forecast to end (its
+    remaining tokens at w's decode step now): the soonest its batch could shrink. The
+    configured retry when none is known."""
+    if not w.budgets:
+        return state.retry_after_s
+    return min(b.remaining for b in w.budgets) * decode_step_seconds(state.step_cost(w),
+                                                                     state.load(w))

@@ -371,14 +371,15 @@ class Router:
     def _may_wait(req: Accepted, decision: Reject, now: float | None = None) -> float:
         """How long the request may wait for capacity and still meet its TTFT SLO; 0
         when it may not, or when the policy predicts the capacity frees too late
-        (harm: the first request it would push past its SLO ends after that), so
-        the refusal is answered at once rather than at its deadline."""
+        (harm: the first request it would push past its SLO ends after that; tpot:
+        the first request of the batch it would join ends after that, or none is
+        known to), so the refusal is answered at once rather than at its deadline."""
         if decision.kind not in ("kv", "harm", "tpot") or req.slo.ttft_s is None \
                 or decision.ttft_s is None:
             return 0.0
         now = time.time() if now is None else now
         budget = req.arrival_time + req.slo.ttft_s - decision.ttft_s - now
-        if decision.kind == "harm" and decision.retry_after_s > budget:
+        if decision.kind in ("harm", "tpot") and decision.retry_after_s > budget:
             return 0.0
         return budget
 

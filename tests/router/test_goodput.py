@@ -193,7 +193,14 @@ def test_a_tpot_forecast_refuses_only_beside_a_running_batch_and_never_one_token
     assert decide(request(10, slo=Slo(tpot_s=0.02)),
                   state(worker("e", "both", cost=slow))) == Colocate("e")
     busy = state(worker("e", "both", running=1, cost=slow))
-    assert decide(request(10, slo=Slo(tpot_s=0.02)), busy).kind == "tpot"
+    refused = decide(request(10, slo=Slo(tpot_s=0.02)), busy)
+    assert refused.kind == "tpot" and refused.retry_after_s == 1.0  # no request's end known
+    # with two of this router's requests there, 10 and 30 tokens from their ends, the
+    # batch shrinks after 10 steps of 52 ms
+    known = state(worker("e", "both", running=2, cost=slow,
+                         budgets=[TpotBudget(0, 0.1, 10), TpotBudget(0, 0.1, 30)]))
+    assert decide(request(10, slo=Slo(tpot_s=0.02)), known).retry_after_s == \
+        pytest.approx(10 * 0.052)
     assert decide(request(10, slo=Slo(tpot_s=0.02), max_tokens=1), busy) == Colocate("e")
 
 

@@ -325,8 +325,9 @@ def test_a_request_waits_for_kv_while_its_ttft_slo_allows_and_is_refused_when_no
 def test_a_refusal_waits_only_while_capacity_is_predicted_to_free_in_time():
     # A 1 s TTFT SLO, placed at 0.1 s once capacity frees: 0.9 s to wait. A refusal
     # for harm whose first broken request ends in 2 s is answered at once (waiting
-    # would only turn a fast 429 into a slow one); one ending in 0.5 s waits. KV and
-    # TPOT refusals carry no prediction of when capacity frees: they wait.
+    # would only turn a fast 429 into a slow one); one ending in 0.5 s waits; so for
+    # TPOT, by when the batch's first request ends. A KV refusal carries no
+    # prediction of when capacity frees: it waits.
     from pdserve.router.decision import Reject
     req = Accepted("r", [1, 2], PARAMS, arrival_time=100.0, slo=Slo(ttft_s=1.0))
 
@@ -334,7 +335,8 @@ def test_a_refusal_waits_only_while_capacity_is_predicted_to_free_in_time():
         return Router._may_wait(req, Reject("", retry_after_s, kind, ttft_s=0.1), now=100.0)
     assert wait("harm", 2.0) == 0.0
     assert wait("harm", 0.5) == pytest.approx(0.9)
-    assert wait("kv", 2.0) == pytest.approx(0.9) and wait("tpot", 2.0) == pytest.approx(0.9)
+    assert wait("tpot", 2.0) == 0.0 and wait("tpot", 0.5) == pytest.approx(0.9)
+    assert wait("kv", 2.0) == pytest.approx(0.9)
     assert wait("ttft", 0.0) == 0.0
     assert Router._may_wait(Accepted("r", [1], PARAMS, 100.0), Reject("", 0.5, "harm", 0.1),
                             now=100.0) == 0.0  # no TTFT SLO: nothing to wait for
