@@ -106,6 +106,8 @@ def decisions(server: RouterServer) -> dict[str, float]:
                 counts[key] = sample.value
             elif sample.name == "pdserve:router_placement_waits_total":
                 counts["waits"] = sample.value
+            elif sample.name == "pdserve:router_placement_waiters_total":
+                counts[f"waiters_{sample.labels['outcome']}"] = sample.value
             elif sample.name == "pdserve:router_prefix_hit_tokens_total":
                 counts[f"prefix_tokens_{sample.labels['where']}"] = sample.value
     return counts

@@ -27,6 +27,7 @@ bad. Pure."""
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -203,19 +204,25 @@ def _forecast(decision, request: RequestView, state: ClusterState, ttft: float, 
     # on its TPOT forecast: nothing could serve it faster, and only measuring it can
     # correct a model that overestimates (an idle worker reports no steps).
     if request.max_tokens > 1 and not slo.tpot_met(tpot) and decode_seqs > 0:
-        return Forecast(decision, ttft, tpot, cost, "tpot", _first_finish(state, decode))
+        return Forecast(decision, ttft, tpot, cost, "tpot",
+                        _shrunk_enough(state, decode, tpot - slo.tpot_s))
     if breaks:
-        # until the first request it would break has finished
-        soonest = min(b.remaining * step for b, step in breaks)
-        return Forecast(decision, ttft, tpot, cost, "harm", soonest)
+        # until every request it would break has finished
+        last = max(b.remaining * step for b, step in breaks)
+        return Forecast(decision, ttft, tpot, cost, "harm", last)
     return Forecast(decision, ttft, tpot, cost)
 
 
-def _first_finish(state: ClusterState, w: WorkerState) -> float:
-    """When the first of this router's requests running on w is forecast to end (its
-    remaining tokens at w's decode step now): the soonest its batch could shrink. The
-    configured retry when none is known."""
-    if not w.budgets:
+def _shrunk_enough(state: ClusterState, w: WorkerState, excess_s: float) -> float:
+    """When enough of this router's requests running on w are forecast to have ended
+    (each its remaining tokens at w's decode step now) for a step to be excess_s
+    shorter; the configured retry when its known requests are not enough."""
+    cost, load = state.step_cost(w), state.load(w)
+    ends = sorted(b.remaining for b in w.budgets)
+    needed = (max(1, math.ceil(excess_s / cost.decode_seq_s)) if cost.decode_seq_s > 0
+              else len(ends) + 1)
+    if ends and len(ends) >= load.decode_seqs:
+        needed = min(needed, len(ends))  # once all end it decodes alone: never refused
+    if needed > len(ends):
         return state.retry_after_s
-    return min(b.remaining for b in w.budgets) * decode_step_seconds(state.step_cost(w),
-                                                                     state.load(w))
+    return ends[needed - 1] * decode_step_seconds(cost, load)

@@ -68,6 +68,10 @@ class RouterMetrics:
         self.waited = Counter("pdserve:router_placement_waits",
                               "Times a request waited for capacity instead of a 429 "
                               "(its TTFT SLO left time)", labels, registry=r).labels(model)
+        self.waiters = Counter("pdserve:router_placement_waiters",
+                               "Requests that waited for capacity, by how the wait ended "
+                               "(placed, or refused once the time ran out)",
+                               labels + ["outcome"], registry=r)
         self.prefix_tokens = Counter(
             "pdserve:router_prefix_hit_tokens",
             "Prompt tokens of placed requests held in a prefix cache (by the prefix index): "
@@ -123,6 +127,10 @@ class RouterMetrics:
     def decided(self, decision) -> None:
         kind = type(decision).__name__.lower()
         self.decisions.labels(self._model, kind, getattr(decision, "kind", "")).inc()
+
+    def waited_out(self, outcome: str) -> None:
+        """A request that waited for capacity was placed, or refused."""
+        self.waiters.labels(self._model, outcome).inc()
 
     def placed_prefix(self, placed: int, best: int) -> None:
         """A placed request's prompt tokens cached where it is computed, and the most

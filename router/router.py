@@ -355,25 +355,31 @@ class Router:
         under the TPOT SLOs) waits while the request's TTFT SLO leaves time for a
         placement once capacity frees, and asks again each time some may have; any
         other refusal, or one with no time to wait, raises (429)."""
+        waited = False
         while True:
             decision = self._decide(flight.req, refused)
             if not isinstance(decision, Reject):
                 self.metrics.decided(decision)
+                if waited:
+                    self.metrics.waited_out("placed")
                 return decision
             wait_s = self._may_wait(flight.req, decision)
             if wait_s <= 0:
                 self.metrics.decided(decision)
+                if waited:
+                    self.metrics.waited_out("refused")
                 raise OverloadedError(decision.reason, decision.retry_after_s)
             self.metrics.waited.inc()
+            waited = True
             await self._capacity_or(flight, wait_s)
 
     @staticmethod
     def _may_wait(req: Accepted, decision: Reject, now: float | None = None) -> float:
         """How long the request may wait for capacity and still meet its TTFT SLO; 0
         when it may not, or when the policy predicts the capacity frees too late
-        (harm: the first request it would push past its SLO ends after that; tpot:
-        the first request of the batch it would join ends after that, or none is
-        known to), so the refusal is answered at once rather than at its deadline."""
+        (harm: the requests it would push past their SLOs end after that; tpot: its
+        batch shrinks enough after that, or is not known to), so the refusal is
+        answered at once rather than at its deadline."""
         if decision.kind not in ("kv", "harm", "tpot") or req.slo.ttft_s is None \
                 or decision.ttft_s is None:
             return 0.0

@@ -111,12 +111,15 @@ def test_the_decode_workers_own_hits_are_not_transferred():
 
 
 def test_an_admission_that_would_push_running_requests_past_their_tpot_is_rejected():
-    # 100 tokens stall e's 8 decodes 10 ms over their 40 remaining (0.25 ms) + 1 ms
-    # join > 0.5 ms of slack. The first of them finishes in 40 steps of 18 ms.
-    e = worker("e", "both", running=8, budgets=on_track(8, slack_s=0.0005, remaining=40))
+    # 100 tokens stall e's 8 decodes 10 ms over their 40 or 60 remaining (0.25 or
+    # 0.17 ms) + 1 ms join > 0.5 ms of slack. The last of them finishes in 60 steps
+    # of 18 ms: only then would it harm none.
+    e = worker("e", "both", running=8,
+               budgets=on_track(4, slack_s=0.0005, remaining=40)
+               + on_track(4, slack_s=0.0005, remaining=60))
     decision = decide(request(100), state(e))
     assert isinstance(decision, Reject) and decision.kind == "harm"
-    assert decision.retry_after_s == pytest.approx(40 * 18 * MS)
+    assert decision.retry_after_s == pytest.approx(60 * 18 * MS)
     assert "past their TPOT SLO" in decision.reason
     # admission "always" places it anyway; so does a best-effort request
     assert decide(request(100), state(e, admission="always")) == Colocate("e")
@@ -195,12 +198,21 @@ def test_a_tpot_forecast_refuses_only_beside_a_running_batch_and_never_one_token
     busy = state(worker("e", "both", running=1, cost=slow))
     refused = decide(request(10, slo=Slo(tpot_s=0.02)), busy)
     assert refused.kind == "tpot" and refused.retry_after_s == 1.0  # no request's end known
-    # with two of this router's requests there, 10 and 30 tokens from their ends, the
-    # batch shrinks after 10 steps of 52 ms
+    # This router's two requests there, 10 and 30 tokens from their ends: the batch
+    # is only fast enough once both end (alone, it would be admitted), in 30 steps
+    # of 52 ms.
     known = state(worker("e", "both", running=2, cost=slow,
                          budgets=[TpotBudget(0, 0.1, 10), TpotBudget(0, 0.1, 30)]))
     assert decide(request(10, slo=Slo(tpot_s=0.02)), known).retry_after_s == \
-        pytest.approx(10 * 0.052)
+        pytest.approx(30 * 0.052)
+    # 10 ms per sequence: joining 3 makes a 50 ms step, 15 ms over a 35 ms SLO, so
+    # 2 must end: the second soonest, in 20 steps of 40 ms.
+    per_seq = StepCost(base_s=0.01, prefill_token_s=1e-4, prefill_pair_s=0.0,
+                       decode_seq_s=0.01, decode_context_s=0.0)
+    three = state(worker("e", "both", running=3, cost=per_seq,
+                         budgets=[TpotBudget(0, 0.1, n) for n in (30, 10, 20)]))
+    assert decide(request(10, slo=Slo(tpot_s=0.035)), three).retry_after_s == \
+        pytest.approx(20 * 0.040)
     assert decide(request(10, slo=Slo(tpot_s=0.02), max_tokens=1), busy) == Colocate("e")
 
 

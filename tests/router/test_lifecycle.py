@@ -314,6 +314,9 @@ def test_a_request_waits_for_kv_while_its_ttft_slo_allows_and_is_refused_when_no
         await decode.batches.put(batch("d0", token.request_id, [7, 8], "", "length"))
         rest = await _drain(patient)
         waits = router.metrics.waited._value.get()
+        placed = router.metrics.registry.get_sample_value(
+            "pdserve:router_placement_waiters_total", {"model_name": "m", "outcome": "placed"})
+        assert placed == 1  # the patient one; the other never waited
         await router.stop()
         return waiting, token, rest, waits, router
     waiting, token, rest, waits, router = asyncio.run(scenario())
