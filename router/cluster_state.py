@@ -68,8 +68,8 @@ class WorkerState(HasRole):
         """Whether it may be given a new request."""
         return self.alive and not self.draining
 
-    # Both loads are computed once per state: the router keeps a worker's state until
-    # it changes, so most decisions read them cached.
+    # Computed once per state: the router keeps a worker's state until it changes, so
+    # most decisions read these cached.
     @cached_property
     def reported_load(self) -> WorkerLoad:
         """Its load from its report, or this router's own counts where they are higher
