@@ -161,9 +161,9 @@ def main() -> int:
                     "37%% of prompt blocks seen before, as in Mooncake's trace)")
     ap.add_argument("--prefix-rate", type=float, default=None,
                     help="the prefix section's request rate (default: the middle --rates)")
-    ap.add_argument("--prefix-kv-mib", type=int, default=64,
-                    help="each worker's KV cache in the prefix section: smaller than the "
-                    "live conversations' history on both workers, as in production")
+    ap.add_argument("--prefix-kv-mib", type=int, default=256,
+                    help="each worker's KV cache (MiB) in the prefix section: a smaller "
+                    "one evicts sooner, which makes where a turn runs matter more")
     ap.add_argument("--slo-scale", type=float, default=4.0)
     ap.add_argument("--tpot-slo-scale", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=2)

@@ -80,11 +80,11 @@ def make_workload(name: str, num: int, vocab_size: int, seed: int = 0, scale: fl
 
 
 # Multi-turn chat, shaped so that about 37% of all prompt blocks were seen before (the
-# share measured in Mooncake's conversation trace; `seen_block_share` measures a run's:
-# a median of 37% over 150 requests at scale 0.5 across seeds, 31% at scale 0.25,
-# less in short runs as all 16 conversations start fresh): a conversation's next prompt
-# is its last prompt, the reply to it, and a new message. Replies are random tokens, not what
-# the model said, so only the last prompt itself can be a cache hit.
+# share measured in Mooncake's conversation trace; `seen_block_share` measures a
+# run's: a median of 37% over 150 requests at scale 0.5 across seeds, 31% at scale
+# 0.25, less in short runs as all 16 conversations start fresh). A conversation's
+# next prompt is its last prompt, the reply to it, and a new message. Replies are
+# random tokens, not what the model said, so only the last prompt can be a hit.
 _FIRST_MESSAGE = LengthDist(600, 2400, 4096)
 _NEXT_MESSAGE = LengthDist(300, 1600, 4096)
 _REPLY = LengthDist(40, 400, 1024)  # prompts outweigh replies ~20:1 (Mooncake's: ~35:1)
