@@ -5,7 +5,7 @@ worker; whole and split placements between the two workers give HF's outputs."""
 from __future__ import annotations
 
 import random
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -130,7 +130,7 @@ def test_a_bad_grpc_slo_is_invalid_argument(adaptive):
             client.generate([5, 6, 7], max_tokens=4, slo_tpot_ms=-1.0)
 
 
-def test_a_conversations_next_turn_goes_where_its_history_is_cached(adaptive):
+def test_a_conversations_next_turn_goes_where_its_history_is_cached(adaptive, monkeypatch):
     """Turn 1 computes 96 tokens on some worker; once that worker's telemetry has put
     its blocks in the prefix index, turn 2 (turn 1's prompt and more) is placed
     there and finds them: the placement counts the hit, and so does the response."""
@@ -144,12 +144,19 @@ def test_a_conversations_next_turn_goes_where_its_history_is_cached(adaptive):
         return router.metrics.registry.get_sample_value(
             metric, {"model_name": "test-llama", "where": where}) or 0.0
     before = counted("placed"), counted("best")
+    # The index is updated on the router's loop as reports arrive: each update is an
+    # event this test waits on before looking again.
+    updated, index_update = threading.Event(), router.models.prefixes.update
+
+    def update(*args):
+        index_update(*args)
+        updated.set()
+    monkeypatch.setattr(router.models.prefixes, "update", update)
     with Client(adaptive.grpc_target) as client:
         client.generate(first, max_tokens=2, temperature=0, ignore_eos=True)
-        deadline = time.monotonic() + 30
         while not router.models.prefixes.hits(block_hashes(second, 16)):
-            assert time.monotonic() < deadline, "turn 1's blocks never reached the index"
-            time.sleep(0.05)
+            assert updated.wait(30), "turn 1's blocks never reached the index"
+            updated.clear()
         out = client.generate(second, max_tokens=2, temperature=0, ignore_eos=True)
     assert out.usage.cached_prompt_tokens == 96  # 6 full blocks
     assert (counted("placed") - before[0], counted("best") - before[1]) == (96, 96)
