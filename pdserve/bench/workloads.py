@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.router.prefix_index import block_hashes
+
 _Z99 = 2.3263478740408408  # standard normal 99th percentile
 
 
@@ -125,14 +127,13 @@ def _geometric(rng: random.Random, p: float) -> int:
 
 
 def seen_block_share(requests: list[BenchRequest], block_size: int) -> float:
-    """The share of the workload's full prompt blocks (token-id prompts) whose whole
-    prefix an earlier prompt held: the most any prefix cache could hit."""
-    seen: set[int] = set()
+    """The share of the workload's prompt blocks a prefix cache could hit (token-id
+    prompts; the blocks the router's prefix index looks up) whose whole prefix an
+    earlier prompt held: the most any prefix cache could hit."""
+    seen: set[bytes] = set()
     total = hit = 0
     for req in requests:
-        ids, key = list(req.prompt), 0
-        for end in range(block_size, len(ids) + 1, block_size):
-            key = hash((key, tuple(ids[end - block_size:end])))  # chained: names the prefix
+        for key in block_hashes(list(req.prompt), block_size):  # chained: names the prefix
             total += 1
             hit += key in seen
             seen.add(key)
