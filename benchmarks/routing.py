@@ -96,10 +96,22 @@ def run_sweep(config, mode, routing, workload, rates, slo, burstiness, seed) -> 
 
 
 def decisions(server: RouterServer) -> dict[str, float]:
-    """The router's placement decisions by kind and reason, and its waits."""
+    """The router's placement decisions by kind and reason, its waits, and per
+    placement kind the forecast's mean signed error ((predicted - measured) /
+    measured: below zero, the forecast was too low)."""
     counts = {}
+    signed: dict[str, list[float]] = {}  # metric/kind: [sum, count]
     for metric in server.router.metrics.registry.collect():
         for sample in metric.samples:
+            if sample.name.startswith("pdserve:router_prediction_relative_error_"):
+                labels = sample.labels
+                key = f"{labels['metric']}_bias/{labels['kind']}"
+                sign = 1.0 if labels["direction"] == "over" else -1.0
+                total = signed.setdefault(key, [0.0, 0.0])
+                if sample.name.endswith("_sum"):
+                    total[0] += sign * sample.value
+                elif sample.name.endswith("_count"):
+                    total[1] += sample.value
             if sample.name == "pdserve:router_decisions_total":
                 key = sample.labels["kind"] + (f"/{sample.labels['reason']}"
                                                if sample.labels["reason"] else "")
@@ -110,6 +122,9 @@ def decisions(server: RouterServer) -> dict[str, float]:
                 counts[f"waiters_{sample.labels['outcome']}"] = sample.value
             elif sample.name == "pdserve:router_prefix_hit_tokens_total":
                 counts[f"prefix_tokens_{sample.labels['where']}"] = sample.value
+    for key, (total, n) in signed.items():
+        if n:
+            counts[key] = round(total / n, 3)
     return counts
 
 

@@ -79,8 +79,10 @@ class RouterMetrics:
             "holding the most (best)", labels + ["where"], registry=r)
         self.prediction_error = Histogram(
             "pdserve:router_prediction_relative_error",
-            "|predicted - measured| / measured of each request's TTFT and TPOT",
-            labels + ["metric"], buckets=_RELATIVE, registry=r)
+            "|predicted - measured| / measured of each request's TTFT and TPOT, by the "
+            "placement's kind (colocate | disaggregate) and whether the forecast was "
+            "under or over the measurement", labels + ["metric", "kind", "direction"],
+            buckets=_RELATIVE, registry=r)
         self.slo_requests = Counter("pdserve:router_slo_requests",
                                     "Finished requests with an SLO, by whether they met it",
                                     labels + ["slo", "met"], registry=r)
@@ -146,8 +148,10 @@ class RouterMetrics:
             if measured is None:
                 continue
             if predicted is not None and measured > 0:
-                self.prediction_error.labels(self._model, name).observe(
-                    abs(predicted - measured) / measured)
+                self.prediction_error.labels(
+                    self._model, name, type(decision).__name__.lower(),
+                    "under" if predicted < measured else "over",
+                ).observe(abs(predicted - measured) / measured)
             if target is not None:
                 self.slo_requests.labels(self._model, name, str(measured <= target).lower()
                                          ).inc()

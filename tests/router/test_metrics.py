@@ -1,0 +1,24 @@
+"""The router's metrics, read back from its registry."""
+from pdserve.router.decision import Colocate, Disaggregate
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.slo import Slo
+
+
+def _errors(metrics: RouterMetrics) -> dict:
+    return {(s.labels["metric"], s.labels["kind"], s.labels["direction"]): s.value
+            for m in metrics.registry.collect() for s in m.samples
+            if s.name == "pdserve:router_prediction_relative_error_sum"}
+
+
+def test_forecast_errors_are_kept_apart_by_placement_kind_and_direction():
+    metrics = RouterMetrics("m")
+    slo = Slo(ttft_s=1.0, tpot_s=0.05)
+    metrics.judged(slo, Colocate("a", ttft_s=0.1, tpot_s=0.012), ttft_s=0.2, tpot_s=0.010)
+    metrics.judged(slo, Disaggregate("a", "b", ttft_s=0.3, tpot_s=0.015), ttft_s=0.2,
+                   tpot_s=0.020)
+    errors = _errors(metrics)
+    assert errors[("ttft", "colocate", "under")] == 0.5  # 0.1 for 0.2
+    assert abs(errors[("tpot", "colocate", "over")] - 0.2) < 1e-9  # 12 ms for 10
+    assert abs(errors[("ttft", "disaggregate", "over")] - 0.5) < 1e-9  # 0.3 for 0.2
+    assert abs(errors[("tpot", "disaggregate", "under")] - 0.25) < 1e-9  # 15 ms for 20
+    assert len(errors) == 4
