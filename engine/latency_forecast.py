@@ -19,6 +19,14 @@ class WorkerLoad:
     decode_seqs: int = 0  # requests in its decode batch
     decode_context: int = 0  # their KV lengths, summed
     token_budget: int = SchedulerConfig.max_num_batched_tokens  # tokens per step
+    # The share of its recent time spent computing prompts (latency_model.PromptShare):
+    # prompts arriving while a request decodes there stretch its steps.
+    prompt_share: float = 0.0
+
+
+# Above it the forecast would run away (a worker that only computed prompts lately
+# still decodes between them).
+_MAX_PROMPT_SHARE = 0.75
 
 
 def prompt_pairs(tokens: int, cached: int = 0) -> int:
@@ -62,11 +70,14 @@ def tpot_seconds(cost: StepCost, load: WorkerLoad, prompt_tokens: int,
                  max_tokens: int) -> float:
     """Mean time per output token of a request joining the decode batch now: a step
     of the batch with it (its context at mid-generation), plus the prompt work queued
-    there, which the steps carrying its decode compute too, spread over its output."""
+    there, which the steps carrying its decode compute too, spread over its output;
+    all stretched by the prompts still to arrive while it decodes, at the worker's
+    recent prompt share s (of every second, s goes to them: 1 / (1 - s))."""
     joined = WorkerLoad(decode_seqs=load.decode_seqs + 1,
                         decode_context=load.decode_context + prompt_tokens + max_tokens // 2)
     stall = queue_compute_seconds(cost, load)
-    return decode_step_seconds(cost, joined) + stall / max(1, max_tokens - 1)
+    own = decode_step_seconds(cost, joined) + stall / max(1, max_tokens - 1)
+    return own / (1.0 - min(max(load.prompt_share, 0.0), _MAX_PROMPT_SHARE))
 
 
 def joining_slowdown(cost: StepCost, prompt_tokens: int) -> float:

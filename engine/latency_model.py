@@ -13,6 +13,11 @@ worker's start-up profile, or the defaults below): a term the window never exerc
 A model's window may also be bounded in age: a worker (or a pair) nobody sends work
 to measures nothing, so a model that overestimates it (fitted under contention) would
 refuse it work for ever; once its samples age out, its forecast is its prior again.
+
+A worker's prompt share is what arrives after a forecast: the share of its recent
+time its steps spent computing prompts. Prompts that arrive while a request decodes
+there stretch that request's steps; the forecast of its TPOT counts them at the
+rate they arrived lately.
 latency_forecast.py turns the costs into TTFT and TPOT predictions."""
 from __future__ import annotations
 
@@ -186,3 +191,40 @@ class TransferModel:
     def cost(self, now: float | None = None) -> TransferCost:
         """As fitted; given `now`, without the transfers aged out."""
         return TransferCost(*(float(c) for c in self._fit.coefficients(now)))
+
+
+class PromptShare:
+    """The share of a worker's time over the last `window_s` (its clock) that its
+    steps spent computing prompts: each step with prompt tokens counts the part of
+    its duration that its cost puts on them."""
+
+    def __init__(self, window_s: float = 10.0):
+        self.window_s = window_s
+        self._spent: deque[tuple[float, float]] = deque()  # (step end, prompt seconds)
+        self._total = 0.0
+        self._since: float | None = None  # when the first step seen began
+
+    def observe(self, timings: Sequence[StepTiming], cost: StepCost) -> None:
+        for t in timings:
+            if self._since is None:
+                self._since = t.end_time - t.duration_s
+            shape = t.shape
+            if not shape.prefill_tokens:
+                continue
+            prompt = (cost.prefill_token_s * shape.prefill_tokens
+                      + cost.prefill_pair_s * shape.prefill_pairs)
+            whole = cost.duration(shape)
+            spent = t.duration_s * prompt / whole if whole > 0 else 0.0
+            self._spent.append((t.end_time, spent))
+            self._total += spent
+
+    def share(self, now: float) -> float:
+        """Prompt-computing seconds per second over the window up to `now` (over the
+        time since the first step seen, but at least a second, while that is shorter)."""
+        while self._spent and self._spent[0][0] < now - self.window_s:
+            self._total -= self._spent.popleft()[1]
+        if not self._spent or self._since is None:
+            self._total = 0.0  # no float residue once empty
+            return 0.0
+        span = max(min(self.window_s, now - self._since), 1.0)
+        return min(max(self._total, 0.0) / span, 1.0)

@@ -1,7 +1,8 @@
-"""What the router learns of its workers for the latency model: a StepModel per
-worker (fitted on the steps each telemetry report carries), a TransferModel per
-(prefill, decode) pair (fitted on completed transfers), the prefix index (from the
-reports' prefix-cache events). A worker that leaves or restarts is forgotten.
+"""What the router learns of its workers for the latency model: a StepModel and a
+PromptShare per worker (fitted on, and measured from, the steps each telemetry
+report carries), a Calibrator per worker (learned from its finished requests), a
+TransferModel per (prefill, decode) pair (fitted on completed transfers), the
+prefix index (from the reports' prefix-cache events). A worker that leaves or restarts is forgotten.
 
 A worker's step model is seeded by the first steps seen of it (its start-up profile,
 when this router was there to see it) and forgets steps older than STEP_MAX_AGE_S:
@@ -10,7 +11,14 @@ contention would otherwise refuse an idle worker its work for ever. A pair's
 transfer model forgets its transfers as old, for the same reason."""
 from __future__ import annotations
 
-from pdserve.engine.latency_model import StepCost, StepModel, TransferCost, TransferModel
+from pdserve.engine.latency_calibration import Calibrator
+from pdserve.engine.latency_model import (
+    PromptShare,
+    StepCost,
+    StepModel,
+    TransferCost,
+    TransferModel,
+)
 from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.prefix_index import PrefixIndex
 
@@ -21,13 +29,16 @@ class ClusterModels:
     def __init__(self, step_max_age_s: float = STEP_MAX_AGE_S) -> None:
         self.step_max_age_s = step_max_age_s
         self.steps: dict[str, StepModel] = {}
+        self.prompt_shares: dict[str, PromptShare] = {}
+        self.calibrators: dict[str, Calibrator] = {}
         self.transfers: dict[tuple[str, str], TransferModel] = {}
         self.prefixes = PrefixIndex()
         self._transfer_costs: dict[tuple[str, str], TransferCost] = {}
         self._aged_at = float("-inf")
 
-    def reported(self, t: WorkerTelemetry) -> StepCost:
-        """Takes in one report; returns the worker's step cost as now fitted."""
+    def reported(self, t: WorkerTelemetry) -> tuple[StepCost, float]:
+        """Takes in one report; returns the worker's step cost as now fitted, and its
+        prompt share as now measured."""
         model = self.steps.get(t.worker_id)
         if model is None:  # seeded by the first steps seen (the default prior if none)
             model = self.steps[t.worker_id] = StepModel.seeded(
@@ -36,7 +47,18 @@ class ClusterModels:
             model.observe(t.steps)
         if t.prefix_stored or t.prefix_evicted:
             self.prefixes.update(t.worker_id, t.prefix_stored, t.prefix_evicted)
-        return model.cost(now=t.time)
+        cost = model.cost(now=t.time)
+        share = self.prompt_shares.get(t.worker_id)
+        if share is None:
+            share = self.prompt_shares[t.worker_id] = PromptShare()
+        share.observe(t.steps, cost)
+        return cost, share.share(t.time)
+
+    def calibrator(self, worker_id: str) -> Calibrator:
+        found = self.calibrators.get(worker_id)
+        if found is None:
+            found = self.calibrators[worker_id] = Calibrator()
+        return found
 
     def transferred(self, prefill: str, decode: str, nbytes: int, seconds: float,
                     now: float) -> None:
@@ -67,6 +89,8 @@ class ClusterModels:
 
     def forget(self, worker_id: str) -> None:
         self.steps.pop(worker_id, None)
+        self.prompt_shares.pop(worker_id, None)
+        self.calibrators.pop(worker_id, None)
         self.prefixes.forget(worker_id)
         gone = [key for key in self.transfers if worker_id in key]
         for key in gone:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping
 
+from pdserve.engine.latency_calibration import NONE, Calibration
 from pdserve.engine.latency_forecast import WorkerLoad
 from pdserve.engine.latency_model import (
     DEFAULT_STEP_COST,
@@ -60,6 +61,8 @@ class WorkerState(HasRole):
     heard_at: float = float("-inf")  # when it arrived (the router's monotonic clock)
     num_blocks: int = 0
     step_cost: StepCost | None = None  # its latency model (None: nothing fitted yet)
+    prompt_share: float = 0.0  # of its recent time, spent computing prompts
+    calibration: Calibration = NONE  # how its forecasts are scaled
     # This router's requests running here with a TPOT SLO.
     budgets: tuple[TpotBudget, ...] = ()
 
@@ -82,7 +85,8 @@ class WorkerState(HasRole):
                           queued_requests=max(report.waiting, self.queued),
                           decode_seqs=max(decoding, self.inflight),
                           decode_context=report.context_tokens if self.decodes else 0,
-                          token_budget=report.token_budget or WorkerLoad.token_budget)
+                          token_budget=report.token_budget or WorkerLoad.token_budget,
+                          prompt_share=self.prompt_share)
 
     @cached_property
     def rough_decode_s(self) -> float:
@@ -103,7 +107,8 @@ class WorkerState(HasRole):
     @cached_property
     def counted_load(self) -> WorkerLoad:
         """Its load by this router's counts alone (its report is stale or missing)."""
-        return WorkerLoad(self.queued_tokens, self.queued, self.inflight)
+        return WorkerLoad(self.queued_tokens, self.queued, self.inflight,
+                          prompt_share=self.prompt_share)
 
 
 @dataclass(frozen=True)
@@ -161,3 +166,6 @@ class RequestView:
     # Worker id -> leading prompt tokens found in its prefix cache (others: none).
     cached_tokens: Mapping[str, int] = field(default_factory=dict)
     sequence: int = 0  # the router's count of requests placed (round robin)
+    # Seconds since it arrived (its TTFT counts them): a request that waited for
+    # capacity has that much less of its TTFT SLO left.
+    waited_s: float = 0.0

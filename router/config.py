@@ -28,6 +28,9 @@ class RoutingSpec:
     prefix_aware: bool = option(True, "goodput: count the prompt tokens each worker's "
                                 "prefix cache holds (from the workers' telemetry) as "
                                 "computed")
+    calibrate: bool = option(True, "goodput: scale each worker's forecasts by how far "
+                             "they ran from what its finished requests measured (per "
+                             "TTFT and TPOT, colocated and split)")
     slo_ttft_ms: float | None = option(None, "TTFT SLO of requests that set none "
                                        "(x-slo-ttft-ms, slo_ttft_ms); unset: best effort")
     slo_tpot_ms: float | None = option(None, "TPOT SLO of requests that set none "

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 class Colocate:
     """The worker (role both) runs the whole request, prefill included."""
     worker: str
-    # What the policy predicted for the request (None: a policy without a model).
+    # What the policy predicted for the request (None: a policy without a model);
+    # its TTFT from the request's arrival, as the SLO counts it.
     ttft_s: float | None = field(default=None, compare=False)
     tpot_s: float | None = field(default=None, compare=False)
 
@@ -28,8 +29,8 @@ class Reject:
     reason: str
     retry_after_s: float
     kind: str = "overloaded"  # for metrics: overloaded | ttft | tpot | harm | kv
-    # The best placement's forecast TTFT, were it placed once capacity frees (None:
-    # unknown): whether waiting for capacity could still meet the request's TTFT SLO.
+    # The best placement's forecast TTFT (from the request's arrival), were it placed
+    # now (None: unknown): whether waiting for capacity could still meet its TTFT SLO.
     ttft_s: float | None = field(default=None, compare=False)
 
 

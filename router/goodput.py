@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from functools import partial
 from operator import attrgetter
 
 from pdserve.engine.latency_forecast import (
@@ -150,7 +151,9 @@ class _Side:
 
 
 def _colocate(request: RequestView, state: ClusterState, w: _Side) -> Forecast:
-    return _forecast(Colocate(w.w.worker_id, w.ttft, w.tpot), request, state, w.ttft, w.tpot,
+    scaled = w.w.calibration.scale
+    return _forecast(partial(Colocate, w.w.worker_id), request, state,
+                     scaled("ttft", "colocate", w.ttft), scaled("tpot", "colocate", w.tpot),
                      [w.harm(request, joins=True, computes=True)], w.w, w.decode_seqs)
 
 
@@ -159,12 +162,13 @@ def _pair(request: RequestView, state: ClusterState, p: _Side, d: _Side) -> Fore
     blocks_sent = max(prompt_blocks - d.cached // state.block_size, 0)  # D's hits stay
     transfer = state.transfer_cost(p.w.worker_id, d.w.worker_id).seconds(
         blocks_sent * state.kv_bytes_per_block)
-    ttft = p.ttft + transfer
+    ttft = p.w.calibration.scale("ttft", "disaggregate", p.ttft + transfer)
+    tpot = d.w.calibration.scale("tpot", "disaggregate", d.tpot)
     harms = [d.harm(request, joins=True, computes=False)]
     if p.w.decodes:  # its own decodes stall while it computes the prompt
         harms.append(p.harm(request, joins=False, computes=True))
-    return _forecast(Disaggregate(p.w.worker_id, d.w.worker_id, ttft, d.tpot), request,
-                     state, ttft, d.tpot, harms, d.w, d.decode_seqs)
+    return _forecast(partial(Disaggregate, p.w.worker_id, d.w.worker_id), request,
+                     state, ttft, tpot, harms, d.w, d.decode_seqs)
 
 
 class _Harm:
@@ -189,9 +193,13 @@ class _Harm:
                 / _REFERENCE_TPOT_S
 
 
-def _forecast(decision, request: RequestView, state: ClusterState, ttft: float, tpot: float,
+def _forecast(make, request: RequestView, state: ClusterState, ttft: float, tpot: float,
               harms: list[_Harm], decode: WorkerState, decode_seqs: int) -> Forecast:
+    """ttft: from now; the forecast's, and the decision's make(ttft, tpot), count from
+    the request's arrival."""
     slo = request.slo
+    ttft, from_now = request.waited_s + ttft, ttft
+    decision = make(ttft, tpot)
     cost = (ttft / (slo.ttft_s or _REFERENCE_TTFT_S) + tpot / (slo.tpot_s or _REFERENCE_TPOT_S)
             + sum(h.cost for h in harms))
     breaks = [b for h in harms for b in h.breaks]
@@ -199,7 +207,8 @@ def _forecast(decision, request: RequestView, state: ClusterState, ttft: float, 
     if free is not None and free < request.blocks_needed:
         return Forecast(decision, ttft, tpot, cost, "kv", state.retry_after_s)
     if not slo.ttft_met(ttft):
-        return Forecast(decision, ttft, tpot, cost, "ttft", ttft - slo.ttft_s)
+        # a retry arrives afresh: when the queue ahead will have drained that much
+        return Forecast(decision, ttft, tpot, cost, "ttft", from_now - slo.ttft_s)
     # A one-token request has no TPOT. And one that would decode alone is not refused
     # on its TPOT forecast: nothing could serve it faster, and only measuring it can
     # correct a model that overestimates (an idle worker reports no steps).

@@ -67,6 +67,7 @@ class Flight:
     # Colocated: the worker whose prefill queue counts its prompt until token #1.
     queued_on: object | None = None
     predicted: object | None = None  # the Decision it was placed by (its forecasts)
+    placed_at: float | None = None  # time.time() of that decision
     first_token_at: float | None = None  # time.time() of token #1
     num_output_tokens: int = 0
 

@@ -48,7 +48,7 @@ from pdserve.engine.worker_messages import (
 from pdserve.router.cluster_models import ClusterModels
 from pdserve.router.cluster_state import ClusterState, RequestView, TpotBudget
 from pdserve.router.config import RouterConfig
-from pdserve.router.decision import Colocate, Decision, Reject
+from pdserve.router.decision import Colocate, Decision, Disaggregate, Reject
 from pdserve.router.errors import (
     OverloadedError,
     WorkerError,
@@ -245,7 +245,7 @@ class Router:
     async def generate(self, req: Accepted) -> AsyncIterator[TokenDelta]:
         """Streams the request's deltas; the last one has finished=True."""
         flight = self._claim(req)
-        track = _Tracker(self.metrics, flight)
+        track = _Tracker(self.metrics, flight, self._measured)
         try:
             first, skip_text = await self._begin(flight)
             if first is not None:
@@ -317,6 +317,7 @@ class Router:
         num_tokens = len(req.prompt_token_ids)
         while True:
             decision = flight.predicted = await self._placement(flight, refused)
+            flight.placed_at = time.time()
             if isinstance(decision, Colocate):
                 worker = self.workers[decision.worker]
                 flight.queued_on = worker  # until its first token, its prompt is queued there
@@ -374,17 +375,17 @@ class Router:
             await self._capacity_or(flight, wait_s)
 
     @staticmethod
-    def _may_wait(req: Accepted, decision: Reject, now: float | None = None) -> float:
-        """How long the request may wait for capacity and still meet its TTFT SLO; 0
-        when it may not, or when the policy predicts the capacity frees too late
-        (harm: the requests it would push past their SLOs end after that; tpot: its
-        batch shrinks enough after that, or is not known to), so the refusal is
-        answered at once rather than at its deadline."""
+    def _may_wait(req: Accepted, decision: Reject) -> float:
+        """How long the request may wait for capacity and still meet its TTFT SLO (its
+        forecast TTFT counts from its arrival, as the SLO does); 0 when it may not, or
+        when the policy predicts the capacity frees too late (harm: the requests it
+        would push past their SLOs end after that; tpot: its batch shrinks enough after
+        that, or is not known to), so the refusal is answered at once rather than at
+        its deadline."""
         if decision.kind not in ("kv", "harm", "tpot") or req.slo.ttft_s is None \
                 or decision.ttft_s is None:
             return 0.0
-        now = time.time() if now is None else now
-        budget = req.arrival_time + req.slo.ttft_s - decision.ttft_s - now
+        budget = req.slo.ttft_s - decision.ttft_s
         if decision.kind in ("harm", "tpot") and decision.retry_after_s > budget:
             return 0.0
         return budget
@@ -396,6 +397,32 @@ class Router:
             await self._until(flight, self._capacity.wait(), timeout_s)
         except asyncio.TimeoutError:
             pass
+
+    def _measured(self, flight: Flight, ttft_s: float, tpot_s: float | None) -> None:
+        """A finished request's latencies: the calibration of the workers whose
+        forecasts it was placed by learns how far they were off (the TTFT from its
+        placement, as forecast then; the TPOT of its decode worker)."""
+        decision = flight.predicted
+        if not self.config.routing.calibrate \
+                or not isinstance(decision, (Colocate, Disaggregate)) or decision.ttft_s is None:
+            return
+        waited = flight.placed_at - flight.req.arrival_time
+        if isinstance(decision, Colocate):
+            kind, computes, decodes = "colocate", decision.worker, decision.worker
+        else:
+            kind, computes, decodes = "disaggregate", decision.prefill, decision.decode
+        self._calibrate(computes, "ttft", kind, decision.ttft_s - waited, ttft_s - waited)
+        if tpot_s is not None and decision.tpot_s:
+            self._calibrate(decodes, "tpot", kind, decision.tpot_s, tpot_s)
+
+    def _calibrate(self, worker_id: str, metric: str, kind: str, forecast_s: float,
+                   measured_s: float) -> None:
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return  # it left: its calibration went with it
+        calibrator = self.models.calibrator(worker_id)
+        calibrator.observe(metric, kind, forecast_s, measured_s)
+        worker.calibration = calibrator.calibration
 
     def _capacity_freed(self) -> None:
         self._capacity.set()
@@ -409,7 +436,7 @@ class Router:
         cached = {w: n * bs for w, n in hits.items()}
         view = RequestView(len(ids), -(-(len(ids) + 1) // bs), refused, req.slo,
                            req.params.priority, req.params.max_tokens, cached,
-                           next(self._placed))
+                           next(self._placed), max(time.time() - req.arrival_time, 0.0))
         decision = decide(view, self.snapshot(), self.config.routing.routing_policy)
         if cached and not isinstance(decision, Reject):
             computes = decision.worker if isinstance(decision, Colocate) else decision.prefill
@@ -746,7 +773,7 @@ class Router:
     def _reported(self, worker: WorkerHandle, telemetry: WorkerTelemetry,
                   previous: WorkerTelemetry | None) -> None:
         self.metrics.observe_worker(telemetry)
-        worker.step_cost = self.models.reported(telemetry)
+        worker.step_cost, worker.prompt_share = self.models.reported(telemetry)
         self.models.age_transfers(time.monotonic())
         if previous is None or telemetry.free_blocks > previous.free_blocks \
                 or telemetry.running < previous.running:
@@ -897,8 +924,11 @@ class _Tracker:
     """One request's metrics: waiting until its first token, then running; at its end
     its SLO attainment and how far its latencies were from the forecast."""
 
-    def __init__(self, metrics: RouterMetrics, flight: Flight):
+    def __init__(self, metrics: RouterMetrics, flight: Flight,
+                 on_measured: Callable[[Flight, float, float | None], None]):
+        """on_measured(flight, ttft, tpot) at its end (tpot None: one token)."""
         self.m, self.flight, self.req = metrics, flight, flight.req
+        self.on_measured = on_measured
         self.waiting = True
         self.last = flight.req.arrival_time
         self.closed = False
@@ -930,6 +960,7 @@ class _Tracker:
         n = flight.num_output_tokens
         tpot = (now - flight.first_token_at) / (n - 1) if n > 1 else None
         self.m.judged(self.req.slo, flight.predicted, ttft, tpot)
+        self.on_measured(flight, ttft, tpot)
 
     def close(self) -> None:
         if not self.closed:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pdserve.engine.latency_calibration import NONE, Calibration
 from pdserve.engine.latency_model import StepCost
 from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.cluster_state import HasRole, WorkerState
@@ -23,7 +24,8 @@ log = logging.getLogger(__name__)
 
 # Fields a WorkerState shows: setting one drops the cached state.
 _SHOWN = frozenset({"role", "alive", "draining", "queued", "queued_tokens", "inflight",
-                    "telemetry", "num_blocks", "step_cost"})
+                    "telemetry", "num_blocks", "step_cost", "prompt_share",
+                    "calibration"})
 
 
 @dataclass(eq=False)
@@ -44,6 +46,8 @@ class WorkerHandle(HasRole):
     telemetry: WorkerTelemetry | None = None  # the last report
     heard_at: float = float("-inf")  # time.monotonic() when it arrived
     step_cost: StepCost | None = None  # its latency model as fitted from its reports
+    prompt_share: float = 0.0  # of its recent time, spent computing prompts
+    calibration: Calibration = NONE  # how far its forecasts ran from measurements
     # request id -> its TokenDeltas (or the error that ends it)
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)
     pump: asyncio.Task | None = None
@@ -74,7 +78,9 @@ class WorkerHandle(HasRole):
                                       self.queued, self.queued_tokens, self.inflight,
                                       self.telemetry, self.heard_at,
                                       self.telemetry.num_blocks if self.telemetry
-                                      else self.num_blocks, self.step_cost)
+                                      else self.num_blocks, self.step_cost,
+                                      prompt_share=self.prompt_share,
+                                      calibration=self.calibration)
         return self._state
 
     def enqueue(self, num_tokens: int) -> None:

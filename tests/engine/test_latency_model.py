@@ -12,7 +12,13 @@ from pdserve.engine.latency_forecast import (
     tpot_seconds,
     ttft_seconds,
 )
-from pdserve.engine.latency_model import StepCost, StepModel, TransferCost, TransferModel
+from pdserve.engine.latency_model import (
+    PromptShare,
+    StepCost,
+    StepModel,
+    TransferCost,
+    TransferModel,
+)
 from pdserve.engine.step_shape import StepShape, StepTiming
 
 TRUE = StepCost(base_s=3e-3, prefill_token_s=4e-5, prefill_pair_s=2e-8,
@@ -108,6 +114,34 @@ def test_tpot_spreads_the_queued_prompts_over_the_output():
     busy = WorkerLoad(queued_tokens=1000, queued_requests=1, decode_seqs=3,
                       decode_context=300)
     assert tpot_seconds(cost, busy, 100, 101) == pytest.approx(1.85e-3 + 1000 * 1e-5 / 100)
+
+
+def test_tpot_counts_the_prompts_still_to_arrive_at_the_recent_prompt_share():
+    cost = StepCost(base_s=1e-3, prefill_token_s=1e-5, prefill_pair_s=0.0,
+                    decode_seq_s=1e-4, decode_context_s=1e-6)
+    # a third of every second computing prompts: 1.85 ms of its own per token / (2/3)
+    shared = WorkerLoad(decode_seqs=3, decode_context=300, prompt_share=1 / 3)
+    assert tpot_seconds(cost, shared, 100, 101) == pytest.approx(1.85e-3 * 1.5)
+    # a worker that only computed prompts lately still decodes between them: capped
+    flooded = WorkerLoad(decode_seqs=3, decode_context=300, prompt_share=1.0)
+    assert tpot_seconds(cost, flooded, 100, 101) == pytest.approx(1.85e-3 * 4)
+
+
+def test_the_prompt_share_is_the_prompt_part_of_recent_step_time():
+    cost = StepCost(base_s=2e-3, prefill_token_s=1e-5, prefill_pair_s=0.0,
+                    decode_seq_s=0.0, decode_context_s=0.0)
+    share = PromptShare(window_s=10.0)
+    # over 20 s, one step a second: 1,000 prompt tokens beside decodes, measured at
+    # 24 ms where its cost says 12 ms, of which the prompt's 10 ms: 20 ms of it
+    mixed = StepShape(prefill_tokens=1000, decode_seqs=4)
+    decode = StepShape(decode_seqs=4)
+    share.observe([StepTiming(decode, 0.002, 0.002)], cost)
+    assert share.share(now=0.5) == 0.0  # decodes only
+    share.observe([StepTiming(mixed, 0.024, float(t)) for t in (1, 2)], cost)
+    assert share.share(now=2.0) == pytest.approx(2 * 0.020 / 2.0)  # 2 s seen so far
+    share.observe([StepTiming(mixed, 0.024, float(t)) for t in range(3, 21)], cost)
+    assert share.share(now=20.0) == pytest.approx(11 * 0.020 / 10.0)  # steps 10..20
+    assert share.share(now=40.0) == 0.0  # all older than the window
 
 
 def test_prompt_pairs_match_the_step_shapes_of_its_chunks():

@@ -35,7 +35,8 @@ def test_reports_fit_the_step_model_and_fill_the_prefix_index():
     models = ClusterModels()
     steps = [StepTiming(StepShape(decode_seqs=n, decode_context=100 * n), 0.01 + 0.002 * n, 0)
              for n in range(1, 40)]
-    cost = models.reported(telemetry(steps, stored=[b"h1"]))
+    cost, share = models.reported(telemetry(steps, stored=[b"h1"]))
+    assert share == 0.0  # decodes only
     assert cost.decode_seq_s + 100 * cost.decode_context_s == pytest.approx(0.002, rel=0.05)
     assert models.prefixes.hits([b"h1"]) == {"w": 1}
     models.transferred("p", "w", 1000, 0.003, now=0.0)
@@ -83,15 +84,15 @@ def test_a_model_inflated_under_contention_recovers_once_its_worker_idles():
                                          adaptive=True))
 
     models = ClusterModels(step_max_age_s=60.0)
-    profile = models.reported(report(_steps(true, at=0.0), now=1.0))
+    profile, _ = models.reported(report(_steps(true, at=0.0), now=1.0))
     assert profile.duration(StepShape(prefill_tokens=1000)) == pytest.approx(0.110, rel=0.05)
     assert isinstance(placed(profile), Colocate)  # 110 ms of a 200 ms SLO
-    contended = models.reported(report(
+    contended, _ = models.reported(report(
         [t for at in range(10, 40, 2) for t in _steps(true, at=float(at), slowdown=3.0)],
         now=40.0))
     assert isinstance(placed(contended), Reject)  # about 3 x 110 ms
-    assert models.reported(report((), now=60.0)) == contended  # still too recent
-    recovered = models.reported(report((), now=40.0 + 61.0))  # idle for the max age
+    assert models.reported(report((), now=60.0))[0] == contended  # still too recent
+    recovered, _ = models.reported(report((), now=40.0 + 61.0))  # idle for the max age
     assert recovered.duration(StepShape(prefill_tokens=1000)) == pytest.approx(0.110, rel=0.05)
     assert isinstance(placed(recovered), Colocate)
 

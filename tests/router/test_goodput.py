@@ -6,8 +6,11 @@ Every worker here has the same step cost unless a case says otherwise:
 and a token budget of 2,048 per step, 16-token blocks of 1,000 bytes."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from pdserve.engine.latency_calibration import Calibration
 from pdserve.engine.latency_model import StepCost, TransferCost
 from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.cluster_state import ClusterState, RequestView, TpotBudget, WorkerState
@@ -23,12 +26,13 @@ MS = 1e-3
 
 
 def worker(wid, role, running=0, waiting_tokens=0, waiting=0, free=1000, budgets=(),
-           heard_s_ago=0.0, inflight=0, cost=COST):
+           heard_s_ago=0.0, inflight=0, cost=COST, prompt_share=0.0):
     t = WorkerTelemetry(wid, role, 0.0, waiting=waiting, waiting_tokens=waiting_tokens,
                         running=running, context_tokens=0, reserved=0, free_blocks=free,
                         num_blocks=1000, num_preemptions=0, token_budget=2048)
     return WorkerState(wid, role, telemetry=t, heard_at=NOW - heard_s_ago, num_blocks=1000,
-                       step_cost=cost, budgets=tuple(budgets), inflight=inflight)
+                       step_cost=cost, budgets=tuple(budgets), inflight=inflight,
+                       prompt_share=prompt_share)
 
 
 def state(*workers, adaptive=False, admission="slo", transfer=None):
@@ -230,3 +234,47 @@ def test_past_the_shortlist_the_best_workers_are_still_found():
     # 200 + 64 tokens in one step (10 + 26.4 ms), then 64 blocks at the default
     # link (2 ms + 1 ns per byte)
     assert decision.ttft_s == pytest.approx((10 + 26.4 + 2 + 0.064) * MS)
+
+
+def test_the_decode_side_avoids_a_worker_whose_steps_prompts_keep_stretching():
+    # a and b each decode 4 requests; a spent half its recent time computing prompts,
+    # so a decode there is forecast at (10 + 5 x 1 ms) / (1 - 0.5) = 30 ms a token,
+    # past the 20 ms SLO, and on b at 15 ms. Blind to the share, a (first by name)
+    # would decode it at a forecast 15 ms.
+    slo = Slo(ttft_s=0.5, tpot_s=0.020)
+    a, b = worker("a", "both", running=4, prompt_share=0.5), worker("b", "both", running=4)
+    decision = decide(request(100, slo=slo), state(a, b, adaptive=True))
+    assert decision == Colocate("b")
+    assert decision.tpot_s == pytest.approx(15 * MS)
+    blind = decide(request(100, slo=slo), state(worker("a", "both", running=4), b,
+                                                adaptive=True))
+    assert blind == Colocate("a") and blind.tpot_s == pytest.approx(15 * MS)
+
+
+def test_the_time_a_request_already_waited_counts_in_its_ttft():
+    # 100 tokens on idle e: 1 step (10 ms) + 10 ms, after 450 ms waiting for capacity
+    # (a 500 ms TTFT SLO): 470 ms from its arrival, which is what it is measured by.
+    s = state(worker("e", "both"))
+    waited = RequestView(100, 7, slo=Slo(ttft_s=0.5, tpot_s=0.05), max_tokens=101,
+                         waited_s=0.45)
+    decision = decide(waited, s)
+    assert decision == Colocate("e") and decision.ttft_s == pytest.approx(0.470)
+    # 40 ms more and it would not make it: refused, its Retry-After from a fresh start
+    late = decide(replace(waited, waited_s=0.49), s)
+    assert isinstance(late, Reject) and late.kind == "ttft"
+    assert late.ttft_s == pytest.approx(0.510)
+
+
+def test_forecasts_are_scaled_by_what_each_worker_measured_before():
+    # a and b alike, idle; a's colocated requests measured twice their forecast TPOT,
+    # so a request there is forecast at 2 x 11 ms: past the 20 ms SLO. On b, 11 ms.
+    slo = Slo(ttft_s=0.5, tpot_s=0.020)
+    slow = Calibration({("tpot", "colocate"): 2.0, ("ttft", "colocate"): 1.5})
+    a = replace(worker("a", "both"), calibration=slow)
+    decision = decide(request(32, slo=slo), state(a, worker("b", "both")))
+    assert decision == Colocate("b") and decision.tpot_s == pytest.approx(11 * MS)
+    # a alone: refused on its TPOT? no: nothing runs there, so only measuring can tell
+    alone = decide(request(32, slo=slo), state(a))
+    assert alone == Colocate("a")
+    assert alone.ttft_s == pytest.approx(1.5 * 13.2 * MS)
+    assert alone.tpot_s == pytest.approx(2 * 11 * MS)

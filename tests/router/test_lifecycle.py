@@ -22,7 +22,7 @@ from pdserve.kv_transfer import (
     TransferRefused,
     TransferTimeout,
 )
-from pdserve.router.config import RouterConfig
+from pdserve.router.config import RouterConfig, RoutingSpec
 from pdserve.router.errors import OverloadedError, WorkerError, WorkerStalled
 from pdserve.router.lifecycle import Accepted
 from pdserve.router.router import ModelInfo, Router
@@ -227,16 +227,42 @@ def test_every_error_crossing_a_process_boundary_round_trips(error):
     assert vars(back) == vars(error)
 
 
+def test_finished_requests_calibrate_the_forecasts_of_the_workers_they_ran_on(tok):
+    """The fakes answer at once: measured far below forecast, so the prefill worker's
+    TTFT and the decode worker's TPOT factors (split placements) fall below 1."""
+    async def scenario():
+        d0 = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
+        prefill = FakeActor(prefill=prefill_ok(7), abort=resolve(None))
+        router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
+                        [worker("p0", prefill, "prefill"), worker("d0", d0, "decode", 100)])
+        await router.start()
+        stream = router.generate(await router.accept([5, 6, 7], PARAMS))
+        first = await stream.__anext__()
+        await d0.batches.put(batch("d0", first.request_id, [7, 8], "", "length"))
+        await _drain(stream)
+        factors = (router.workers["p0"].calibration.factors,
+                   router.workers["d0"].calibration.factors,
+                   router.snapshot().workers)
+        await router.stop()
+        return factors
+    p0, d0, snapshot = asyncio.run(scenario())
+    assert set(p0) == {("ttft", "disaggregate")} and p0[("ttft", "disaggregate")] < 1
+    assert set(d0) == {("tpot", "disaggregate")} and d0[("tpot", "disaggregate")] < 1
+    assert {w.worker_id: w.calibration.factors for w in snapshot} == {"p0": p0, "d0": d0}
+
+
 def test_telemetry_on_the_stream_moves_placement_without_any_scrape(tok):
     """A decode worker that reports full ranks last; once its next report says it has
-    room, it is chosen again: no stats call, no refusal needed."""
+    room, it is chosen again: no stats call, no refusal needed. (Without calibration:
+    the fakes' instant tokens would teach it that d1 is fast.)"""
     async def scenario():
         d0 = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
         d1 = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
         prefill = FakeActor(prefill=prefill_ok(7), abort=resolve(None))
         router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
                         [worker("p0", prefill, "prefill"), worker("d0", d0, "decode", 100),
-                         worker("d1", d1, "decode", 100)])
+                         worker("d1", d1, "decode", 100)],
+                        RouterConfig(routing=RoutingSpec(calibrate=False)))
         await router.start()
         reported = asyncio.Event()
         router.workers["d0"].on_report = lambda w, t, previous: reported.set()
@@ -334,12 +360,15 @@ def test_a_refusal_waits_only_while_capacity_is_predicted_to_free_in_time():
     from pdserve.router.decision import Reject
     req = Accepted("r", [1, 2], PARAMS, arrival_time=100.0, slo=Slo(ttft_s=1.0))
 
-    def wait(kind, retry_after_s):
-        return Router._may_wait(req, Reject("", retry_after_s, kind, ttft_s=0.1), now=100.0)
+    def wait(kind, retry_after_s, ttft_s=0.1):
+        return Router._may_wait(req, Reject("", retry_after_s, kind, ttft_s=ttft_s))
     assert wait("harm", 2.0) == 0.0
     assert wait("harm", 0.5) == pytest.approx(0.9)
     assert wait("tpot", 2.0) == 0.0 and wait("tpot", 0.5) == pytest.approx(0.9)
     assert wait("kv", 2.0) == pytest.approx(0.9)
+    # forecast 0.1 s after waiting 0.6 already: 0.3 s left to wait
+    assert wait("kv", 2.0, ttft_s=0.7) == pytest.approx(0.3)
+    assert wait("harm", 0.5, ttft_s=0.7) == 0.0  # frees after the TTFT SLO's deadline
     assert wait("ttft", 0.0) == 0.0
-    assert Router._may_wait(Accepted("r", [1], PARAMS, 100.0), Reject("", 0.5, "harm", 0.1),
-                            now=100.0) == 0.0  # no TTFT SLO: nothing to wait for
+    assert Router._may_wait(Accepted("r", [1], PARAMS, 100.0),
+                            Reject("", 0.5, "harm", 0.1)) == 0.0  # no TTFT SLO: nothing to wait for
