@@ -41,8 +41,7 @@ class BlockManager:
         # Prefix-cache events since take_prefix_events(), kept only when asked for (a
         # worker reports them so routers can index which worker holds which prefix).
         self.record_prefix_events = False
-        self._stored: list[bytes] = []
-        self._evicted: list[bytes] = []
+        self._prefix_events: list[tuple[bytes, bool]] = []  # (hash, stored: else evicted)
 
     @property
     def num_free_blocks(self) -> int:
@@ -116,7 +115,7 @@ class BlockManager:
             block.token_ids = tuple(request.token_ids(first, first + self.block_size))
             self._cached[block_hash] = block.block_id
             if self.record_prefix_events:
-                self._stored.append(block_hash)
+                self._prefix_events.append((block_hash, True))
         self._num_hashed[rid] = num_full
 
     def free(self, request: Request) -> None:
@@ -129,13 +128,12 @@ class BlockManager:
         request.block_ids = []
         self._num_hashed.pop(request.request_id, None)
 
-    def take_prefix_events(self) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
-        """The hashes of blocks made findable and of blocks evicted since the last
-        call, in order (a hash may be stored again after its eviction)."""
-        stored, evicted = tuple(self._stored), tuple(self._evicted)
-        self._stored.clear()
-        self._evicted.clear()
-        return stored, evicted
+    def take_prefix_events(self) -> list[tuple[bytes, bool]]:
+        """Since the last call, in order: (hash, True) for a block made findable,
+        (hash, False) for one evicted. A hash may be stored again after its eviction
+        (worker_messages.net_prefix_events keeps each hash's last)."""
+        events, self._prefix_events = self._prefix_events, []
+        return events
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int,
                         new_computed_blocks) -> int:
@@ -156,7 +154,7 @@ class BlockManager:
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
                 if self.record_prefix_events:
-                    self._evicted.append(block.block_hash)
+                    self._prefix_events.append((block.block_hash, False))
             block.block_hash = None
             block.token_ids = ()
         block.ref_cnt = 1

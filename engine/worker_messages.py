@@ -89,15 +89,28 @@ class WorkerTelemetry:
     num_preemptions: int  # cumulative
     token_budget: int = 0  # tokens per step (max_num_batched_tokens); 0: unknown
     steps: tuple[StepTiming, ...] = ()
-    # Block hashes (as the block manager chains them) made findable / evicted.
+    # Block hashes (as the block manager chains them) made findable / evicted since
+    # the last report: its net change, so no hash is in both (net_prefix_events).
     prefix_stored: tuple[bytes, ...] = ()
     prefix_evicted: tuple[bytes, ...] = ()
 
     def merged(self, later: "WorkerTelemetry") -> "WorkerTelemetry":
-        """`later`'s gauges with both reports' steps and events, in order."""
-        return replace(later, steps=self.steps + later.steps,
-                       prefix_stored=self.prefix_stored + later.prefix_stored,
-                       prefix_evicted=self.prefix_evicted + later.prefix_evicted)
+        """`later`'s gauges with both reports' steps, and their events' net change."""
+        stored, evicted = net_prefix_events(
+            [(h, True) for h in self.prefix_stored] + [(h, False) for h in self.prefix_evicted]
+            + [(h, True) for h in later.prefix_stored]
+            + [(h, False) for h in later.prefix_evicted])
+        return replace(later, steps=self.steps + later.steps, prefix_stored=stored,
+                       prefix_evicted=evicted)
+
+
+def net_prefix_events(events) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    """(hash, stored) events in order -> (stored, evicted) hashes by each one's last
+    event: a block evicted and then stored again is held; stored and then evicted,
+    it is not."""
+    last = {h: stored for h, stored in events}
+    return (tuple(h for h, stored in last.items() if stored),
+            tuple(h for h, stored in last.items() if not stored))
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,7 @@ class PrefixIndex:
 
     def update(self, worker_id: str, stored: tuple[bytes, ...],
                evicted: tuple[bytes, ...]) -> None:
-        """Events in the order the worker recorded them: stored then evicted within one
-        report (a block stored and evicted since the last report is gone)."""
+        """One report's net change (WorkerTelemetry: no hash both stored and evicted)."""
         held = self._held.setdefault(worker_id, set())
         for h in stored:
             self._holders.setdefault(h, set()).add(worker_id)

@@ -26,6 +26,7 @@ from pdserve.engine.worker_messages import (
     TokenDelta,
     WorkerTelemetry,
     check_role,
+    net_prefix_events,
 )
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig
 from pdserve.prefill_worker.role import PrefillRole
@@ -148,7 +149,7 @@ class Worker:
         new = engine.num_steps - self._reported_steps
         self._reported_steps = engine.num_steps
         steps = tuple(engine.step_timings)[-new:] if new else ()
-        stored, evicted = engine.block_manager.take_prefix_events()
+        stored, evicted = net_prefix_events(engine.block_manager.take_prefix_events())
         return WorkerTelemetry(steps=steps, prefix_stored=stored, prefix_evicted=evicted,
                                **self._gauges(engine))
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_shape import StepShape, StepTiming
-from pdserve.engine.worker_messages import WorkerTelemetry
+from pdserve.engine.worker_messages import WorkerTelemetry, net_prefix_events
 from pdserve.router.cluster_models import ClusterModels
 from pdserve.router.prefix_index import PrefixIndex, block_hashes
 
@@ -24,6 +27,40 @@ def test_the_prefix_index_counts_each_workers_leading_blocks():
     index.forget("b")
     assert index.hits(hashes) == {"a": 2}
     assert index.hits(block_hashes(list(range(7, 60)), 16)) == {}
+
+
+def test_a_block_evicted_and_stored_again_within_one_report_stays_indexed():
+    # A 4-block cache: a's 2 full blocks are stored, evicted by 3 blocks of other
+    # tokens, then computed and stored again, all between two reports.
+    bm = BlockManager(4, 4)
+    bm.record_prefix_events = True
+
+    def run(rid, tokens):
+        r = Request(rid, tokens, SamplingParams(), 0.0)
+        hits = bm.get_computed_blocks(r)
+        assert bm.allocate_slots(r, r.num_tokens - len(hits) * 4, hits)
+        r.num_computed_tokens = r.num_tokens
+        bm.cache_full_blocks(r, r.num_tokens)
+        bm.free(r)
+    a = list(range(9))
+    run("a", a)
+    run("other", list(range(50, 62)))
+    run("a-again", a)
+    stored, evicted = net_prefix_events(bm.take_prefix_events())
+    assert not set(stored) & set(evicted)
+    index = PrefixIndex()
+    index.update("w", stored, evicted)
+    assert index.hits(block_hashes(a, 4)) == {"w": 2}
+    # and as two reports merged on the way (the first with a's blocks stored)
+    first = telemetry(stored=block_hashes(a, 4))
+    second = telemetry(stored=block_hashes(a, 4)[:1], evicted=block_hashes(a, 4)[1:])
+    both = telemetry(evicted=block_hashes(a, 4)).merged(telemetry(stored=block_hashes(a, 4)))
+    index = PrefixIndex()
+    index.update("w", both.prefix_stored, both.prefix_evicted)
+    assert index.hits(block_hashes(a, 4)) == {"w": 2}
+    merged = first.merged(second)
+    assert merged.prefix_stored == tuple(block_hashes(a, 4)[:1])
+    assert merged.prefix_evicted == tuple(block_hashes(a, 4)[1:])
 
 
 def telemetry(steps=(), stored=(), evicted=()):
