@@ -98,9 +98,11 @@ def run_sweep(config, mode, routing, workload, rates, slo, burstiness, seed) -> 
 def decisions(server: RouterServer) -> dict[str, float]:
     """The router's placement decisions by kind and reason, its waits, and per
     placement kind the forecast's mean signed error ((predicted - measured) /
-    measured: below zero, the forecast was too low)."""
+    measured: below zero, the forecast was too low) and the share of requests that met
+    each SLO (do splits pay?)."""
     counts = {}
     signed: dict[str, list[float]] = {}  # metric/kind: [sum, count]
+    met: dict[str, list[float]] = {}  # slo/kind: [met, count]
     for metric in server.router.metrics.registry.collect():
         for sample in metric.samples:
             if sample.name.startswith("pdserve:router_prediction_relative_error_"):
@@ -112,6 +114,11 @@ def decisions(server: RouterServer) -> dict[str, float]:
                     total[0] += sign * sample.value
                 elif sample.name.endswith("_count"):
                     total[1] += sample.value
+            if sample.name == "pdserve:router_slo_requests_total":
+                labels = sample.labels
+                total = met.setdefault(f"{labels['slo']}_met/{labels['kind']}", [0.0, 0.0])
+                total[0] += sample.value if labels["met"] == "true" else 0.0
+                total[1] += sample.value
             if sample.name == "pdserve:router_decisions_total":
                 key = sample.labels["kind"] + (f"/{sample.labels['reason']}"
                                                if sample.labels["reason"] else "")
@@ -122,7 +129,7 @@ def decisions(server: RouterServer) -> dict[str, float]:
                 counts[f"waiters_{sample.labels['outcome']}"] = sample.value
             elif sample.name == "pdserve:router_prefix_hit_tokens_total":
                 counts[f"prefix_tokens_{sample.labels['where']}"] = sample.value
-    for key, (total, n) in signed.items():
+    for key, (total, n) in [*signed.items(), *met.items()]:
         if n:
             counts[key] = round(total / n, 3)
     return counts
@@ -161,6 +168,8 @@ def main() -> int:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--sections", nargs="+", default=["adaptive", "policies", "prefix",
                                                       "overload"])
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                    help="adaptive section: the arms run")
     ap.add_argument("--workloads", nargs="+", default=["azure-conv", "azure-code", "mix"])
     ap.add_argument("--burstiness", type=float, nargs="+", default=[1.0, 0.25])
     ap.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0, 6.0],
@@ -213,9 +222,9 @@ def main() -> int:
             workload = workload_fn(name, args, vocab)
             slo = slo_of(workload)
             for burst in args.burstiness:
-                arms = {mode: [] for mode in MODES}
+                arms = {mode: [] for mode in args.modes}
                 for r in range(args.rounds):
-                    for mode in MODES:
+                    for mode in args.modes:
                         result = run_sweep(config, mode, goodput, workload, args.rates, slo,
                                            burst, args.seed + r)
                         arms[mode].append(result)
@@ -223,12 +232,14 @@ def main() -> int:
                               f"{result['max_rate_per_worker']}", flush=True)
                 best = {m: spread([a["max_rate_per_worker"] for a in runs])
                         for m, runs in arms.items()}
-                base = max((best["colocated"]["median"] or 0), (best["disaggregated"]["median"] or 0))
-                ratio = best["adaptive"]["median"] / base if base and best["adaptive"]["median"] else None
+                base = max((best[m]["median"] or 0 for m in ("colocated", "disaggregated")
+                            if m in best), default=0)
+                mine = best.get("adaptive", {}).get("median")
+                ratio = mine / base if base and mine else None
+                adaptive_rows = [row for a in arms.get("adaptive", []) for row in a["rows"]]
                 section[f"{name}/burst{burst:g}"] = {
                     "slo": vars(slo), "goodput_per_worker": best, "ratio": ratio,
-                    "prediction_error": errors([row for a in arms["adaptive"] for row in a["rows"]]),
-                    "runs": arms}
+                    "prediction_error": errors(adaptive_rows), "runs": arms}
                 ratios.append(f"adaptive / best fixed mode, {name}, burstiness {burst:g}: "
                               f"{ratio if ratio is None else round(ratio, 2)} "
                               f"(per-worker goodput {best})")

@@ -84,8 +84,9 @@ class RouterMetrics:
             "under or over the measurement", labels + ["metric", "kind", "direction"],
             buckets=_RELATIVE, registry=r)
         self.slo_requests = Counter("pdserve:router_slo_requests",
-                                    "Finished requests with an SLO, by whether they met it",
-                                    labels + ["slo", "met"], registry=r)
+                                    "Finished requests with an SLO, by whether they met it "
+                                    "and the placement's kind (colocate | disaggregate)",
+                                    labels + ["slo", "met", "kind"], registry=r)
         self._model = model
 
     def observe_worker(self, t) -> None:
@@ -142,6 +143,7 @@ class RouterMetrics:
 
     def judged(self, slo, decision, ttft_s: float, tpot_s: float | None) -> None:
         """A finished request: its SLO attainment, and its forecast's error."""
+        kind = type(decision).__name__.lower()
         for name, target, measured in (("ttft", slo.ttft_s, ttft_s),
                                        ("tpot", slo.tpot_s, tpot_s)):
             predicted = getattr(decision, f"{name}_s", None)
@@ -149,12 +151,11 @@ class RouterMetrics:
                 continue
             if predicted is not None and measured > 0:
                 self.prediction_error.labels(
-                    self._model, name, type(decision).__name__.lower(),
-                    "under" if predicted < measured else "over",
+                    self._model, name, kind, "under" if predicted < measured else "over",
                 ).observe(abs(predicted - measured) / measured)
             if target is not None:
-                self.slo_requests.labels(self._model, name, str(measured <= target).lower()
-                                         ).inc()
+                self.slo_requests.labels(self._model, name, str(measured <= target).lower(),
+                                         kind).inc()
 
     def finished(self, reason: str) -> None:
         self.requests.labels(self._model, reason).inc()

@@ -5,6 +5,7 @@ worker; whole and split placements between the two workers give HF's outputs."""
 from __future__ import annotations
 
 import random
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -87,8 +88,8 @@ def test_requests_with_slos_are_placed_with_a_forecast_and_stay_exact(adaptive, 
     assert http.status_code == 200, http.text
     assert http.json()["choices"][0]["token_ids"] == oracle.generate(prompts[1], 8)[0]
     metrics = httpx.get(f"{adaptive.http_url}/metrics").text
-    assert 'pdserve:router_slo_requests_total{met="true",model_name="test-llama",slo="ttft"}' \
-        in metrics
+    assert re.search(r'pdserve:router_slo_requests_total\{kind="(colocate|disaggregate)",'
+                     r'met="true",model_name="test-llama",slo="ttft"\}', metrics)
     assert "pdserve:router_prediction_relative_error_bucket" in metrics
 
 

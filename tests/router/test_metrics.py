@@ -4,10 +4,10 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.slo import Slo
 
 
-def _errors(metrics: RouterMetrics) -> dict:
-    return {(s.labels["metric"], s.labels["kind"], s.labels["direction"]): s.value
-            for m in metrics.registry.collect() for s in m.samples
-            if s.name == "pdserve:router_prediction_relative_error_sum"}
+def _samples(metrics: RouterMetrics, name: str, *labels: str) -> dict:
+    """The series of one sample name: their labels' values (in `labels`' order) -> value."""
+    return {tuple(s.labels[label] for label in labels): s.value
+            for m in metrics.registry.collect() for s in m.samples if s.name == name}
 
 
 def test_forecast_errors_are_kept_apart_by_placement_kind_and_direction():
@@ -16,9 +16,24 @@ def test_forecast_errors_are_kept_apart_by_placement_kind_and_direction():
     metrics.judged(slo, Colocate("a", ttft_s=0.1, tpot_s=0.012), ttft_s=0.2, tpot_s=0.010)
     metrics.judged(slo, Disaggregate("a", "b", ttft_s=0.3, tpot_s=0.015), ttft_s=0.2,
                    tpot_s=0.020)
-    errors = _errors(metrics)
+    errors = _samples(metrics, "pdserve:router_prediction_relative_error_sum",
+                      "metric", "kind", "direction")
     assert errors[("ttft", "colocate", "under")] == 0.5  # 0.1 for 0.2
     assert abs(errors[("tpot", "colocate", "over")] - 0.2) < 1e-9  # 12 ms for 10
     assert abs(errors[("ttft", "disaggregate", "over")] - 0.5) < 1e-9  # 0.3 for 0.2
     assert abs(errors[("tpot", "disaggregate", "under")] - 0.25) < 1e-9  # 15 ms for 20
     assert len(errors) == 4
+
+
+def test_slo_attainment_is_counted_by_placement_kind():
+    metrics = RouterMetrics("m")
+    slo = Slo(ttft_s=0.25, tpot_s=0.015)
+    metrics.judged(slo, Colocate("a", ttft_s=0.1, tpot_s=0.012), ttft_s=0.2, tpot_s=0.010)
+    metrics.judged(slo, Disaggregate("a", "b", ttft_s=0.3, tpot_s=0.015), ttft_s=0.3,
+                   tpot_s=0.010)
+    metrics.judged(slo, Disaggregate("a", "b", ttft_s=0.3, tpot_s=0.015), ttft_s=0.2,
+                   tpot_s=0.020)
+    assert _samples(metrics, "pdserve:router_slo_requests_total", "slo", "met", "kind") == {
+        ("ttft", "true", "colocate"): 1, ("tpot", "true", "colocate"): 1,
+        ("ttft", "false", "disaggregate"): 1, ("tpot", "true", "disaggregate"): 1,
+        ("ttft", "true", "disaggregate"): 1, ("tpot", "false", "disaggregate"): 1}
