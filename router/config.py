@@ -31,6 +31,11 @@ class RoutingSpec:
     calibrate: bool = option(True, "goodput: scale each worker's forecasts by how far "
                              "they ran from what its finished requests measured (per "
                              "TTFT and TPOT, colocated and split)")
+    max_wait_ms: float | None = option(None, "admission slo: the longest a request refused "
+                                       "for want of capacity (KV, or headroom under the "
+                                       "running requests' TPOT SLOs) waits for some to "
+                                       "free before its 429; unset: while its TTFT SLO "
+                                       "leaves time; 0: never waits")
     slo_ttft_ms: float | None = option(None, "TTFT SLO of requests that set none "
                                        "(x-slo-ttft-ms, slo_ttft_ms); unset: best effort")
     slo_tpot_ms: float | None = option(None, "TPOT SLO of requests that set none "
@@ -41,7 +46,13 @@ class RoutingSpec:
             raise ValueError(f"routing_policy must be one of {POLICIES}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}")
+        if self.max_wait_ms is not None and not 0 <= self.max_wait_ms < float("inf"):
+            raise ValueError(f"max_wait_ms must be a finite number >= 0, got {self.max_wait_ms}")
         self.default_slo  # checked
+
+    @property
+    def max_wait_s(self) -> float:
+        return float("inf") if self.max_wait_ms is None else self.max_wait_ms / 1e3
 
     @property
     def default_slo(self) -> Slo:

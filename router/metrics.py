@@ -72,6 +72,11 @@ class RouterMetrics:
                                "Requests that waited for capacity, by how the wait ended "
                                "(placed, or refused once the time ran out)",
                                labels + ["outcome"], registry=r)
+        self.wait_seconds = Histogram(
+            "pdserve:router_placement_wait_seconds",
+            "How long requests waited for capacity, by how the wait ended (placed, or "
+            "refused: the 429 came that much later than at once)",
+            labels + ["outcome"], buckets=_LATENCY, registry=r)
         self.prefix_tokens = Counter(
             "pdserve:router_prefix_hit_tokens",
             "Prompt tokens of placed requests held in a prefix cache (by the prefix index): "
@@ -131,9 +136,10 @@ class RouterMetrics:
         kind = type(decision).__name__.lower()
         self.decisions.labels(self._model, kind, getattr(decision, "kind", "")).inc()
 
-    def waited_out(self, outcome: str) -> None:
-        """A request that waited for capacity was placed, or refused."""
+    def waited_out(self, outcome: str, seconds: float) -> None:
+        """A request that waited `seconds` for capacity was placed, or refused."""
         self.waiters.labels(self._model, outcome).inc()
+        self.wait_seconds.labels(self._model, outcome).observe(seconds)
 
     def placed_prefix(self, placed: int, best: int) -> None:
         """A placed request's prompt tokens cached where it is computed, and the most

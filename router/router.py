@@ -354,24 +354,28 @@ class Router:
     async def _placement(self, flight: Flight, refused: frozenset[str]) -> Decision:
         """The policy's placement. A refusal for want of capacity (KV, or headroom
         under the TPOT SLOs) waits while the request's TTFT SLO leaves time for a
-        placement once capacity frees, and asks again each time some may have; any
-        other refusal, or one with no time to wait, raises (429)."""
-        waited = False
+        placement once capacity frees (and RoutingSpec.max_wait_ms in all), and asks
+        again each time some may have; any other refusal, or one with no time to wait,
+        raises (429)."""
+        waited_since = None  # the router's monotonic clock when it began to wait
         while True:
             decision = self._decide(flight.req, refused)
+            now = time.monotonic()
+            waited_s = None if waited_since is None else now - waited_since
             if not isinstance(decision, Reject):
                 self.metrics.decided(decision)
-                if waited:
-                    self.metrics.waited_out("placed")
+                if waited_s is not None:
+                    self.metrics.waited_out("placed", waited_s)
                 return decision
-            wait_s = self._may_wait(flight.req, decision)
+            wait_s = min(self._may_wait(flight.req, decision),
+                         self.config.routing.max_wait_s - (waited_s or 0.0))
             if wait_s <= 0:
                 self.metrics.decided(decision)
-                if waited:
-                    self.metrics.waited_out("refused")
+                if waited_s is not None:
+                    self.metrics.waited_out("refused", waited_s)
                 raise OverloadedError(decision.reason, decision.retry_after_s)
             self.metrics.waited.inc()
-            waited = True
+            waited_since = now if waited_since is None else waited_since
             await self._capacity_or(flight, wait_s)
 
     @staticmethod

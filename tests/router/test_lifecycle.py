@@ -372,3 +372,40 @@ def test_a_refusal_waits_only_while_capacity_is_predicted_to_free_in_time():
     assert wait("ttft", 0.0) == 0.0
     assert Router._may_wait(Accepted("r", [1], PARAMS, 100.0),
                             Reject("", 0.5, "harm", 0.1)) == 0.0  # no TTFT SLO: nothing to wait for
+
+
+def test_a_wait_for_capacity_is_bounded_by_max_wait_ms(tok):
+    # No free KV, and a TTFT SLO that would allow a 30 s wait: with max_wait_ms=50
+    # the 429 comes after about 50 ms, and the wait is recorded as refused; with 0
+    # it comes at once and nothing waited.
+    async def refusal(max_wait_ms):
+        decode = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
+        prefill = FakeActor(prefill=prefill_ok(7), abort=resolve(None))
+        router = _disaggregated(tok, decode, prefill, free_blocks=0,
+                                routing=RoutingSpec(max_wait_ms=max_wait_ms))
+        await router.start()
+        try:
+            began = time.monotonic()
+            with pytest.raises(OverloadedError, match="KV"):
+                await asyncio.wait_for(_drain(router.generate(await router.accept(
+                    [5, 6, 7], PARAMS, slo=Slo(ttft_s=30.0)))), 10)
+            took = time.monotonic() - began
+        finally:
+            await router.stop()
+        waits = router.metrics.registry.get_sample_value(
+            "pdserve:router_placement_wait_seconds_sum",
+            {"model_name": "m", "outcome": "refused"})
+        return took, waits, _counts(router)
+    took, waits, counts = asyncio.run(refusal(50))
+    assert 0.05 <= took < 5 and 0.05 <= waits < 5
+    assert counts == (0, 0, 0, 0, 0)
+    took, waits, counts = asyncio.run(refusal(0))
+    assert took < 5 and waits is None and counts == (0, 0, 0, 0, 0)
+
+
+def test_max_wait_ms_must_be_a_finite_number_at_least_zero():
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="max_wait_ms"):
+            RoutingSpec(max_wait_ms=bad)
+    assert RoutingSpec().max_wait_s == float("inf")
+    assert RoutingSpec(max_wait_ms=40).max_wait_s == 0.04
