@@ -11,7 +11,7 @@ contention would otherwise refuse an idle worker its work for ever. A pair's
 transfer model forgets its transfers as old, for the same reason."""
 from __future__ import annotations
 
-from pdserve.engine.latency_calibration import Calibrator
+from pdserve.engine.latency_calibration import NONE, Calibration, Calibrator
 from pdserve.engine.latency_model import (
     PromptShare,
     StepCost,
@@ -54,11 +54,21 @@ class ClusterModels:
         share.observe(t.steps, cost)
         return cost, share.share(t.time)
 
-    def calibrator(self, worker_id: str) -> Calibrator:
-        found = self.calibrators.get(worker_id)
-        if found is None:
-            found = self.calibrators[worker_id] = Calibrator()
-        return found
+    def measured(self, worker_id: str, metric: str, kind: str, forecast_s: float,
+                 measured_s: float, now: float) -> Calibration:
+        """One finished request's forecast (before calibration) and measurement, at
+        `now` on the router's clock; returns the worker's calibration as now learned."""
+        calibrator = self.calibrators.get(worker_id)
+        if calibrator is None:
+            calibrator = self.calibrators[worker_id] = Calibrator(max_age_s=self.step_max_age_s)
+        calibrator.observe(metric, kind, forecast_s, measured_s, now)
+        return calibrator.calibration(now)
+
+    def calibration(self, worker_id: str, now: float) -> Calibration:
+        """The worker's calibration at `now` (the router's clock): factors measured
+        within the max age."""
+        calibrator = self.calibrators.get(worker_id)
+        return NONE if calibrator is None else calibrator.calibration(now)
 
     def transferred(self, prefill: str, decode: str, nbytes: int, seconds: float,
                     now: float) -> None:

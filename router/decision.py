@@ -12,6 +12,10 @@ class Colocate:
     # its TTFT from the request's arrival, as the SLO counts it.
     ttft_s: float | None = field(default=None, compare=False)
     tpot_s: float | None = field(default=None, compare=False)
+    # The calibration factors those forecasts were scaled by (the TTFT's part from
+    # placement on): what the model forecast itself is theirs divided by these.
+    ttft_scale: float = field(default=1.0, compare=False)
+    tpot_scale: float = field(default=1.0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,8 @@ class Disaggregate:
     decode: str
     ttft_s: float | None = field(default=None, compare=False)
     tpot_s: float | None = field(default=None, compare=False)
+    ttft_scale: float = field(default=1.0, compare=False)
+    tpot_scale: float = field(default=1.0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -35,3 +41,8 @@ class Reject:
 
 
 Decision = Colocate | Disaggregate | Reject
+
+
+def placement_kind(decision: Colocate | Disaggregate) -> str:
+    """colocate | disaggregate: the label of metrics and calibrations."""
+    return "colocate" if isinstance(decision, Colocate) else "disaggregate"

@@ -151,9 +151,11 @@ class _Side:
 
 
 def _colocate(request: RequestView, state: ClusterState, w: _Side) -> Forecast:
-    scaled = w.w.calibration.scale
-    return _forecast(partial(Colocate, w.w.worker_id), request, state,
-                     scaled("ttft", "colocate", w.ttft), scaled("tpot", "colocate", w.tpot),
+    ttft_scale = w.w.calibration.factor("ttft", "colocate")
+    tpot_scale = w.w.calibration.factor("tpot", "colocate")
+    return _forecast(partial(Colocate, w.w.worker_id, ttft_scale=ttft_scale,
+                             tpot_scale=tpot_scale), request, state,
+                     w.ttft * ttft_scale, w.tpot * tpot_scale,
                      [w.harm(request, joins=True, computes=True)], w.w, w.decode_seqs)
 
 
@@ -162,13 +164,15 @@ def _pair(request: RequestView, state: ClusterState, p: _Side, d: _Side) -> Fore
     blocks_sent = max(prompt_blocks - d.cached // state.block_size, 0)  # D's hits stay
     transfer = state.transfer_cost(p.w.worker_id, d.w.worker_id).seconds(
         blocks_sent * state.kv_bytes_per_block)
-    ttft = p.w.calibration.scale("ttft", "disaggregate", p.ttft + transfer)
-    tpot = d.w.calibration.scale("tpot", "disaggregate", d.tpot)
+    ttft_scale = p.w.calibration.factor("ttft", "disaggregate")
+    tpot_scale = d.w.calibration.factor("tpot", "disaggregate")
     harms = [d.harm(request, joins=True, computes=False)]
     if p.w.decodes:  # its own decodes stall while it computes the prompt
         harms.append(p.harm(request, joins=False, computes=True))
-    return _forecast(partial(Disaggregate, p.w.worker_id, d.w.worker_id), request,
-                     state, ttft, tpot, harms, d.w, d.decode_seqs)
+    return _forecast(partial(Disaggregate, p.w.worker_id, d.w.worker_id,
+                             ttft_scale=ttft_scale, tpot_scale=tpot_scale), request,
+                     state, (p.ttft + transfer) * ttft_scale, d.tpot * tpot_scale, harms,
+                     d.w, d.decode_seqs)
 
 
 class _Harm:
@@ -208,13 +212,13 @@ def _forecast(make, request: RequestView, state: ClusterState, ttft: float, tpot
         return Forecast(decision, ttft, tpot, cost, "kv", state.retry_after_s)
     if not slo.ttft_met(ttft):
         # a retry arrives afresh: when the queue ahead will have drained that much
-        return Forecast(decision, ttft, tpot, cost, "ttft", from_now - slo.ttft_s)
+        return Forecast(decision, ttft, tpot, cost, "ttft", max(from_now - slo.ttft_s, 0.0))
     # A one-token request has no TPOT. And one that would decode alone is not refused
     # on its TPOT forecast: nothing could serve it faster, and only measuring it can
     # correct a model that overestimates (an idle worker reports no steps).
     if request.max_tokens > 1 and not slo.tpot_met(tpot) and decode_seqs > 0:
         return Forecast(decision, ttft, tpot, cost, "tpot",
-                        _shrunk_enough(state, decode, tpot - slo.tpot_s))
+                        _shrunk_enough(state, decode, (tpot - slo.tpot_s) / tpot))
     if breaks:
         # until every request it would break has finished
         last = max(b.remaining * step for b, step in breaks)
@@ -222,11 +226,14 @@ def _forecast(make, request: RequestView, state: ClusterState, ttft: float, tpot
     return Forecast(decision, ttft, tpot, cost)
 
 
-def _shrunk_enough(state: ClusterState, w: WorkerState, excess_s: float) -> float:
+def _shrunk_enough(state: ClusterState, w: WorkerState, excess: float) -> float:
     """When enough of this router's requests running on w are forecast to have ended
-    (each its remaining tokens at w's decode step now) for a step to be excess_s
-    shorter; the configured retry when its known requests are not enough."""
+    (each its remaining tokens at w's decode step now) for a step with the request in
+    it to be `excess` (a share) shorter: the forecast TPOT is that step stretched and
+    calibrated, so the share, not the seconds, carries over. The configured retry
+    when its known requests are not enough."""
     cost, load = state.step_cost(w), state.load(w)
+    excess_s = excess * (decode_step_seconds(cost, load) + cost.decode_seq_s)
     ends = sorted(b.remaining for b in w.budgets)
     needed = (max(1, math.ceil(excess_s / cost.decode_seq_s)) if cost.decode_seq_s > 0
               else len(ends) + 1)

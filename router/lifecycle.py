@@ -68,6 +68,9 @@ class Flight:
     queued_on: object | None = None
     predicted: object | None = None  # the Decision it was placed by (its forecasts)
     placed_at: float | None = None  # time.time() of that decision
+    # time.monotonic() when it began to wait for capacity (None: it never waited); a
+    # decode worker's refusal sends it back to placement, but its waits add up.
+    waited_since: float | None = None
     first_token_at: float | None = None  # time.time() of token #1
     num_output_tokens: int = 0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pdserve.router.decision import placement_kind
+
 _RELATIVE = (0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0)
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
             20.0, 40.0, 80.0)
@@ -147,18 +149,21 @@ class RouterMetrics:
         self.prefix_tokens.labels(self._model, "placed").inc(placed)
         self.prefix_tokens.labels(self._model, "best").inc(best)
 
-    def judged(self, slo, decision, ttft_s: float, tpot_s: float | None) -> None:
-        """A finished request: its SLO attainment, and its forecast's error."""
-        kind = type(decision).__name__.lower()
-        for name, target, measured in (("ttft", slo.ttft_s, ttft_s),
-                                       ("tpot", slo.tpot_s, tpot_s)):
+    def judged(self, slo, decision, ttft_s: float, tpot_s: float | None,
+               waited_s: float = 0.0) -> None:
+        """A finished request: its SLO attainment, and its forecast's error. Both TTFTs
+        count from its arrival; the error is of the part from its placement, after
+        it waited `waited_s` for capacity (a known wait is no forecast)."""
+        kind = placement_kind(decision)
+        for name, target, measured, known in (("ttft", slo.ttft_s, ttft_s, waited_s),
+                                              ("tpot", slo.tpot_s, tpot_s, 0.0)):
             predicted = getattr(decision, f"{name}_s", None)
             if measured is None:
                 continue
-            if predicted is not None and measured > 0:
+            if predicted is not None and measured - known > 0:
                 self.prediction_error.labels(
                     self._model, name, kind, "under" if predicted < measured else "over",
-                ).observe(abs(predicted - measured) / measured)
+                ).observe(abs(predicted - measured) / (measured - known))
             if target is not None:
                 self.slo_requests.labels(self._model, name, str(measured <= target).lower(),
                                          kind).inc()

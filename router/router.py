@@ -33,6 +33,7 @@ import ray
 
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.errors import InvalidRequestError, RequestFailedError
+from pdserve.engine.latency_calibration import NONE
 from pdserve.engine.latency_forecast import decode_step_seconds
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
@@ -48,7 +49,13 @@ from pdserve.engine.worker_messages import (
 from pdserve.router.cluster_models import ClusterModels
 from pdserve.router.cluster_state import ClusterState, RequestView, TpotBudget
 from pdserve.router.config import RouterConfig
-from pdserve.router.decision import Colocate, Decision, Disaggregate, Reject
+from pdserve.router.decision import (
+    Colocate,
+    Decision,
+    Disaggregate,
+    Reject,
+    placement_kind,
+)
 from pdserve.router.errors import (
     OverloadedError,
     WorkerError,
@@ -357,25 +364,27 @@ class Router:
         placement once capacity frees (and RoutingSpec.max_wait_ms in all), and asks
         again each time some may have; any other refusal, or one with no time to wait,
         raises (429)."""
-        waited_since = None  # the router's monotonic clock when it began to wait
+        waited = False  # in this call (a wait before a decode worker refused was counted)
         while True:
             decision = self._decide(flight.req, refused)
             now = time.monotonic()
-            waited_s = None if waited_since is None else now - waited_since
+            waited_s = 0.0 if flight.waited_since is None else now - flight.waited_since
             if not isinstance(decision, Reject):
                 self.metrics.decided(decision)
-                if waited_s is not None:
+                if waited:
                     self.metrics.waited_out("placed", waited_s)
                 return decision
             wait_s = min(self._may_wait(flight.req, decision),
-                         self.config.routing.max_wait_s - (waited_s or 0.0))
+                         self.config.routing.max_wait_s - waited_s)
             if wait_s <= 0:
                 self.metrics.decided(decision)
-                if waited_s is not None:
+                if waited:
                     self.metrics.waited_out("refused", waited_s)
                 raise OverloadedError(decision.reason, decision.retry_after_s)
             self.metrics.waited.inc()
-            waited_since = now if waited_since is None else waited_since
+            waited = True
+            if flight.waited_since is None:
+                flight.waited_since = now
             await self._capacity_or(flight, wait_s)
 
     @staticmethod
@@ -411,22 +420,22 @@ class Router:
                 or not isinstance(decision, (Colocate, Disaggregate)) or decision.ttft_s is None:
             return
         waited = flight.placed_at - flight.req.arrival_time
-        if isinstance(decision, Colocate):
-            kind, computes, decodes = "colocate", decision.worker, decision.worker
-        else:
-            kind, computes, decodes = "disaggregate", decision.prefill, decision.decode
-        self._calibrate(computes, "ttft", kind, decision.ttft_s - waited, ttft_s - waited)
+        kind = placement_kind(decision)
+        computes, decodes = ((decision.worker, decision.worker) if kind == "colocate"
+                             else (decision.prefill, decision.decode))
+        # What the model forecast itself: the factors it was scaled by divided out.
+        self._calibrate(computes, "ttft", kind, (decision.ttft_s - waited) / decision.ttft_scale,
+                        ttft_s - waited)
         if tpot_s is not None and decision.tpot_s:
-            self._calibrate(decodes, "tpot", kind, decision.tpot_s, tpot_s)
+            self._calibrate(decodes, "tpot", kind, decision.tpot_s / decision.tpot_scale, tpot_s)
 
     def _calibrate(self, worker_id: str, metric: str, kind: str, forecast_s: float,
                    measured_s: float) -> None:
         worker = self.workers.get(worker_id)
         if worker is None:
             return  # it left: its calibration went with it
-        calibrator = self.models.calibrator(worker_id)
-        calibrator.observe(metric, kind, forecast_s, measured_s)
-        worker.calibration = calibrator.calibration
+        worker.calibration = self.models.measured(worker_id, metric, kind, forecast_s,
+                                                  measured_s, time.monotonic())
 
     def _capacity_freed(self) -> None:
         self._capacity.set()
@@ -438,9 +447,11 @@ class Router:
         hits = (self.models.prefixes.hits(block_hashes(ids, bs))
                 if self.models.prefixes and self.config.routing.prefix_aware else {})
         cached = {w: n * bs for w, n in hits.items()}
-        view = RequestView(len(ids), -(-(len(ids) + 1) // bs), refused, req.slo,
-                           req.params.priority, req.params.max_tokens, cached,
-                           next(self._placed), max(time.time() - req.arrival_time, 0.0))
+        view = RequestView(num_prompt_tokens=len(ids), blocks_needed=-(-(len(ids) + 1) // bs),
+                           refused=refused, slo=req.slo, priority=req.params.priority,
+                           max_tokens=req.params.max_tokens, cached_tokens=cached,
+                           sequence=next(self._placed),
+                           waited_s=max(time.time() - req.arrival_time, 0.0))
         decision = decide(view, self.snapshot(), self.config.routing.routing_policy)
         if cached and not isinstance(decision, Reject):
             computes = decision.worker if isinstance(decision, Colocate) else decision.prefill
@@ -778,6 +789,7 @@ class Router:
                   previous: WorkerTelemetry | None) -> None:
         self.metrics.observe_worker(telemetry)
         worker.step_cost, worker.prompt_share = self.models.reported(telemetry)
+        worker.calibration = self.models.calibration(worker.worker_id, time.monotonic())
         self.models.age_transfers(time.monotonic())
         if previous is None or telemetry.free_blocks > previous.free_blocks \
                 or telemetry.running < previous.running:
@@ -868,7 +880,10 @@ class Router:
         stats = await asyncio.wait_for(worker.actor.stats.remote(), timeout_s)
         worker.num_blocks = stats["num_blocks"]
         worker.address = ""  # a restarted process listens on a new rendezvous
-        self.models.prefixes.forget(worker.worker_id)  # and its prefix cache is empty
+        # A new process, maybe on another node: its prefix cache is empty, and what
+        # was measured of the old one (steps, transfers, calibration) is forgotten.
+        self.models.forget(worker.worker_id)
+        worker.step_cost, worker.prompt_share, worker.calibration = None, 0.0, NONE
         await self._pair_with_cluster(worker)
         self._subscribe(worker)
 
@@ -963,7 +978,9 @@ class _Tracker:
         ttft = flight.first_token_at - self.req.arrival_time
         n = flight.num_output_tokens
         tpot = (now - flight.first_token_at) / (n - 1) if n > 1 else None
-        self.m.judged(self.req.slo, flight.predicted, ttft, tpot)
+        self.m.judged(self.req.slo, flight.predicted, ttft, tpot,
+                      waited_s=max((flight.placed_at or self.req.arrival_time)
+                                   - self.req.arrival_time, 0.0))
         self.on_measured(flight, ttft, tpot)
 
     def close(self) -> None:

@@ -218,6 +218,12 @@ def test_a_tpot_forecast_refuses_only_beside_a_running_batch_and_never_one_token
     assert decide(request(10, slo=Slo(tpot_s=0.035)), three).retry_after_s == \
         pytest.approx(20 * 0.040)
     assert decide(request(10, slo=Slo(tpot_s=0.02), max_tokens=1), busy) == Colocate("e")
+    # Its TPOT measured twice the model's forecasts: 100 ms forecast, 30% over a 70
+    # ms SLO. The step (50 ms with it) must shrink by 30% too: 2 must end, as above
+    # (not 30 ms of calibrated time at 10 ms per sequence: 3).
+    slow = replace(three.workers[0], calibration=Calibration({("tpot", "colocate"): 2.0}))
+    assert decide(request(10, slo=Slo(tpot_s=0.070)), state(slow)).retry_after_s == \
+        pytest.approx(20 * 0.040)
 
 
 def test_past_the_shortlist_the_best_workers_are_still_found():
@@ -263,6 +269,7 @@ def test_the_time_a_request_already_waited_counts_in_its_ttft():
     late = decide(replace(waited, waited_s=0.49), s)
     assert isinstance(late, Reject) and late.kind == "ttft"
     assert late.ttft_s == pytest.approx(0.510)
+    assert late.retry_after_s == 0.05  # the least: afresh, it would fit at once
 
 
 def test_forecasts_are_scaled_by_what_each_worker_measured_before():
@@ -278,3 +285,5 @@ def test_forecasts_are_scaled_by_what_each_worker_measured_before():
     assert alone == Colocate("a")
     assert alone.ttft_s == pytest.approx(1.5 * 13.2 * MS)
     assert alone.tpot_s == pytest.approx(2 * 11 * MS)
+    # the decision carries the factors, so what the model forecast itself is known
+    assert (alone.ttft_scale, alone.tpot_scale) == (1.5, 2.0)

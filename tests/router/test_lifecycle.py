@@ -229,10 +229,12 @@ def test_every_error_crossing_a_process_boundary_round_trips(error):
 
 def test_finished_requests_calibrate_the_forecasts_of_the_workers_they_ran_on(tok):
     """The fakes answer at once: measured far below forecast, so the prefill worker's
-    TTFT and the decode worker's TPOT factors (split placements) fall below 1."""
+    TTFT and the decode worker's TPOT factors (split placements) fall below 1. Once
+    the decode worker's process restarts, what was measured of the old one is gone."""
     async def scenario():
-        d0 = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
-        prefill = FakeActor(prefill=prefill_ok(7), abort=resolve(None))
+        d0 = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None),
+                       stats=resolve({"num_blocks": 100}), address=resolve("d0-again"))
+        prefill = FakeActor(prefill=prefill_ok(7), abort=resolve(None), connect=resolve(None))
         router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
                         [worker("p0", prefill, "prefill"), worker("d0", d0, "decode", 100)])
         await router.start()
@@ -243,12 +245,15 @@ def test_finished_requests_calibrate_the_forecasts_of_the_workers_they_ran_on(to
         factors = (router.workers["p0"].calibration.factors,
                    router.workers["d0"].calibration.factors,
                    router.snapshot().workers)
+        await router._rejoin(router.workers["d0"])  # as after Ray restarted its process
+        after = {w.worker_id: w.calibration.factors for w in router.snapshot().workers}
         await router.stop()
-        return factors
-    p0, d0, snapshot = asyncio.run(scenario())
+        return factors, after, router.models
+    (p0, d0, snapshot), after, models = asyncio.run(scenario())
     assert set(p0) == {("ttft", "disaggregate")} and p0[("ttft", "disaggregate")] < 1
     assert set(d0) == {("tpot", "disaggregate")} and d0[("tpot", "disaggregate")] < 1
     assert {w.worker_id: w.calibration.factors for w in snapshot} == {"p0": p0, "d0": d0}
+    assert after == {"p0": p0, "d0": {}} and set(models.calibrators) == {"p0"}
 
 
 def test_telemetry_on_the_stream_moves_placement_without_any_scrape(tok):

@@ -1,4 +1,6 @@
 """The router's metrics, read back from its registry."""
+import pytest
+
 from pdserve.router.decision import Colocate, Disaggregate
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.slo import Slo
@@ -37,3 +39,14 @@ def test_slo_attainment_is_counted_by_placement_kind():
         ("ttft", "true", "colocate"): 1, ("tpot", "true", "colocate"): 1,
         ("ttft", "false", "disaggregate"): 1, ("tpot", "true", "disaggregate"): 1,
         ("ttft", "true", "disaggregate"): 1, ("tpot", "false", "disaggregate"): 1}
+
+
+def test_the_ttft_error_is_of_the_part_after_a_wait_for_capacity():
+    # Waited 400 ms, then forecast 100 ms more (500 ms from arrival), measured 600 ms:
+    # the forecast was off by 100 ms of 200, not of 600.
+    metrics = RouterMetrics("m")
+    metrics.judged(Slo(ttft_s=1.0), Colocate("a", ttft_s=0.5), ttft_s=0.6, tpot_s=None,
+                   waited_s=0.4)
+    errors = _samples(metrics, "pdserve:router_prediction_relative_error_sum",
+                      "metric", "kind", "direction")
+    assert errors == {("ttft", "colocate", "under"): pytest.approx(0.5)}
