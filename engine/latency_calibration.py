@@ -37,9 +37,6 @@ class Calibration:
     def factor(self, metric: str, kind: str) -> float:
         return self.factors.get((metric, kind), 1.0)
 
-    def scale(self, metric: str, kind: str, seconds: float) -> float:
-        return seconds * self.factor(metric, kind)
-
 
 NONE = Calibration()
 

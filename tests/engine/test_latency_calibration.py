@@ -20,8 +20,8 @@ def test_the_factor_learns_a_bias_that_noise_hides_in_single_requests():
     learned = calibrator.calibration(now=400.0)
     assert learned.factor("tpot", "disaggregate") == pytest.approx(1.2, rel=0.05)
     # each (metric, kind) learns apart: the others are untouched
-    assert learned.scale("tpot", "colocate", 0.010) == 0.010
-    assert learned.scale("ttft", "disaggregate", 0.010) == 0.010
+    assert learned.factor("tpot", "colocate") == 1.0
+    assert learned.factor("ttft", "disaggregate") == 1.0
 
 
 @pytest.mark.parametrize("in_flight", [5, 40, 80])
