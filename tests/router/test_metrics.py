@@ -12,13 +12,18 @@ def _samples(metrics: RouterMetrics, name: str, *labels: str) -> dict:
             for m in metrics.registry.collect() for s in m.samples if s.name == name}
 
 
-def test_forecast_errors_are_kept_apart_by_placement_kind_and_direction():
+def _judged(slo: Slo) -> RouterMetrics:
+    """A colocated and a split request, each forecast off in both metrics."""
     metrics = RouterMetrics("m")
-    slo = Slo(ttft_s=1.0, tpot_s=0.05)
     metrics.judged(slo, Colocate("a", ttft_s=0.1, tpot_s=0.012), ttft_s=0.2, tpot_s=0.010)
     metrics.judged(slo, Disaggregate("a", "b", ttft_s=0.3, tpot_s=0.015), ttft_s=0.2,
                    tpot_s=0.020)
-    errors = _samples(metrics, "pdserve:router_prediction_relative_error_sum",
+    return metrics
+
+
+def test_forecast_errors_are_kept_apart_by_placement_kind_and_direction():
+    errors = _samples(_judged(Slo(ttft_s=1.0, tpot_s=0.05)),
+                      "pdserve:router_prediction_relative_error_sum",
                       "metric", "kind", "direction")
     assert errors[("ttft", "colocate", "under")] == 0.5  # 0.1 for 0.2
     assert abs(errors[("tpot", "colocate", "over")] - 0.2) < 1e-9  # 12 ms for 10
@@ -28,13 +33,10 @@ def test_forecast_errors_are_kept_apart_by_placement_kind_and_direction():
 
 
 def test_slo_attainment_is_counted_by_placement_kind():
-    metrics = RouterMetrics("m")
     slo = Slo(ttft_s=0.25, tpot_s=0.015)
-    metrics.judged(slo, Colocate("a", ttft_s=0.1, tpot_s=0.012), ttft_s=0.2, tpot_s=0.010)
+    metrics = _judged(slo)
     metrics.judged(slo, Disaggregate("a", "b", ttft_s=0.3, tpot_s=0.015), ttft_s=0.3,
                    tpot_s=0.010)
-    metrics.judged(slo, Disaggregate("a", "b", ttft_s=0.3, tpot_s=0.015), ttft_s=0.2,
-                   tpot_s=0.020)
     assert _samples(metrics, "pdserve:router_slo_requests_total", "slo", "met", "kind") == {
         ("ttft", "true", "colocate"): 1, ("tpot", "true", "colocate"): 1,
         ("ttft", "false", "disaggregate"): 1, ("tpot", "true", "disaggregate"): 1,
