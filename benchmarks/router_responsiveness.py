@@ -137,7 +137,7 @@ def main() -> int:
                     statistics.median(d[1] for d in delays) - base}
         server.stop()
         for worker in router.workers.values():
-            ray.kill(worker.actor)
+            ray.kill(worker.client.actor)
     ray.shutdown()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))

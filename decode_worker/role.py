@@ -18,8 +18,7 @@ from typing import Callable
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.worker_messages import Reservation, TokenDelta
+from pdserve.engine.worker_messages import Job, Reservation, TokenDelta
 from pdserve.kv_transfer import KVReceiver
 
 
@@ -40,28 +39,29 @@ class DecodeRole:
     def address(self) -> str:
         return self.receiver.address
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int],
-                params: SamplingParams, arrival_time: float | None = None) -> Future:
+    def reserve(self, job: Job) -> Future:
         """Resolves to a Reservation, or None when the KV pool has no room. Runs beside
         the decode step in flight rather than after it: waiting for the step boundary
         would add up to a whole decode step to the request's TTFT."""
         def reserve(engine: LLMEngine) -> Reservation | None:
-            if request_id in self._aborted:
+            if job.request_id in self._aborted:
                 return None  # its abort overtook this call
-            request = engine.reserve_remote(request_id, prompt_token_ids, params, arrival_time)
+            request = engine.reserve_remote(job.request_id, job.prompt_token_ids,
+                                            job.sampling_params, job.arrival_time)
             if request is None:
                 return None
             cached = request.num_cached_tokens // engine.block_manager.block_size
-            self.receiver.expect(request_id, request.block_ids[cached:], cached)
-            return Reservation(request_id, self.address, list(request.block_ids), cached)
+            self.receiver.expect(job.request_id, request.block_ids[cached:], cached)
+            return Reservation(request_id=job.request_id, receiver_address=self.address,
+                               block_ids=list(request.block_ids), num_cached_blocks=cached)
 
         return self._reserving.submit(self.loop.call_concurrent, reserve)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               arrival_time: float | None = None) -> Future:
+    def submit(self, job: Job) -> Future:
         """Colocated mode: run the whole request here, prefill (chunked) included."""
         return self.loop.call(lambda engine: engine.add_request(
-            request_id, prompt_token_ids, params, arrival_time) and None)
+            job.request_id, job.prompt_token_ids, job.sampling_params, job.arrival_time)
+            and None)
 
     def start(self, request_id: str, first_token: int) -> Future:
         """The prefill worker sent the KV and sampled `first_token`: once the KV is
@@ -105,11 +105,13 @@ class DecodeRole:
 
 def deltas(outputs: list[RequestOutput]) -> list[TokenDelta]:
     """What a step's outputs tell the router: each request's new tokens and text."""
-    return [TokenDelta(o.request_id, o.new_token_ids, o.new_text,
-                       _last(o.logprobs, len(o.new_token_ids)),
-                       o.finished, o.finish_reason, len(o.prompt_token_ids),
-                       o.num_cached_tokens, len(o.token_ids),
-                       _last(o.top_logprobs, len(o.new_token_ids)), o.error)
+    return [TokenDelta(request_id=o.request_id, token_ids=o.new_token_ids, text=o.new_text,
+                       logprobs=_last(o.logprobs, len(o.new_token_ids)),
+                       finished=o.finished, finish_reason=o.finish_reason,
+                       num_prompt_tokens=len(o.prompt_token_ids),
+                       num_cached_tokens=o.num_cached_tokens,
+                       num_output_tokens=len(o.token_ids),
+                       top_logprobs=_last(o.top_logprobs, len(o.new_token_ids)), error=o.error)
             for o in outputs]
 
 

@@ -45,9 +45,6 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or string that ended it
     error: str | None = None  # why it finished with FinishReason.ERROR
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
     # Owned by the block manager: KV block ids in token order, and the chained
     # hashes of this request's full blocks (prefix caching).
     block_ids: list[int] = field(default_factory=list)
@@ -92,9 +89,6 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
-
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     def append_output(self, token_id: int, logprob: float | None = None,
                       top_logprobs: dict[int, float] | None = None) -> None:

@@ -28,12 +28,32 @@ class Reservation:
 
 
 @dataclass(frozen=True)
-class PrefillJob:
+class Job:
+    """A request as a worker takes it: reserved for (decode side), submitted whole
+    (role both), or prefilled for another worker (PrefillJob)."""
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    target: Reservation
-    arrival_time: float
+    arrival_time: float  # wall clock when the router accepted it
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    job: Job
+    target: Reservation  # where its KV goes
+
+    @property
+    def request_id(self) -> str:
+        return self.job.request_id
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """What the router asks a worker for outside its telemetry."""
+    num_blocks: int
+    free_blocks: int
+    # kv_transfer lease -> how many expired on this worker (its receiver's LEASES)
+    lease_expiries: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -64,11 +84,9 @@ class TokenDelta:
 
     def merged(self, later: "TokenDelta") -> "TokenDelta":
         """This delta followed by `later`, as one (for a consumer that fell behind)."""
-        return TokenDelta(self.request_id, self.token_ids + later.token_ids,
-                          self.text + later.text, self.logprobs + later.logprobs,
-                          later.finished, later.finish_reason, later.num_prompt_tokens,
-                          later.num_cached_tokens, later.num_output_tokens,
-                          self.top_logprobs + later.top_logprobs, later.error)
+        return replace(later, token_ids=self.token_ids + later.token_ids,
+                       text=self.text + later.text, logprobs=self.logprobs + later.logprobs,
+                       top_logprobs=self.top_logprobs + later.top_logprobs)
 
 
 @dataclass(frozen=True)
@@ -131,4 +149,5 @@ class StepBatch:
         if later.telemetry is not None:
             telemetry = later.telemetry if telemetry is None else telemetry.merged(
                 later.telemetry)
-        return StepBatch(self.worker_id, list(by_request.values()), telemetry)
+        return StepBatch(worker_id=self.worker_id, deltas=list(by_request.values()),
+                         telemetry=telemetry)

@@ -59,13 +59,14 @@ class PrefillRole:
         """Resolves to a PrefillResult once the KV landed on the decode worker."""
         entry = self._jobs[job.request_id] = _Job(job, Future())
         # Only the first token is sampled here; stop conditions are the decode side's.
-        params = replace(job.sampling_params, max_tokens=1, stop=(), stop_token_ids=(),
+        params = replace(job.job.sampling_params, max_tokens=1, stop=(), stop_token_ids=(),
                          ignore_eos=True)
 
         def add(engine: LLMEngine) -> None:
             if self._jobs.get(job.request_id) is not entry:
                 return  # aborted while its pair was being opened
-            engine.add_request(job.request_id, job.prompt_token_ids, params, job.arrival_time)
+            engine.add_request(job.request_id, job.job.prompt_token_ids, params,
+                               job.job.arrival_time)
             entry.queued = True
 
         def refused(added: Future) -> None:  # bad input: the engine raised, nothing queued
@@ -189,9 +190,11 @@ class PrefillRole:
         now = time.time()
         started = out.metrics.first_scheduled_time or out.metrics.arrival_time
         self._resolve(out.request_id, result=PrefillResult(
-            out.request_id, out.token_ids[0], out.logprobs[0] if out.logprobs else None,
-            out.top_logprobs[0] if out.top_logprobs else None,
-            handle.bytes_sent, now - started, now - entry.computed_at))
+            request_id=out.request_id, first_token=out.token_ids[0],
+            first_logprob=out.logprobs[0] if out.logprobs else None,
+            first_top_logprobs=out.top_logprobs[0] if out.top_logprobs else None,
+            kv_bytes_sent=handle.bytes_sent, prefill_seconds=now - started,
+            transfer_seconds=now - entry.computed_at))
 
     def _resolve(self, request_id: str, result=None, error=None) -> None:
         entry = self._jobs.pop(request_id, None)

@@ -5,7 +5,6 @@ separate from the client keys: a client key cannot drain a pool. Errors are the
 OpenAI-shaped JSON of the other routes."""
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
 from typing import Literal
 
@@ -16,7 +15,8 @@ from starlette.exceptions import HTTPException
 from pdserve.engine.worker_messages import ROLES
 from pdserve.router.auth import ApiKeys
 from pdserve.router.placement import PlacementError
-from pdserve.router.router import MembershipError, Router
+from pdserve.router.pool import MembershipError
+from pdserve.router.router import Router
 
 Role = Literal[ROLES]  # the one list, engine.worker_messages.ROLES
 
@@ -45,6 +45,7 @@ def admin_routes(router: Router, keys: ApiKeys) -> APIRouter:
                                 headers={"WWW-Authenticate": "Bearer"})
 
     api = APIRouter(prefix="/admin", dependencies=[Depends(admin)], tags=["admin"])
+    pool = router.pool
 
     @api.get("/workers")
     async def list_workers():
@@ -55,45 +56,45 @@ def admin_routes(router: Router, keys: ApiKeys) -> APIRouter:
     async def add_worker(body: AddWorker):
         """Starts a worker of the role; it is paired and subscribed before it gets
         traffic. Answers once it is in service."""
-        worker_id = await _carried_out(router.add_worker(body.role))
+        worker_id = await _carried_out(pool.add(body.role))
         return describe(router, worker_id)
 
     @api.post("/workers/{worker_id}/drain")
     async def drain(worker_id: str, body: Drain | None = None):
         """No new requests; answers once this router's requests on it are done (504
         if they are not within the timeout: it stays draining)."""
-        await _carried_out(router.drain_worker(worker_id, body.timeout_s if body else None))
+        await _carried_out(pool.drain(worker_id, body.timeout_s if body else None))
         return describe(router, worker_id)
 
     @api.post("/workers/{worker_id}/resume")
     async def resume(worker_id: str):
-        _raise_typed(lambda: router.resume_worker(worker_id))
+        _raise_typed(lambda: pool.resume(worker_id))
         return describe(router, worker_id)
 
     @api.post("/workers/{worker_id}/role")
     async def change_role(worker_id: str, body: ChangeRole):
         """Drains the worker, switches its role (weights stay loaded), pairs it anew
         and resumes it."""
-        await _carried_out(router.set_worker_role(worker_id, body.role))
+        await _carried_out(pool.set_role(worker_id, body.role))
         return describe(router, worker_id)
 
     @api.delete("/workers/{worker_id}")
     async def remove(worker_id: str, body: Drain | None = None):
         """Drains the worker, then it leaves the cluster and its actor ends."""
-        await _carried_out(router.remove_worker(worker_id, body.timeout_s if body else None))
+        await _carried_out(pool.remove(worker_id, body.timeout_s if body else None))
         return {"worker_id": worker_id, "removed": True}
 
     return api
 
 
 def describe(router: Router, worker_id: str) -> dict:
-    w = router.workers[worker_id]
+    w = router.workers[worker_id].state
     report = None
     if w.telemetry is not None:
         report = asdict(w.telemetry)
         for key in ("steps", "prefix_stored", "prefix_evicted"):
             report.pop(key)  # per-report deltas, not state
-        report["age_s"] = round(time.monotonic() - w.heard_at, 3)
+        report["age_s"] = round(router.clock.monotonic() - w.heard_at, 3)
     return {"worker_id": w.worker_id, "role": w.role,
             "state": router.worker_states()[w.worker_id], "inflight": w.inflight,
             "queued": w.queued, "queued_tokens": w.queued_tokens, "telemetry": report}

@@ -11,6 +11,8 @@ contention would otherwise refuse an idle worker its work for ever. A pair's
 transfer model forgets its transfers as old, for the same reason."""
 from __future__ import annotations
 
+from collections.abc import Container
+
 from pdserve.engine.latency_calibration import NONE, Calibration, Calibrator
 from pdserve.engine.latency_model import (
     PromptShare,
@@ -20,6 +22,7 @@ from pdserve.engine.latency_model import (
     TransferModel,
 )
 from pdserve.engine.worker_messages import WorkerTelemetry
+from pdserve.router.decision import Colocate, Disaggregate, placement_kind
 from pdserve.router.prefix_index import PrefixIndex
 
 STEP_MAX_AGE_S = 120.0
@@ -63,6 +66,27 @@ class ClusterModels:
             calibrator = self.calibrators[worker_id] = Calibrator(max_age_s=self.step_max_age_s)
         calibrator.observe(metric, kind, forecast_s, measured_s, now)
         return calibrator.calibration(now)
+
+    def request_finished(self, decision: Colocate | Disaggregate, waited_s: float,
+                         ttft_s: float, tpot_s: float | None, now: float,
+                         members: Container[str]) -> dict[str, Calibration]:
+        """A finished request's latencies: the calibration of the workers whose
+        forecasts it was placed by learns how far they were off (the TTFT from its
+        placement, after waiting `waited_s`, as forecast then; the TPOT of its decode
+        worker). Returns each such worker's calibration as now learned; a worker no
+        longer among `members` took its calibration with it."""
+        if decision.ttft_s is None:
+            return {}  # a policy without a model forecast nothing
+        kind = placement_kind(decision)
+        computes, decodes = ((decision.worker, decision.worker) if kind == "colocate"
+                             else (decision.prefill, decision.decode))
+        # What the model forecast itself: the factors it was scaled by divided out.
+        learned = [(computes, "ttft", (decision.ttft_s - waited_s) / decision.ttft_scale,
+                    ttft_s - waited_s)]
+        if tpot_s is not None and decision.tpot_s:
+            learned.append((decodes, "tpot", decision.tpot_s / decision.tpot_scale, tpot_s))
+        return {worker: self.measured(worker, metric, kind, forecast, measured, now)
+                for worker, metric, forecast, measured in learned if worker in members}
 
     def calibration(self, worker_id: str, now: float) -> Calibration:
         """The worker's calibration at `now` (the router's clock): factors measured

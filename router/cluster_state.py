@@ -16,38 +16,26 @@ from pdserve.engine.latency_model import (
     TransferCost,
 )
 from pdserve.engine.worker_messages import WorkerTelemetry
+from pdserve.router.config import RouterConfig
+from pdserve.router.model_info import ModelInfo
 from pdserve.router.slo import Slo
-
-
-class HasRole:
-    """What a worker's `role` lets it do (shared by WorkerState and the router's
-    WorkerHandle)."""
-    role: str
-
-    @property
-    def prefills(self) -> bool:
-        return self.role in ("prefill", "both")
-
-    @property
-    def decodes(self) -> bool:
-        return self.role in ("decode", "both")
-
-    def sends_kv(self, adaptive: bool) -> bool:
-        """Whether it prefills for other workers: role prefill, or both in adaptive
-        mode (outside it, role both runs whole requests only)."""
-        return self.role == "prefill" or (adaptive and self.role == "both")
 
 
 @dataclass(frozen=True)
 class TpotBudget:
     """A running request's TPOT SLO as it stands now."""
     priority: int  # the request's; lower runs first
-    slack_s: float  # how much longer each of its remaining steps may take (<0: missed)
+    # How long each of its remaining steps may take and still meet it: its slack is
+    # this less its worker's decode step now (< 0: missed already).
+    allowance_s: float
     remaining: int  # tokens it may still generate
 
 
 @dataclass(frozen=True)
-class WorkerState(HasRole):
+class WorkerState:
+    """One worker as the policy sees it, and as the router holds it: the router
+    replaces its worker's state (never mutates it) on every change, so a snapshot of
+    many workers is a tuple of the states they hold."""
     worker_id: str
     role: str  # prefill | decode | both (engine.worker_messages.ROLES)
     alive: bool = True  # in service (not dead, not restarting, not stalled)
@@ -63,8 +51,15 @@ class WorkerState(HasRole):
     step_cost: StepCost | None = None  # its latency model (None: nothing fitted yet)
     prompt_share: float = 0.0  # of its recent time, spent computing prompts
     calibration: Calibration = NONE  # how its forecasts are scaled
-    # This router's requests running here with a TPOT SLO.
-    budgets: tuple[TpotBudget, ...] = ()
+
+    @property
+    def decodes(self) -> bool:
+        return self.role in ("decode", "both")
+
+    def sends_kv(self, adaptive: bool) -> bool:
+        """Whether it prefills for other workers: role prefill, or both in adaptive
+        mode (outside it, role both runs whole requests only)."""
+        return self.role == "prefill" or (adaptive and self.role == "both")
 
     @property
     def available(self) -> bool:
@@ -115,18 +110,44 @@ class WorkerState(HasRole):
 class ClusterState:
     workers: tuple[WorkerState, ...]
     now: float = 0.0  # the router's monotonic clock when the snapshot was taken
-    # A report older than this is unknown: never read as "full" or as "free".
-    stale_after_s: float = 5.0
-    # Prompt tokens admitted to one prefill worker and not yet prefilled beyond which
-    # a request is refused (0 = unbounded), so nothing admitted outwaits its lease.
-    max_queued_prefill_tokens: int = 0
-    retry_after_s: float = 1.0
+    config: RouterConfig = RouterConfig()  # staleness, queue bound, retry, mode, admission
+    model: ModelInfo = ModelInfo("", 0, 0, 16)  # block size, KV bytes per block
     # (prefill worker, decode worker) -> its fitted transfer cost
     transfer: Mapping[tuple[str, str], TransferCost] = field(default_factory=dict)
-    block_size: int = 16  # tokens per KV block
-    kv_bytes_per_block: int = 0  # the KV of one block, all layers
-    adaptive: bool = False  # workers in role both may also be paired (P on one, D on another)
-    admission: str = "slo"  # slo: refuse what would miss its SLOs; always: place anyway
+    # Decode worker id -> this router's requests running there with a TPOT SLO. The
+    # router's is a view computed for the workers a decision reads (of the same
+    # moment: a decision is one synchronous call), not for every worker.
+    budgets: Mapping[str, tuple[TpotBudget, ...]] = field(default_factory=dict)
+
+    @property
+    def stale_after_s(self) -> float:
+        """A report older than this is unknown: never read as "full" or as "free"."""
+        return self.config.telemetry_stale_s
+
+    @property
+    def max_queued_prefill_tokens(self) -> int:
+        return self.config.max_queued_prefill_tokens
+
+    @property
+    def retry_after_s(self) -> float:
+        return self.config.retry_after_s
+
+    @property
+    def adaptive(self) -> bool:
+        """Workers in role both may also be paired (P on one, D on another)."""
+        return self.config.adaptive
+
+    @property
+    def admission(self) -> str:
+        return self.config.routing.admission
+
+    @property
+    def block_size(self) -> int:
+        return self.model.block_size
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.model.kv_bytes_per_block
 
     def report(self, worker: WorkerState) -> WorkerTelemetry | None:
         """The worker's telemetry if fresh, else None (unknown)."""

@@ -7,11 +7,10 @@ from pathlib import Path
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.options import option
-from pdserve.router import policy
 from pdserve.router.slo import Slo
 
 MODES = ("disaggregated", "colocated", "adaptive")
-POLICIES = tuple(policy.POLICIES)
+POLICIES = ("goodput", "least-loaded", "round-robin")  # router/policy.py maps each to its decide
 ADMISSIONS = ("slo", "always")
 
 

@@ -144,10 +144,17 @@ class _Side:
         self.join_s = joining_slowdown(cost, n)  # per step, when the request decodes here
         self.stall_s = prompt_compute_seconds(cost, n, self.cached)  # once, computing it
         self.decode_seqs = load.decode_seqs
+        self.budgets = state.budgets.get(w.worker_id, ())  # this router's timed requests here
+        self._harms: dict[tuple[bool, bool], _Harm] = {}
 
     def harm(self, request: RequestView, joins: bool, computes: bool) -> "_Harm":
-        return _Harm(request, self, self.join_s if joins else 0.0,
-                     self.stall_s if computes else 0.0)
+        """What the placement takes from the requests running here (the same for every
+        pair this side is in: computed once)."""
+        harm = self._harms.get((joins, computes))
+        if harm is None:
+            harm = self._harms[joins, computes] = _Harm(
+                request, self, self.join_s if joins else 0.0, self.stall_s if computes else 0.0)
+        return harm
 
 
 def _colocate(request: RequestView, state: ClusterState, w: _Side) -> Forecast:
@@ -186,12 +193,13 @@ class _Harm:
         self.breaks: list[tuple[TpotBudget, float]] = []
         if not per_step_s and not stall_s:
             return
-        for b in side.w.budgets:
+        for b in side.budgets:
             added = per_step_s + stall_s / max(b.remaining, 1)
-            self.cost += added / max(b.slack_s + side.step, 1e-6)
-            if b.slack_s >= 0 and added > b.slack_s and b.priority <= request.priority:
+            self.cost += added / max(b.allowance_s, 1e-6)
+            slack = b.allowance_s - side.step
+            if slack >= 0 and added > slack and b.priority <= request.priority:
                 self.breaks.append((b, side.step))
-        others = max(side.decode_seqs - len(side.w.budgets), 0)  # best effort, or another router's
+        others = max(side.decode_seqs - len(side.budgets), 0)  # best effort, or another router's
         if others:
             self.cost += others * (per_step_s + stall_s / max(request.max_tokens, 1)) \
                 / _REFERENCE_TPOT_S
@@ -234,7 +242,7 @@ def _shrunk_enough(state: ClusterState, w: WorkerState, excess: float) -> float:
     when its known requests are not enough."""
     cost, load = state.step_cost(w), state.load(w)
     excess_s = excess * (decode_step_seconds(cost, load) + cost.decode_seq_s)
-    ends = sorted(b.remaining for b in w.budgets)
+    ends = sorted(b.remaining for b in state.budgets.get(w.worker_id, ()))
     needed = (max(1, math.ceil(excess_s / cost.decode_seq_s)) if cost.decode_seq_s > 0
               else len(ends) + 1)
     if ends and len(ends) >= load.decode_seqs:

@@ -1,6 +1,6 @@
 """Start the workers as Ray actors and build a Router over them. The same
-WorkerSpawner starts workers at run time (Router.add_worker, the replacement of an
-evicted worker)."""
+WorkerSpawner starts workers at run time (Pool.add, the replacement of an evicted
+worker). The router reaches each actor through a RayWorkerClient."""
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +19,10 @@ from pdserve.engine.model_runner import DTYPES
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec, RouterConfig
+from pdserve.router.model_info import ModelInfo
 from pdserve.router.placement import PlacementError, unplaceable
-from pdserve.router.router import ModelInfo, Router
+from pdserve.router.ray_worker_client import RayWorkerClient
+from pdserve.router.router import Router
 from pdserve.router.workers import WorkerHandle
 from pdserve.worker.actor import WorkerActor
 
@@ -61,7 +63,7 @@ class WorkerSpawner:
         return worker_id, actor
 
     async def __call__(self, role: str) -> WorkerHandle:
-        """A loaded worker of `role`, not yet paired or subscribed (Router.join does
+        """A loaded worker of `role`, not yet paired or subscribed (Pool.join does
         that). Raises PlacementError if Ray does not place it within the startup
         bound; the pending actor is ended then."""
         worker_id, actor = self.create(role)
@@ -73,7 +75,8 @@ class WorkerSpawner:
             raise PlacementError(f"worker {worker_id} was not placed and loaded within "
                                  f"{self.router_config.startup_timeout_s:g}s: Ray may "
                                  f"lack the resources ({self.demand(role)})") from None
-        return WorkerHandle(worker_id, actor, role, num_blocks=stats["num_blocks"])
+        return WorkerHandle.of(worker_id, RayWorkerClient(actor), role,
+                               num_blocks=stats["num_blocks"])
 
 
 def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
@@ -95,22 +98,24 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
         raise PlacementError(problem)
     created = [spawner.create(role) for role in roles]
     stats = _get([actor.stats.remote() for _, actor in created], router_config, "start")
-    workers = [WorkerHandle(worker_id, actor, role, num_blocks=s["num_blocks"])
+    decoders = [(worker_id, actor) for (worker_id, actor), role in zip(created, roles)
+                 if role != "prefill"]
+    addresses = dict(zip((worker_id for worker_id, _ in decoders), _get(
+        [actor.address.remote() for _, actor in decoders], router_config, "start")))
+    workers = [WorkerHandle.of(worker_id, RayWorkerClient(actor), role,
+                               num_blocks=s["num_blocks"], address=addresses.get(worker_id, ""))
                for (worker_id, actor), role, s in zip(created, roles, stats)]
-    decoders = [w for w in workers if w.decodes]
-    addresses = _get([w.actor.address.remote() for w in decoders], router_config, "start")
-    for worker, address in zip(decoders, addresses):
-        worker.address = address
     # every pair, before traffic
     adaptive = pools.mode == "adaptive"
-    _get([w.actor.connect.remote([a for d, a in zip(decoders, addresses) if d is not w])
-          for w in workers if w.sends_kv(adaptive)], router_config, "pair up")
+    _get([w.client.actor.connect.remote([a for d, a in addresses.items() if d != w.worker_id])
+          for w in workers if w.state.sends_kv(adaptive)], router_config, "pair up")
     model = ModelConfig.from_dir(model_dir)
     max_len = min(engine_config.max_model_len or model.max_position_embeddings,
                   model.max_position_embeddings)
     block_size = engine_config.cache.block_size
-    info = ModelInfo(served, max_len, model.vocab_size, block_size, bytes_per_block(
-        model, block_size, DTYPES[engine_config.resolved_dtype]))
+    info = ModelInfo(name=served, max_model_len=max_len, vocab_size=model.vocab_size,
+                     block_size=block_size, kv_bytes_per_block=bytes_per_block(
+                         model, block_size, DTYPES[engine_config.resolved_dtype]))
     return Router(Tokenizer(model_dir), info, workers,
                   replace(router_config, adaptive=adaptive), spawner)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import Awaitable
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.slo import Slo
@@ -57,8 +58,8 @@ class Accepted:
 class Flight:
     req: Accepted
     phase: Phase = Phase.ACCEPTED
-    decode: object | None = None  # WorkerHandle the request is reserved / running on
-    prefill: object | None = None  # WorkerHandle computing its KV
+    decode: object | None = None  # the WorkerHandle it is reserved / running on
+    prefill: object | None = None  # the WorkerHandle computing its KV
     # request id's TokenDeltas from the decode worker's pump (or the error ending it)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # Router.abort
@@ -67,16 +68,29 @@ class Flight:
     # Colocated: the worker whose prefill queue counts its prompt until token #1.
     queued_on: object | None = None
     predicted: object | None = None  # the Decision it was placed by (its forecasts)
-    placed_at: float | None = None  # time.time() of that decision
-    # time.monotonic() when it began to wait for capacity (None: it never waited); a
+    placed_at: float | None = None  # wall clock of that decision
+    # monotonic clock when it began to wait for capacity (None: it never waited); a
     # decode worker's refusal sends it back to placement, but its waits add up.
     waited_since: float | None = None
-    first_token_at: float | None = None  # time.time() of token #1
+    first_token_at: float | None = None  # wall clock of token #1
     num_output_tokens: int = 0
 
     @property
     def request_id(self) -> str:
         return self.req.request_id
+
+    # What its TPOT budget reads (snapshot.Running).
+    @property
+    def priority(self) -> int:
+        return self.req.params.priority
+
+    @property
+    def tpot_slo_s(self) -> float | None:
+        return self.req.slo.tpot_s
+
+    @property
+    def max_tokens(self) -> int:
+        return self.req.params.max_tokens
 
     def holders(self) -> list:
         """The workers holding something of this request now, to abort on release."""
@@ -84,3 +98,26 @@ class Flight:
         if self.phase is Phase.PREFILLING and self.prefill is not None:
             held.append(self.prefill)
         return held
+
+
+class Cancelled(Exception):
+    """Router.abort asked this request to end."""
+
+
+async def until(flight: Flight, call: Awaitable, timeout_s: float):
+    """Awaits `call` (a worker call, a wait), bounded by timeout_s (TimeoutError) and
+    by Router.abort of the request (Cancelled)."""
+    task = asyncio.ensure_future(call)
+    cancel = asyncio.ensure_future(flight.cancelled.wait())
+    try:
+        await asyncio.wait({task, cancel}, timeout=timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        cancel.cancel()
+        if not task.done():
+            task.cancel()
+    if flight.cancelled.is_set():
+        raise Cancelled
+    if not task.done() or task.cancelled():
+        raise asyncio.TimeoutError
+    return task.result()

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from pdserve.router import goodput, least_loaded, round_robin
 from pdserve.router.cluster_state import ClusterState, RequestView
+from pdserve.router.config import POLICIES as NAMES
 from pdserve.router.decision import Decision
 
 POLICIES = {"goodput": goodput.decide, "least-loaded": least_loaded.decide,
             "round-robin": round_robin.decide}
+assert tuple(POLICIES) == NAMES, "RoutingSpec's choices are the policies here"
 
 
 def decide(request: RequestView, state: ClusterState, policy: str = "goodput") -> Decision:

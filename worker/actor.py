@@ -20,8 +20,13 @@ import ray
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import exit_for_restart
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.worker_messages import PrefillJob, PrefillResult, Reservation, StepBatch
+from pdserve.engine.worker_messages import (
+    Job,
+    PrefillJob,
+    PrefillResult,
+    Reservation,
+    StepBatch,
+)
 from pdserve.kv_transfer import TransferConfig
 from pdserve.worker.worker import Worker
 
@@ -65,8 +70,8 @@ class WorkerActor:
         for name, subscriber in self._subscribers.items():
             deltas = by_subscriber.get(name, [])
             if deltas or batch.telemetry is not None:
-                subscriber.batches.put_nowait(StepBatch(batch.worker_id, deltas,
-                                                        batch.telemetry))
+                subscriber.batches.put_nowait(StepBatch(
+                    worker_id=batch.worker_id, deltas=deltas, telemetry=batch.telemetry))
 
     async def _tick(self) -> None:
         """Telemetry while no step reports it, to the subscribers whose stall bound the
@@ -81,8 +86,8 @@ class WorkerActor:
             quiet_s = time.monotonic() - loop.progress_at
             for subscriber in self._subscribers.values():
                 if quiet_s <= subscriber.stall_timeout_s:
-                    subscriber.batches.put_nowait(StepBatch(self.worker.worker_id, [],
-                                                            telemetry))
+                    subscriber.batches.put_nowait(StepBatch(
+                        worker_id=self.worker.worker_id, deltas=[], telemetry=telemetry))
 
     async def _owned(self, request_id: str, subscriber: str, start):
         """Runs start() (which may start a request) with the request owned by
@@ -111,20 +116,16 @@ class WorkerActor:
     async def connect(self, receiver_addresses: list[str]) -> None:
         await asyncio.to_thread(self.worker.connect, receiver_addresses)
 
-    async def reserve(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, arrival_time: float,
-                      subscriber: str = "") -> Reservation | None:
-        reservation = await self._owned(request_id, subscriber, lambda: asyncio.wrap_future(
-            self.worker.reserve(request_id, prompt_token_ids, params, arrival_time)))
+    async def reserve(self, job: Job, subscriber: str = "") -> Reservation | None:
+        reservation = await self._owned(job.request_id, subscriber, lambda: asyncio.wrap_future(
+            self.worker.reserve(job)))
         if reservation is None:
-            self._owners.pop(request_id, None)
+            self._owners.pop(job.request_id, None)
         return reservation
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int],
-                     params: SamplingParams, arrival_time: float,
-                     subscriber: str = "") -> None:
-        await self._owned(request_id, subscriber, lambda: asyncio.wrap_future(
-            self.worker.submit(request_id, prompt_token_ids, params, arrival_time)))
+    async def submit(self, job: Job, subscriber: str = "") -> None:
+        await self._owned(job.request_id, subscriber, lambda: asyncio.wrap_future(
+            self.worker.submit(job)))
 
     async def start(self, request_id: str, first_token: int) -> None:
         await asyncio.wrap_future(self.worker.start(request_id, first_token))

@@ -19,8 +19,8 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.profile import profile
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.worker_messages import (
+    Job,
     PrefillJob,
     StepBatch,
     TokenDelta,
@@ -80,18 +80,16 @@ class Worker:
     def connect(self, receiver_addresses: list[str]) -> None:
         self.prefill_role.connect(receiver_addresses)
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                arrival_time: float | None = None) -> Future:
+    def reserve(self, job: Job) -> Future:
         self._require("reserve", "decode", "both")
-        return self.decode_role.reserve(request_id, prompt_token_ids, params, arrival_time)
+        return self.decode_role.reserve(job)
 
     def start(self, request_id: str, first_token: int) -> Future:
         return self.decode_role.start(request_id, first_token)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               arrival_time: float | None = None) -> Future:
+    def submit(self, job: Job) -> Future:
         self._require("submit", "both")
-        return self.decode_role.submit(request_id, prompt_token_ids, params, arrival_time)
+        return self.decode_role.submit(job)
 
     def abort(self, request_id: str) -> None:
         """Frees whatever the request holds here, in either role."""
@@ -139,11 +137,12 @@ class Worker:
             self.prefill_role.on_step([o for o, m in zip(outputs, mine) if m])
             outputs = [o for o, m in zip(outputs, mine) if not m]
         if self.on_batch is not None:
-            self.on_batch(StepBatch(self.worker_id, deltas(outputs), self.telemetry()))
+            self.on_batch(StepBatch(worker_id=self.worker_id, deltas=deltas(outputs),
+                                    telemetry=self.telemetry()))
 
     def _publish_deltas(self, items: list[TokenDelta]) -> None:
         if self.on_batch is not None:
-            self.on_batch(StepBatch(self.worker_id, items))
+            self.on_batch(StepBatch(worker_id=self.worker_id, deltas=items))
 
     def _measure(self, engine: LLMEngine) -> WorkerTelemetry:
         new = engine.num_steps - self._reported_steps

@@ -40,7 +40,7 @@ def stop_cluster(srv: RouterServer) -> None:
     for the next cluster a test starts."""
     srv.stop()
     for worker in srv.router.workers.values():
-        ray.kill(worker.actor)
+        ray.kill(worker.client.actor)
 
 
 def generate_concurrently(srv: RouterServer, prompts: list[list[int]], max_tokens: int):
@@ -51,7 +51,7 @@ def generate_concurrently(srv: RouterServer, prompts: list[list[int]], max_token
 
 
 def wait_all_blocks_free(srv: RouterServer, timeout_s: float = 30.0) -> None:
-    actors = [w.actor for w in srv.router.workers.values()]
+    actors = [w.client.actor for w in srv.router.workers.values()]
     deadline = time.monotonic() + timeout_s
     while True:
         stats = ray.get([a.stats.remote() for a in actors])

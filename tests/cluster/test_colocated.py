@@ -14,7 +14,7 @@ from tests.engine.test_hf_oracle import Oracle
 
 def test_colocated_runs_two_engine_workers_and_matches_hf(colocated_server, llama_dir):
     router = colocated_server.router
-    assert not router.prefill and len(router.decode) == 2
+    assert not router.pool.prefill and len(router.pool.decode) == 2
     oracle = Oracle(llama_dir)
     rng = random.Random(41)
     prompts = [[rng.randrange(4, 2000) for _ in range(n)] for n in (6, 33, 70, 140, 21, 90)]

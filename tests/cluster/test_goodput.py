@@ -16,7 +16,7 @@ import pytest
 from pdserve.client import Client, OverloadedError
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
-from pdserve.router import router as router_module
+from pdserve.router import placer as placer_module
 from pdserve.router.config import PoolSpec
 from pdserve.router.decision import Colocate, Disaggregate
 from pdserve.router.launch import launch
@@ -49,10 +49,11 @@ def test_adaptive_mode_runs_whole_and_split_placements_exactly(adaptive, llama_d
     """Every placement kind between the two workers in role both, forced in turn
     (the policy's choice is tested on its own, without Ray): HF's outputs."""
     router = adaptive.router
-    assert router.config.adaptive and {w.role for w in router.workers.values()} == {"both"}
+    assert router.config.adaptive
+    assert {w.state.role for w in router.workers.values()} == {"both"}
     a, b = sorted(router.workers)
     placements = iter([Colocate(a), Colocate(b), Disaggregate(a, b), Disaggregate(b, a)] * 2)
-    monkeypatch.setattr(router_module, "decide", lambda view, state, policy: next(placements))
+    monkeypatch.setattr(placer_module, "decide", lambda view, state, policy: next(placements))
     oracle = Oracle(llama_dir)
     rng = random.Random(14)
     prompts = [[rng.randrange(4, 2000) for _ in range(n)] for n in (7, 40, 90, 33, 120, 16,

@@ -145,8 +145,8 @@ def test_health_reflection_and_model_info(server):
 
 def test_overload_is_resource_exhausted_and_the_sdk_retries(server):
     router = server.router
-    saved = router.config
-    router.config = replace(saved, max_inflight=1)
+    saved = router.requests.config  # where max_inflight is read
+    router.requests.config = replace(saved, max_inflight=1)
     try:
         with Client(server.grpc_target, max_retries=0) as impatient, \
                 Client(server.grpc_target, max_retries=8, backoff_s=0.05) as patient:
@@ -161,4 +161,4 @@ def test_overload_is_resource_exhausted_and_the_sdk_retries(server):
             drain.join(30)
         assert len(out.token_ids) == 2
     finally:
-        router.config = saved
+        router.requests.config = saved

@@ -189,8 +189,8 @@ def test_extreme_sampling_values_cannot_kill_a_worker(server, sampling):
 
 def test_overload_is_429_with_retry_after(server):
     router = server.router
-    saved = router.config
-    router.config = replace(saved, max_inflight=1)
+    saved = router.requests.config  # where max_inflight is read
+    router.requests.config = replace(saved, max_inflight=1)
     try:
         with httpx.Client(timeout=30) as http, http.stream(
                 "POST", f"{server.http_url}/v1/completions",
@@ -205,7 +205,7 @@ def test_overload_is_429_with_retry_after(server):
             assert int(response.headers["retry-after"]) >= 1
             assert response.json()["error"]["type"] == "rate_limit_error"
     finally:
-        router.config = saved
+        router.requests.config = saved
     wait_all_blocks_free(server)
 
 

@@ -72,8 +72,9 @@ def test_a_burst_gets_200s_and_fast_429s_only(small_kv):
 def _zero_counts(srv: RouterServer) -> bool:
     router = srv.router
     return (router.num_inflight == 0
-            and all(w.inflight == 0 and not w.streams for w in router.decode.values())
-            and all(w.queued == 0 and w.queued_tokens == 0 for w in router.prefill.values()))
+            and all(w.state.inflight == 0 and not w.flights for w in router.pool.decode.values())
+            and all(w.state.queued == 0 and w.state.queued_tokens == 0
+                    for w in router.pool.prefill.values()))
 
 
 def test_a_cancel_storm_leaves_nothing_held(server, caplog):

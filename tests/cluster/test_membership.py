@@ -105,7 +105,7 @@ def admin(srv: RouterServer, method: str, path: str, **kwargs) -> httpx.Response
 
 
 def blocks_free(srv: RouterServer, worker_id: str) -> bool:
-    stats = ray.get(srv.router.workers[worker_id].actor.stats.remote())
+    stats = ray.get(srv.router.workers[worker_id].client.actor.stats.remote())
     return stats["free_blocks"] == stats["num_blocks"]
 
 
@@ -135,11 +135,11 @@ def test_workers_join_drain_flip_and_leave_under_load(cluster, expected):
         assert blocks_free(cluster, "decode-0")
         load.wait_for(6)  # served by the new decode worker alone
         # the first prefill worker becomes a decode worker, weights kept
-        pid = ray.get(cluster.router.workers["prefill-0"].actor.pid.remote())
+        pid = ray.get(cluster.router.workers["prefill-0"].client.actor.pid.remote())
         flipped = admin(cluster, "POST", "/workers/prefill-0/role", json={"role": "decode"})
         assert flipped.status_code == 200, flipped.text
         assert flipped.json()["role"] == "decode" and flipped.json()["state"] == "serving"
-        assert ray.get(cluster.router.workers["prefill-0"].actor.pid.remote()) == pid
+        assert ray.get(cluster.router.workers["prefill-0"].client.actor.pid.remote()) == pid
         load.wait_for(6)
         removed = admin(cluster, "DELETE", "/workers/decode-0")
         assert removed.status_code == 200, removed.text
@@ -157,7 +157,7 @@ def test_workers_join_drain_flip_and_leave_under_load(cluster, expected):
 def test_each_worker_s_telemetry_is_on_metrics(cluster, expected):
     with Client(cluster.grpc_target) as client:
         client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    wanted = [f'pdserve:{metric}{{model_name="test-llama",role="{worker.role}",'
+    wanted = [f'pdserve:{metric}{{model_name="test-llama",role="{worker.state.role}",'
               f'worker="{worker_id}"}}'
               for worker_id, worker in cluster.router.workers.items()
               for metric in ("num_requests_running", "num_requests_waiting",
@@ -194,7 +194,7 @@ def test_each_worker_s_telemetry_is_on_metrics(cluster, expected):
 
 def test_a_sigkilled_worker_fails_its_requests_at_once_and_is_replaced(cluster, expected):
     router = cluster.router
-    decoders = [w for w in router.workers.values() if w.role == "decode" and w.alive]
+    decoders = [w for w in router.workers.values() if w.state.role == "decode" and w.state.alive]
     assert len(decoders) >= 2  # left by the membership test
     victim = decoders[0]
     long = dict(max_tokens=400, temperature=0, ignore_eos=True)
@@ -222,7 +222,7 @@ def test_a_sigkilled_worker_fails_its_requests_at_once_and_is_replaced(cluster, 
         with changed:
             changed.notify_all()
     router.on_change.append(notify)
-    pid = ray.get(victim.actor.pid.remote())
+    pid = ray.get(victim.client.actor.pid.remote())
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     for t in streams:
@@ -241,7 +241,7 @@ def test_a_sigkilled_worker_fails_its_requests_at_once_and_is_replaced(cluster, 
     def replaced() -> bool:
         workers = dict(router.workers)
         return victim.worker_id not in workers and len(decoders) == sum(
-            w.role == "decode" and w.alive and not w.draining for w in workers.values())
+            w.state.role == "decode" and w.state.available for w in workers.values())
     with changed:
         assert changed.wait_for(replaced, 120), router.worker_states()
     health = httpx.get(f"{cluster.http_url}/health").json()

@@ -25,7 +25,8 @@ MAX_TOKENS = 16
 def second_router(router: Router) -> Router:
     """Another router over the same worker actors (its own handles and counts)."""
     return Router(router.tokenizer, router.model,
-                  [WorkerHandle(w.worker_id, w.actor, w.role, w.address, w.num_blocks)
+                  [WorkerHandle.of(w.worker_id, w.client, w.state.role, w.state.num_blocks,
+                                   w.address)
                    for w in router.workers.values()], router.config)
 
 

@@ -52,7 +52,7 @@ def events(response: httpx.Response) -> list:
 
 def test_a_step_error_pinned_on_one_request_fails_it_alone(cluster):
     expected = [out.token_ids for out in asyncio.run(complete_all(cluster, PROMPTS))]
-    decode = next(iter(cluster.router.decode.values())).actor
+    decode = next(iter(cluster.router.pool.decode.values())).client.actor
     ray.get(decode.__ray_call__.remote(faults.poison_sampler))
     poison = [faults.POISON, 5, 6, 7]
     body = {"prompt": poison, "max_tokens": MAX_TOKENS, "ignore_eos": True}
@@ -85,7 +85,7 @@ def test_a_step_error_pinned_on_one_request_fails_it_alone(cluster):
 
 def test_an_unpinned_step_error_restarts_the_worker_and_service_resumes(cluster):
     expected = [out.token_ids for out in asyncio.run(complete_all(cluster, PROMPTS))]
-    decode = next(iter(cluster.router.decode.values()))
+    decode = next(iter(cluster.router.pool.decode.values())).client
     old_pid = ray.get(decode.actor.__ray_call__.remote(lambda actor: __import__("os").getpid()))
     health_seen = []
 

@@ -14,7 +14,7 @@ import ray
 
 from pdserve import SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.worker_messages import PrefillJob
+from pdserve.engine.worker_messages import Job, PrefillJob
 from pdserve.kv_transfer import TransferConfig
 from pdserve.worker.actor import WorkerActor
 from tests.engine.test_hf_oracle import Oracle
@@ -73,10 +73,13 @@ def workers(ray_local, llama_dir):
 
 def run(prefill, decode, prompts: dict[str, list[int]], params: SamplingParams) -> None:
     now = time.time()
-    reservations = ray.get([decode.reserve.remote(rid, p, params, now)
+    reservations = ray.get([decode.reserve.remote(Job(request_id=rid, prompt_token_ids=p,
+                                                        sampling_params=params, arrival_time=now))
                             for rid, p in prompts.items()])
     assert all(r is not None for r in reservations)
-    results = ray.get([prefill.prefill.remote(PrefillJob(rid, p, params, r, now))
+    results = ray.get([prefill.prefill.remote(PrefillJob(
+                           job=Job(request_id=rid, prompt_token_ids=p, sampling_params=params,
+                                   arrival_time=now), target=r))
                        for (rid, p), r in zip(prompts.items(), reservations)])
     ray.get([decode.start.remote(r.request_id, r.first_token) for r in results])
 
@@ -136,9 +139,12 @@ def test_a_worker_refuses_calls_of_another_role_and_swaps_roles_when_idle(worker
     prefill, decode, reader = workers
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     with pytest.raises(ray.exceptions.RayTaskError, match="WrongRoleError"):
-        ray.get(prefill.reserve.remote("x", [1, 2, 3], params, time.time()))
+        ray.get(prefill.reserve.remote(Job(request_id="x", prompt_token_ids=[1, 2, 3],
+                                           sampling_params=params, arrival_time=time.time())))
     # busy (a reservation held): no role change
-    assert ray.get(decode.reserve.remote("held", list(range(10, 40)), params, time.time()))
+    assert ray.get(decode.reserve.remote(Job(
+        request_id="held", prompt_token_ids=list(range(10, 40)), sampling_params=params,
+        arrival_time=time.time())))
     with pytest.raises(ray.exceptions.RayTaskError, match="WorkerBusyError"):
         ray.get(decode.set_role.remote("prefill"))
     ray.get(decode.abort.remote("held"))

@@ -8,13 +8,21 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.worker_messages import PrefillJob, Reservation
+from pdserve.engine.worker_messages import Job, PrefillJob, Reservation
 from pdserve.kv_transfer import KVTransferError, TransferConfig
 from pdserve.worker.worker import Worker as EngineWorker
 from tests.kv_transfer.harness import CacheSpec, Worker
 
 # The test Llama's KV layout: 3 layers, 2 KV heads of 16.
 SPEC = CacheSpec(num_layers=3, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=16)
+
+
+def job(request_id, prompt, params, receiver_address, blocks) -> PrefillJob:
+    return PrefillJob(job=Job(request_id=request_id, prompt_token_ids=prompt,
+                              sampling_params=params, arrival_time=time.time()),
+                      target=Reservation(request_id=request_id,
+                                         receiver_address=receiver_address,
+                                         block_ids=blocks, num_cached_blocks=0))
 
 
 def test_dead_receiver_fails_one_request_and_the_worker_keeps_serving(llama_dir):
@@ -29,16 +37,12 @@ def test_dead_receiver_fails_one_request_and_the_worker_keeps_serving(llama_dir)
         blocks = list(range(9))
         dead.call("expect", "doomed", blocks)
         dead.kill()  # returns once the process is gone, its sockets closed
-        doomed = worker.prefill(PrefillJob("doomed", prompt, params,
-                                           Reservation("doomed", dead.address, blocks, 0),
-                                           time.time()))
+        doomed = worker.prefill(job("doomed", prompt, params, dead.address, blocks))
         with pytest.raises(KVTransferError):
             doomed.result(timeout=30)
         assert worker.loop.error is None  # the engine loop survived
         live.call("expect", "fine", blocks)
-        fine = worker.prefill(PrefillJob("fine", prompt, params,
-                                         Reservation("fine", live.address, blocks, 0),
-                                         time.time())).result(timeout=30)
+        fine = worker.prefill(job("fine", prompt, params, live.address, blocks)).result(timeout=30)
         live.call("wait", "fine")
         assert fine.kv_bytes_sent > 0
         stats = worker.stats()
@@ -74,8 +78,7 @@ def test_a_peer_lost_mid_forward_fails_only_its_request(llama_dir):
         blocks = list(range(4))
         for rid, (receiver, _) in jobs.items():
             receiver.call("expect", rid, blocks)
-        futures = {rid: worker.prefill(PrefillJob(rid, prompt, params, Reservation(
-            rid, receiver.address, blocks, 0), time.time()))
+        futures = {rid: worker.prefill(job(rid, prompt, params, receiver.address, blocks))
             for rid, (receiver, prompt) in jobs.items()}
         with pytest.raises(KVTransferError):
             futures["broken"].result(timeout=30)
@@ -104,14 +107,12 @@ def test_a_hung_decode_worker_delays_only_its_own_requests(llama_dir):
         params = SamplingParams(max_tokens=5, temperature=0)
         blocks = list(range(2))
         os.kill(hung.process.pid, signal.SIGSTOP)
-        stuck = [worker.prefill(PrefillJob(f"stuck-{i}", list(range(10 + i, 30 + i)), params,
-                                           Reservation(f"stuck-{i}", hung.address, blocks, 0),
-                                           time.time())) for i in range(5)]
+        stuck = [worker.prefill(job(f"stuck-{i}", list(range(10 + i, 30 + i)), params,
+                                    hung.address, blocks)) for i in range(5)]
         live.call("expect", "fine", blocks)
         t0 = time.monotonic()
-        fine = worker.prefill(PrefillJob("fine", list(range(40, 60)), params,
-                                         Reservation("fine", live.address, blocks, 0),
-                                         time.time())).result(timeout=transfer.timeout_s)
+        fine = worker.prefill(job("fine", list(range(40, 60)), params, live.address,
+                                  blocks)).result(timeout=transfer.timeout_s)
         elapsed = time.monotonic() - t0
         live.call("wait", "fine")
         assert fine.kv_bytes_sent > 0

@@ -53,7 +53,7 @@ def server(nodes, llama_dir):
 
 
 def node_of(worker) -> str:
-    return ray.get(worker.actor.__ray_call__.remote(
+    return ray.get(worker.client.actor.__ray_call__.remote(
         lambda actor: ray.get_runtime_context().get_node_id()))
 
 
@@ -79,7 +79,7 @@ def test_a_removed_node_s_worker_is_evicted_and_the_survivors_serve(nodes, serve
                                                                    llama_dir):
     cluster, _, decode_nodes = nodes
     router = server.router
-    doomed = next(w for w in router.decode.values()
+    doomed = next(w for w in router.pool.decode.values()
                   if node_of(w) == decode_nodes[1].node_id)
     changed = threading.Condition()
 

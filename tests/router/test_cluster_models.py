@@ -10,7 +10,11 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_shape import StepShape, StepTiming
 from pdserve.engine.worker_messages import WorkerTelemetry, net_prefix_events
 from pdserve.router.cluster_models import ClusterModels
+from pdserve.router.config import RouterConfig
+from pdserve.router.model_info import ModelInfo
 from pdserve.router.prefix_index import PrefixIndex, block_hashes
+
+MODEL = ModelInfo("m", 4096, 1000, block_size=16, kv_bytes_per_block=1000)
 
 
 def test_the_prefix_index_counts_each_workers_leading_blocks():
@@ -116,9 +120,7 @@ def test_a_model_inflated_under_contention_recovers_once_its_worker_idles():
         worker = WorkerState("w", "both", telemetry=report((), 0.0), heard_at=0.0,
                              num_blocks=1000, step_cost=cost)
         view = RequestView(1000, 63, slo=Slo(ttft_s=0.2, tpot_s=0.05), max_tokens=10)
-        return decide(view, ClusterState((worker,), 0.0, stale_after_s=5.0, retry_after_s=1.0,
-                                         block_size=16, kv_bytes_per_block=1000,
-                                         adaptive=True))
+        return decide(view, ClusterState((worker,), 0.0, RouterConfig(adaptive=True), MODEL))
 
     models = ClusterModels(step_max_age_s=60.0)
     profile, _ = models.reported(report(_steps(true, at=0.0), now=1.0))
@@ -156,9 +158,8 @@ def test_a_pair_whose_transfers_were_inflated_is_chosen_again_once_they_age_out(
         workers = (worker("p", "prefill"), worker("d0", "decode", running=2),
                    worker("d1", "decode", running=3))
         view = RequestView(100, 7, slo=Slo(ttft_s=1.0, tpot_s=0.05), max_tokens=10)
-        return decide(view, ClusterState(workers, 0.0, stale_after_s=5.0, retry_after_s=1.0,
-                                         transfer=models.transfer_costs, block_size=16,
-                                         kv_bytes_per_block=1000))
+        return decide(view, ClusterState(workers, 0.0, RouterConfig(), MODEL,
+                                         transfer=models.transfer_costs))
 
     models = ClusterModels(step_max_age_s=60.0)
     for i in range(20):

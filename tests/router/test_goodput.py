@@ -11,11 +11,14 @@ from dataclasses import replace
 import pytest
 
 from pdserve.engine.latency_calibration import Calibration
+from pdserve.engine.latency_forecast import decode_step_seconds
 from pdserve.engine.latency_model import StepCost, TransferCost
 from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.cluster_state import ClusterState, RequestView, TpotBudget, WorkerState
+from pdserve.router.config import RouterConfig, RoutingSpec
 from pdserve.router.decision import Colocate, Disaggregate, Reject
 from pdserve.router.goodput import decide
+from pdserve.router.model_info import ModelInfo
 from pdserve.router.slo import Slo
 
 COST = StepCost(base_s=0.010, prefill_token_s=1e-4, prefill_pair_s=0.0,
@@ -25,20 +28,28 @@ NOW = 1000.0
 MS = 1e-3
 
 
-def worker(wid, role, running=0, waiting_tokens=0, waiting=0, free=1000, budgets=(),
+def worker(wid, role, running=0, waiting_tokens=0, waiting=0, free=1000,
            heard_s_ago=0.0, inflight=0, cost=COST, prompt_share=0.0):
     t = WorkerTelemetry(wid, role, 0.0, waiting=waiting, waiting_tokens=waiting_tokens,
                         running=running, context_tokens=0, reserved=0, free_blocks=free,
                         num_blocks=1000, num_preemptions=0, token_budget=2048)
     return WorkerState(wid, role, telemetry=t, heard_at=NOW - heard_s_ago, num_blocks=1000,
-                       step_cost=cost, budgets=tuple(budgets), inflight=inflight,
-                       prompt_share=prompt_share)
+                       step_cost=cost, inflight=inflight, prompt_share=prompt_share)
 
 
-def state(*workers, adaptive=False, admission="slo", transfer=None):
-    return ClusterState(tuple(workers), NOW, stale_after_s=5.0, retry_after_s=1.0,
-                        transfer=transfer or {}, block_size=16, kv_bytes_per_block=1000,
-                        adaptive=adaptive, admission=admission)
+def state(*workers, adaptive=False, admission="slo", transfer=None, slack=None):
+    """slack: worker id -> its running requests' (priority, slack_s, remaining), the
+    slack counted from that worker's decode step in this state."""
+    config = RouterConfig(telemetry_stale_s=5.0, retry_after_s=1.0, adaptive=adaptive,
+                          routing=RoutingSpec(admission=admission))
+    base = ClusterState(tuple(workers), NOW, config, ModelInfo("m", 4096, 1000, 16, 1000),
+                        transfer=transfer or {})
+    by_id = {w.worker_id: w for w in workers}
+    budgets = {wid: tuple(TpotBudget(priority, slack_s + decode_step_seconds(
+        base.step_cost(by_id[wid]), base.load(by_id[wid])), remaining)
+        for priority, slack_s, remaining in specs)
+        for wid, specs in (slack or {}).items()}
+    return replace(base, budgets=budgets)
 
 
 def request(tokens, slo=Slo(ttft_s=0.5, tpot_s=0.05), max_tokens=101, priority=0,
@@ -58,16 +69,17 @@ def test_a_short_prompt_on_idle_workers_is_colocated_with_its_latencies_predicte
 
 
 def on_track(n, slack_s=0.003, remaining=20, priority=0):
-    return [TpotBudget(priority, slack_s, remaining)] * n
+    return [(priority, slack_s, remaining)] * n
 
 
 def test_a_long_prompt_beside_a_busy_decode_batch_is_disaggregated():
     # Colocated on e, 1,000 prompt tokens stall e's 8 decodes for 100 ms, 5 ms over
     # each one's 20 remaining tokens, +1 ms for the join: past their 3 ms slack.
     # Prefilled on p, they only feel the join (1 ms): that fits.
-    busy = worker("e", "both", running=8, budgets=on_track(8))
+    busy = worker("e", "both", running=8)
     decision = decide(request(1000), state(worker("p", "prefill"), busy,
-                                           transfer={("p", "e"): FAST}))
+                                           transfer={("p", "e"): FAST},
+                                           slack={"e": on_track(8)}))
     assert decision == Disaggregate("p", "e")
     # p idle: 1 step (10 ms) + 1,000 tokens (100 ms); + 63 blocks sent: 2 + 63 ms
     assert decision.ttft_s == pytest.approx((110 + 65) * MS)
@@ -118,28 +130,29 @@ def test_an_admission_that_would_push_running_requests_past_their_tpot_is_reject
     # 100 tokens stall e's 8 decodes 10 ms over their 40 or 60 remaining (0.25 or
     # 0.17 ms) + 1 ms join > 0.5 ms of slack. The last of them finishes in 60 steps
     # of 18 ms: only then would it harm none.
-    e = worker("e", "both", running=8,
-               budgets=on_track(4, slack_s=0.0005, remaining=40)
-               + on_track(4, slack_s=0.0005, remaining=60))
-    decision = decide(request(100), state(e))
+    e = worker("e", "both", running=8)
+    slack = {"e": on_track(4, slack_s=0.0005, remaining=40)
+             + on_track(4, slack_s=0.0005, remaining=60)}
+    decision = decide(request(100), state(e, slack=slack))
     assert isinstance(decision, Reject) and decision.kind == "harm"
     assert decision.retry_after_s == pytest.approx(60 * 18 * MS)
     assert "past their TPOT SLO" in decision.reason
     # admission "always" places it anyway; so does a best-effort request
-    assert decide(request(100), state(e, admission="always")) == Colocate("e")
-    assert decide(request(100, slo=Slo()), state(e)) == Colocate("e")
+    assert decide(request(100), state(e, admission="always", slack=slack)) == Colocate("e")
+    assert decide(request(100, slo=Slo()), state(e, slack=slack)) == Colocate("e")
 
 
 def test_a_more_important_request_may_take_less_important_headroom():
-    e = worker("e", "both", running=8,
-               budgets=on_track(8, slack_s=0.0005, remaining=40, priority=5))
-    assert decide(request(100, priority=0), state(e)) == Colocate("e")
-    assert isinstance(decide(request(100, priority=5), state(e)), Reject)
+    e = worker("e", "both", running=8)
+    slack = {"e": on_track(8, slack_s=0.0005, remaining=40, priority=5)}
+    assert decide(request(100, priority=0), state(e, slack=slack)) == Colocate("e")
+    assert isinstance(decide(request(100, priority=5), state(e, slack=slack)), Reject)
 
 
 def test_requests_already_past_their_slo_do_not_block_admission():
-    e = worker("e", "both", running=2, budgets=on_track(2, slack_s=-0.01))
-    assert decide(request(100), state(e)) == Colocate("e")
+    e = worker("e", "both", running=2)
+    assert decide(request(100), state(e, slack={"e": on_track(2, slack_s=-0.01)})) \
+        == Colocate("e")
 
 
 def test_an_impossible_ttft_is_rejected_with_the_predicted_wait():
@@ -205,16 +218,16 @@ def test_a_tpot_forecast_refuses_only_beside_a_running_batch_and_never_one_token
     # This router's two requests there, 10 and 30 tokens from their ends: the batch
     # is only fast enough once both end (alone, it would be admitted), in 30 steps
     # of 52 ms.
-    known = state(worker("e", "both", running=2, cost=slow,
-                         budgets=[TpotBudget(0, 0.1, 10), TpotBudget(0, 0.1, 30)]))
+    known = state(worker("e", "both", running=2, cost=slow),
+                  slack={"e": [(0, 0.1, 10), (0, 0.1, 30)]})
     assert decide(request(10, slo=Slo(tpot_s=0.02)), known).retry_after_s == \
         pytest.approx(30 * 0.052)
     # 10 ms per sequence: joining 3 makes a 50 ms step, 15 ms over a 35 ms SLO, so
     # 2 must end: the second soonest, in 20 steps of 40 ms.
     per_seq = StepCost(base_s=0.01, prefill_token_s=1e-4, prefill_pair_s=0.0,
                        decode_seq_s=0.01, decode_context_s=0.0)
-    three = state(worker("e", "both", running=3, cost=per_seq,
-                         budgets=[TpotBudget(0, 0.1, n) for n in (30, 10, 20)]))
+    three = state(worker("e", "both", running=3, cost=per_seq),
+                  slack={"e": [(0, 0.1, n) for n in (30, 10, 20)]})
     assert decide(request(10, slo=Slo(tpot_s=0.035)), three).retry_after_s == \
         pytest.approx(20 * 0.040)
     assert decide(request(10, slo=Slo(tpot_s=0.02), max_tokens=1), busy) == Colocate("e")
@@ -222,7 +235,8 @@ def test_a_tpot_forecast_refuses_only_beside_a_running_batch_and_never_one_token
     # ms SLO. The step (50 ms with it) must shrink by 30% too: 2 must end, as above
     # (not 30 ms of calibrated time at 10 ms per sequence: 3).
     slow = replace(three.workers[0], calibration=Calibration({("tpot", "colocate"): 2.0}))
-    assert decide(request(10, slo=Slo(tpot_s=0.070)), state(slow)).retry_after_s == \
+    assert decide(request(10, slo=Slo(tpot_s=0.070)),
+                  replace(three, workers=(slow,))).retry_after_s == \
         pytest.approx(20 * 0.040)
 
 

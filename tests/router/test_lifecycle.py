@@ -13,7 +13,7 @@ import pytest
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.worker_messages import StepBatch
+from pdserve.engine.worker_messages import WorkerStats
 from pdserve.kv_transfer import (
     KVTransferError,
     LayoutMismatchError,
@@ -25,17 +25,19 @@ from pdserve.kv_transfer import (
 from pdserve.router.config import RouterConfig, RoutingSpec
 from pdserve.router.errors import OverloadedError, WorkerError, WorkerStalled
 from pdserve.router.lifecycle import Accepted
-from pdserve.router.router import ModelInfo, Router
+from pdserve.router.model_info import ModelInfo
+from pdserve.router.placer import Placer
+from pdserve.router.router import Router
 from pdserve.router.slo import Slo
 from tests.router.fakes import (
-    FakeActor,
+    FakeWorker,
     batch,
     prefill_ok,
     reserve_ok,
     resolve,
-    telemetry,
     worker,
 )
+from tests.router.fakes import reported as reported_batch
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0)
 
@@ -45,7 +47,7 @@ def tok(llama_dir):
     return Tokenizer(llama_dir)
 
 
-def _disaggregated(tok, decode: FakeActor, prefill: FakeActor, free_blocks: int = 100,
+def _disaggregated(tok, decode: FakeWorker, prefill: FakeWorker, free_blocks: int = 100,
                    **config) -> Router:
     return Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
                   [worker("p0", prefill, "prefill"), worker("d0", decode, "decode", free_blocks)],
@@ -53,8 +55,9 @@ def _disaggregated(tok, decode: FakeActor, prefill: FakeActor, free_blocks: int 
 
 
 def _counts(router: Router) -> tuple:
-    (d,), (p,) = router.decode.values(), router.prefill.values()
-    return router.num_inflight, d.inflight, len(d.streams), p.queued, p.queued_tokens
+    (d,), (p,) = router.pool.decode.values(), router.pool.prefill.values()
+    return (router.num_inflight, d.state.inflight, len(d.flights), p.state.queued,
+            p.state.queued_tokens)
 
 
 async def _drain(stream) -> list:
@@ -64,8 +67,8 @@ async def _drain(stream) -> list:
 def test_a_stale_full_figure_does_not_latch_overload(tok):
     # Defect 1: a worker last reported full was skipped without being asked, forever.
     async def scenario():
-        decode = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
-        prefill = FakeActor(prefill=prefill_ok(7), abort=resolve(None))
+        decode = FakeWorker(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
+        prefill = FakeWorker(prefill=prefill_ok(7), abort=resolve(None))
         router = _disaggregated(tok, decode, prefill, free_blocks=0)
         await router.start()
         stream = router.generate(await router.accept([5, 6, 7], PARAMS))
@@ -86,9 +89,9 @@ def test_a_cancel_mid_phase_aborts_every_worker_holding_the_request(tok, phase):
     # cancel during reserve left the decode worker's count at +1 and its late
     # reservation unaborted.
     async def scenario():
-        decode = FakeActor(abort=resolve(None),
+        decode = FakeWorker(abort=resolve(None),
                            **({"reserve": reserve_ok()} if phase == "prefill" else {}))
-        prefill = FakeActor(abort=resolve(None))  # prefill never answers
+        prefill = FakeWorker(abort=resolve(None))  # prefill never answers
         router = _disaggregated(tok, decode, prefill)
         req = await router.accept([5, 6, 7], PARAMS)
         consumer = asyncio.ensure_future(_drain(router.generate(req)))
@@ -106,8 +109,8 @@ def test_a_cancel_mid_phase_aborts_every_worker_holding_the_request(tok, phase):
 def test_a_reservation_answered_after_its_timeout_is_aborted(tok):
     # Defect 3: a reservation landing after the router gave up held its blocks.
     async def scenario():
-        decode = FakeActor(abort=resolve(None))  # reserve never answers in time
-        router = _disaggregated(tok, decode, FakeActor(), reserve_timeout_s=0.2)
+        decode = FakeWorker(abort=resolve(None))  # reserve never answers in time
+        router = _disaggregated(tok, decode, FakeWorker(), reserve_timeout_s=0.2)
         req = await router.accept([5, 6, 7], PARAMS)
         with pytest.raises(OverloadedError):
             await _drain(router.generate(req))
@@ -121,8 +124,8 @@ def test_a_reservation_answered_after_its_timeout_is_aborted(tok):
 def test_the_same_request_id_twice_at_once_is_invalid_not_overload(tok):
     # Defect 11: concurrent duplicates got RESOURCE_EXHAUSTED (retried by the SDK).
     async def scenario():
-        decode = FakeActor(abort=resolve(None))
-        router = _disaggregated(tok, decode, FakeActor())
+        decode = FakeWorker(abort=resolve(None))
+        router = _disaggregated(tok, decode, FakeWorker())
         first = asyncio.ensure_future(_drain(router.generate(
             await router.accept([1, 2], PARAMS, "same"))))
         await decode.wait_call("reserve")
@@ -142,8 +145,8 @@ def test_a_request_the_kv_cache_can_never_hold_is_invalid(tok):
                                                  "the cache holds 8"))
 
     async def scenario():
-        decode = FakeActor(reserve=refuse, abort=resolve(None))
-        router = _disaggregated(tok, decode, FakeActor())
+        decode = FakeWorker(reserve=refuse, abort=resolve(None))
+        router = _disaggregated(tok, decode, FakeWorker())
         with pytest.raises(InvalidRequestError) as err:
             await _drain(router.generate(await router.accept([1, 2], PARAMS)))
         await router.stop()
@@ -159,8 +162,8 @@ def test_token_one_carries_its_text_and_the_stream_does_not_repeat_it(tok):
     first_token, second = tok.encode(" sunny and", add_special_tokens=False)[:2]
 
     async def scenario():
-        decode = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
-        router = _disaggregated(tok, decode, FakeActor(prefill=prefill_ok(first_token)))
+        decode = FakeWorker(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
+        router = _disaggregated(tok, decode, FakeWorker(prefill=prefill_ok(first_token)))
         await router.start()
         stream = router.generate(await router.accept(prompt, PARAMS))
         first = await stream.__anext__()
@@ -179,7 +182,7 @@ def test_token_one_carries_its_text_and_the_stream_does_not_repeat_it(tok):
 def test_a_decode_worker_that_stops_stepping_fails_its_requests_within_the_bound(tok):
     # Defect 6: a worker whose engine loop died left every request waiting forever.
     async def scenario():
-        engine = FakeActor(submit=resolve(None), abort=resolve(None))
+        engine = FakeWorker(submit=resolve(None), abort=resolve(None))
         router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
                         [worker("e0", engine, "both", 100)], RouterConfig(stall_timeout_s=0.3))
         await router.start()
@@ -196,7 +199,7 @@ def test_a_decode_worker_that_stops_stepping_fails_its_requests_within_the_bound
 
 def test_a_dead_decode_stream_fails_its_requests_and_takes_the_worker_out(tok):
     async def scenario():
-        engine = FakeActor(submit=resolve(None), abort=resolve(None))
+        engine = FakeWorker(submit=resolve(None), abort=resolve(None))
         router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
                         [worker("e0", engine, "both", 100)])
         await router.start()
@@ -232,9 +235,10 @@ def test_finished_requests_calibrate_the_forecasts_of_the_workers_they_ran_on(to
     TTFT and the decode worker's TPOT factors (split placements) fall below 1. Once
     the decode worker's process restarts, what was measured of the old one is gone."""
     async def scenario():
-        d0 = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None),
-                       stats=resolve({"num_blocks": 100}), address=resolve("d0-again"))
-        prefill = FakeActor(prefill=prefill_ok(7), abort=resolve(None), connect=resolve(None))
+        d0 = FakeWorker(reserve=reserve_ok(), start=resolve(None), abort=resolve(None),
+                        stats=resolve(WorkerStats(num_blocks=100, free_blocks=100)),
+                        address=resolve("d0-again"))
+        prefill = FakeWorker(prefill=prefill_ok(7), abort=resolve(None), connect=resolve(None))
         router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
                         [worker("p0", prefill, "prefill"), worker("d0", d0, "decode", 100)])
         await router.start()
@@ -242,11 +246,11 @@ def test_finished_requests_calibrate_the_forecasts_of_the_workers_they_ran_on(to
         first = await stream.__anext__()
         await d0.batches.put(batch("d0", first.request_id, [7, 8], "", "length"))
         await _drain(stream)
-        factors = (router.workers["p0"].calibration.factors,
-                   router.workers["d0"].calibration.factors,
-                   router.snapshot().workers)
-        await router._rejoin(router.workers["d0"])  # as after Ray restarted its process
-        after = {w.worker_id: w.calibration.factors for w in router.snapshot().workers}
+        factors = (router.workers["p0"].state.calibration.factors,
+                   router.workers["d0"].state.calibration.factors,
+                   router.placer.snapshot().workers)
+        await router.pool._rejoin(router.workers["d0"])  # as after Ray restarted its process
+        after = {w.worker_id: w.calibration.factors for w in router.placer.snapshot().workers}
         await router.stop()
         return factors, after, router.models
     (p0, d0, snapshot), after, models = asyncio.run(scenario())
@@ -261,16 +265,22 @@ def test_telemetry_on_the_stream_moves_placement_without_any_scrape(tok):
     room, it is chosen again: no stats call, no refusal needed. (Without calibration:
     the fakes' instant tokens would teach it that d1 is fast.)"""
     async def scenario():
-        d0 = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
-        d1 = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
-        prefill = FakeActor(prefill=prefill_ok(7), abort=resolve(None))
+        d0 = FakeWorker(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
+        d1 = FakeWorker(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
+        prefill = FakeWorker(prefill=prefill_ok(7), abort=resolve(None))
         router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
                         [worker("p0", prefill, "prefill"), worker("d0", d0, "decode", 100),
                          worker("d1", d1, "decode", 100)],
                         RouterConfig(routing=RoutingSpec(calibrate=False)))
-        await router.start()
         reported = asyncio.Event()
-        router.workers["d0"].on_report = lambda w, t, previous: reported.set()
+        hear = router.pool.on_report
+
+        def heard(worker, report):
+            hear(worker, report)
+            if worker.worker_id == "d0":
+                reported.set()
+        router.pool.on_report = heard
+        await router.start()
 
         async def place() -> str:
             stream = router.generate(await router.accept([5, 6, 7], PARAMS))
@@ -280,11 +290,11 @@ def test_telemetry_on_the_stream_moves_placement_without_any_scrape(tok):
             await chosen.batches.put(batch(name, first.request_id, [7, 8], "", "length"))
             await _drain(stream)
             return name
-        await d0.batches.put(StepBatch("d0", [], telemetry("d0", "decode", free_blocks=0)))
+        await d0.batches.put(reported_batch("d0", "decode", free_blocks=0))
         await reported.wait()
         full = await place()
         reported.clear()
-        await d0.batches.put(StepBatch("d0", [], telemetry("d0", "decode", free_blocks=100)))
+        await d0.batches.put(reported_batch("d0", "decode", free_blocks=100))
         await reported.wait()
         again = await place()
         await router.stop()
@@ -298,8 +308,8 @@ def test_a_worker_silent_past_the_bound_is_evicted_and_one_that_speaks_again_is_
     """Telemetry silent past stall_timeout_s: out of service at once; silent for
     revive_timeout_s more: evicted. A worker that reports again in time stays."""
     async def scenario():
-        quiet = FakeActor(abort=resolve(None))
-        back = FakeActor(abort=resolve(None))
+        quiet = FakeWorker(abort=resolve(None))
+        back = FakeWorker(abort=resolve(None))
         router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
                         [worker("e0", quiet, "both", 100), worker("e1", back, "both", 100)],
                         RouterConfig(stall_timeout_s=0.2, revive_timeout_s=0.6))
@@ -312,8 +322,7 @@ def test_a_worker_silent_past_the_bound_is_evicted_and_one_that_speaks_again_is_
                 while not seen or "e0" in seen[-1]:
                     seen.append(await changes.get())
                     if seen[-1].get("e1") == "stalled":  # e1 speaks again; e0 never does
-                        await back.batches.put(StepBatch("e1", [],
-                                                         telemetry("e1", "both", 100)))
+                        await back.batches.put(reported_batch("e1", "both", 100))
         finally:
             await router.stop()
         return seen, router
@@ -328,8 +337,8 @@ def test_a_request_waits_for_kv_while_its_ttft_slo_allows_and_is_refused_when_no
     # waits (no 429), and is placed when the worker's next report frees blocks; one
     # whose SLO leaves no time gets 429 at once. Nothing is left held either way.
     async def scenario():
-        decode = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
-        prefill = FakeActor(prefill=prefill_ok(7), abort=resolve(None))
+        decode = FakeWorker(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
+        prefill = FakeWorker(prefill=prefill_ok(7), abort=resolve(None))
         router = _disaggregated(tok, decode, prefill, free_blocks=0)
         await router.start()
         patient = router.generate(await router.accept([5, 6, 7], PARAMS,
@@ -340,7 +349,7 @@ def test_a_request_waits_for_kv_while_its_ttft_slo_allows_and_is_refused_when_no
         with pytest.raises(OverloadedError, match="KV"):
             await _drain(router.generate(await router.accept([5, 6, 8], PARAMS,
                                                               slo=Slo(ttft_s=1e-4))))
-        await decode.batches.put(StepBatch("d0", [], telemetry("d0", "decode", 100)))
+        await decode.batches.put(reported_batch("d0", "decode", 100))
         token = await asyncio.wait_for(first, 10)
         await decode.batches.put(batch("d0", token.request_id, [7, 8], "", "length"))
         rest = await _drain(patient)
@@ -366,7 +375,7 @@ def test_a_refusal_waits_only_while_capacity_is_predicted_to_free_in_time():
     req = Accepted("r", [1, 2], PARAMS, arrival_time=100.0, slo=Slo(ttft_s=1.0))
 
     def wait(kind, retry_after_s, ttft_s=0.1):
-        return Router._may_wait(req, Reject("", retry_after_s, kind, ttft_s=ttft_s))
+        return Placer.may_wait(req, Reject("", retry_after_s, kind, ttft_s=ttft_s))
     assert wait("harm", 2.0) == 0.0
     assert wait("harm", 0.5) == pytest.approx(0.9)
     assert wait("tpot", 2.0) == 0.0 and wait("tpot", 0.5) == pytest.approx(0.9)
@@ -375,7 +384,7 @@ def test_a_refusal_waits_only_while_capacity_is_predicted_to_free_in_time():
     assert wait("kv", 2.0, ttft_s=0.7) == pytest.approx(0.3)
     assert wait("harm", 0.5, ttft_s=0.7) == 0.0  # frees after the TTFT SLO's deadline
     assert wait("ttft", 0.0) == 0.0
-    assert Router._may_wait(Accepted("r", [1], PARAMS, 100.0),
+    assert Placer.may_wait(Accepted("r", [1], PARAMS, 100.0),
                             Reject("", 0.5, "harm", 0.1)) == 0.0  # no TTFT SLO: nothing to wait for
 
 
@@ -384,8 +393,8 @@ def test_a_wait_for_capacity_is_bounded_by_max_wait_ms(tok):
     # the 429 comes after about 50 ms, and the wait is recorded as refused; with 0
     # it comes at once and nothing waited.
     async def refusal(max_wait_ms):
-        decode = FakeActor(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
-        prefill = FakeActor(prefill=prefill_ok(7), abort=resolve(None))
+        decode = FakeWorker(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
+        prefill = FakeWorker(prefill=prefill_ok(7), abort=resolve(None))
         router = _disaggregated(tok, decode, prefill, free_blocks=0,
                                 routing=RoutingSpec(max_wait_ms=max_wait_ms))
         await router.start()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
+from pdserve.router.config import RouterConfig
 from pdserve.router.decision import Colocate, Disaggregate, Reject
 from pdserve.router.least_loaded import decide
 
@@ -31,8 +32,8 @@ def D(wid, inflight=0, free=100, alive=True, role="decode", draining=False, hear
 
 
 def state(*workers, limit=1000):
-    return ClusterState(tuple(workers), NOW, STALE_AFTER_S, max_queued_prefill_tokens=limit,
-                        retry_after_s=2.0)
+    return ClusterState(tuple(workers), NOW, RouterConfig(
+        telemetry_stale_s=STALE_AFTER_S, max_queued_prefill_tokens=limit, retry_after_s=2.0))
 
 
 def test_disaggregates_onto_the_least_loaded_prefill_and_decode_workers():

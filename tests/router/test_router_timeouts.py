@@ -9,13 +9,14 @@ import time
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.config import RouterConfig
-from pdserve.router.router import ModelInfo, Router
-from tests.router.fakes import FakeActor, resolve, worker
+from pdserve.router.model_info import ModelInfo
+from pdserve.router.router import Router
+from tests.router.fakes import FakeWorker, resolve, worker
 
 
 def test_a_worker_that_never_answers_abort_does_not_hold_a_cancelled_stream(llama_dir):
     async def scenario() -> tuple:
-        actor = FakeActor(submit=resolve(None))  # abort never answers
+        actor = FakeWorker(submit=resolve(None))  # abort never answers
         engine = worker("engine-0", actor, "both", free_blocks=8, num_blocks=8)
         router = Router(Tokenizer(llama_dir), ModelInfo("m", 64, 100, 16), [engine],
                         RouterConfig(control_timeout_s=0.2))
@@ -33,4 +34,4 @@ def test_a_worker_that_never_answers_abort_does_not_hold_a_cancelled_stream(llam
     elapsed, actor, engine = asyncio.run(scenario())
     assert len(actor.calls["abort"]) == 1
     assert elapsed < 2, f"the cancelled stream waited {elapsed:.1f}s on the hung abort"
-    assert engine.inflight == 0 and not engine.streams
+    assert engine.state.inflight == 0 and not engine.flights

@@ -9,6 +9,7 @@ import torch
 
 from pdserve import SamplingParams
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.worker_messages import Job
 from pdserve.kv_transfer import KVSender, TransferConfig
 from pdserve.worker.worker import Worker
 
@@ -23,7 +24,9 @@ def test_starts_arriving_together_join_at_one_step_boundary(llama_dir):
     try:
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         n = 12  # more than any fixed pool of waiting threads
-        reservations = [worker.reserve(f"r{i}", list(range(10 + i, 30 + i)), params).result(30)
+        reservations = [worker.reserve(Job(
+            request_id=f"r{i}", prompt_token_ids=list(range(10 + i, 30 + i)),
+            sampling_params=params, arrival_time=time.time())).result(30)
                         for i in range(n)]
         for r in reservations:  # each prompt's KV lands before its start
             handle = sender.begin(r.request_id, r.receiver_address, r.block_ids, r.block_ids)

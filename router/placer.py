@@ -1,0 +1,125 @@
+"""Where a request runs: the policy's decision (policy.decide, pure) on a snapshot of
+now. A refusal for want of capacity (KV, or headroom under the running requests' TPOT
+SLOs) waits in the capacity queue, in deadline order, while the request's TTFT SLO
+leaves time for a placement once capacity frees (and RoutingSpec.max_wait_ms in
+all); any other refusal, or one with no time to wait, is the request's 429."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator, Mapping
+
+from pdserve.router.capacity_queue import CapacityQueue
+from pdserve.router.clock import Clock
+from pdserve.router.cluster_models import ClusterModels
+from pdserve.router.cluster_state import ClusterState, RequestView
+from pdserve.router.config import RouterConfig
+from pdserve.router.decision import Colocate, Decision, Reject
+from pdserve.router.errors import OverloadedError
+from pdserve.router.lifecycle import Accepted, Flight, until
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.model_info import ModelInfo
+from pdserve.router.policy import decide
+from pdserve.router.pool import Pool
+from pdserve.router.prefix_index import block_hashes
+from pdserve.router.snapshot import snapshot
+
+
+class Placer:
+    def __init__(self, pool: Pool, models: ClusterModels, config: RouterConfig,
+                 model: ModelInfo, metrics: RouterMetrics, clock: Clock):
+        self.pool, self.models, self.config = pool, models, config
+        self.model, self.metrics, self.clock = model, metrics, clock
+        self.queue = CapacityQueue()
+        self._placed = itertools.count()  # decisions made (round robin's sequence)
+
+    async def place(self, flight: Flight, refused: frozenset[str]) -> Decision:
+        """The request's placement, after a wait for capacity if it may wait; raises
+        OverloadedError (429) when refused, lifecycle.Cancelled when aborted."""
+        decision = self.decide(flight.req, refused)
+        if not isinstance(decision, Reject):
+            self.metrics.decided(decision)
+            return decision
+        now = self.clock.monotonic()
+        waited_s = 0.0 if flight.waited_since is None else now - flight.waited_since
+        wait_s = min(self.may_wait(flight.req, decision),
+                     self.config.routing.max_wait_s - waited_s)
+        if wait_s <= 0:
+            self.metrics.decided(decision)
+            raise OverloadedError(decision.reason, decision.retry_after_s)
+        self.metrics.waited.inc()
+        if flight.waited_since is None:
+            flight.waited_since = now
+        req = flight.req
+        deadline = now + wait_s
+        try:
+            decision = await until(flight, self.queue.wait(
+                deadline, req.params.priority, lambda: self.decide(req, refused)), wait_s)
+        except asyncio.TimeoutError:
+            decision = self.decide(req, refused)  # a last look: it may fit just now
+        waited_s = self.clock.monotonic() - flight.waited_since
+        self.metrics.decided(decision)
+        if isinstance(decision, Reject):
+            self.metrics.waited_out("refused", waited_s)
+            raise OverloadedError(decision.reason, decision.retry_after_s)
+        self.metrics.waited_out("placed", waited_s)
+        # It takes its place (its load counted) before the next waiter is asked.
+        self.queue.freed()
+        return decision
+
+    @staticmethod
+    def may_wait(req: Accepted, decision: Reject) -> float:
+        """How long the request may wait for capacity and still meet its TTFT SLO (its
+        forecast TTFT counts from its arrival, as the SLO does); 0 when it may not, or
+        when the policy predicts the capacity frees too late (harm: the requests it
+        would push past their SLOs end after that; tpot: its batch shrinks enough after
+        that, or is not known to), so the refusal is answered at once rather than at
+        its deadline."""
+        if decision.kind not in ("kv", "harm", "tpot") or req.slo.ttft_s is None \
+                or decision.ttft_s is None:
+            return 0.0
+        budget = req.slo.ttft_s - decision.ttft_s
+        if decision.kind in ("harm", "tpot") and decision.retry_after_s > budget:
+            return 0.0
+        return budget
+
+    def decide(self, req: Accepted, refused: frozenset[str] = frozenset()) -> Decision:
+        """The policy's decision on a snapshot of now."""
+        ids, bs = req.prompt_token_ids, self.model.block_size
+        hits = (self.models.prefixes.hits(block_hashes(ids, bs))
+                if self.models.prefixes and self.config.routing.prefix_aware else {})
+        cached = {w: n * bs for w, n in hits.items()}
+        view = RequestView(num_prompt_tokens=len(ids), blocks_needed=-(-(len(ids) + 1) // bs),
+                           refused=refused, slo=req.slo, priority=req.params.priority,
+                           max_tokens=req.params.max_tokens, cached_tokens=cached,
+                           sequence=next(self._placed),
+                           waited_s=max(self.clock.time() - req.arrival_time, 0.0))
+        decision = decide(view, self.snapshot(), self.config.routing.routing_policy)
+        if cached and not isinstance(decision, Reject):
+            computes = decision.worker if isinstance(decision, Colocate) else decision.prefill
+            self.metrics.placed_prefix(cached.get(computes, 0), max(cached.values()))
+        return decision
+
+    def snapshot(self) -> ClusterState:
+        """Every worker's state now, as the policy sees it, with the TPOT budgets of
+        this router's requests running on each."""
+        workers = self.pool.workers
+        return snapshot(tuple(w.state for w in workers.values()), _Held(workers),
+                        self.clock.monotonic(), self.clock.time(), self.config, self.model,
+                        self.models.transfer_costs)
+
+
+class _Held(Mapping):
+    """worker id -> this router's requests held on it (a view, not a copy)."""
+
+    def __init__(self, workers: Mapping):
+        self._workers = workers
+
+    def __getitem__(self, worker_id: str):
+        return self._workers[worker_id].flights
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._workers)
+
+    def __len__(self) -> int:
+        return len(self._workers)

@@ -1,0 +1,320 @@
+"""The workers this router serves with, and their supervision.
+
+Membership is live: a worker joins paired and subscribed, drains, changes role (its
+weights stay loaded) and leaves once this router's requests on it are done. A
+worker whose process died is out of service at once and back once its restart
+answers; one silent past the stall bound is out of service until it reports again;
+one not back within revive_timeout_s is evicted and, when the pool can spawn
+workers, replaced. Prefill-capable workers are paired with every decode-capable one
+ahead of traffic. Every call to a worker goes through its WorkerClient."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
+from pdserve.engine.worker_messages import check_role
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import WorkerDied, short_reason
+from pdserve.router.workers import WorkerHandle
+
+log = logging.getLogger(__name__)
+
+# Spawns a fresh worker of a role, loaded and ready, not yet paired or subscribed
+# (launch.WorkerSpawner on Ray).
+Spawner = Callable[[str], Awaitable[WorkerHandle]]
+Hook = Callable[[WorkerHandle], None]
+
+
+class MembershipError(RuntimeError):
+    """An admin call that cannot be carried out (unknown worker, no spawner, a worker
+    that would not drain in time); `status` is the HTTP status that says why."""
+
+    def __init__(self, message: str, status: int = 409):
+        super().__init__(message)
+        self.status = status
+
+
+class Pool:
+    def __init__(self, config: RouterConfig, subscriber: str, spawner: Spawner | None = None,
+                 on_report=None, on_leave: Hook | None = None,
+                 on_restart: Hook | None = None):
+        """subscriber: this router's name to the workers (they stream it its own
+        requests only). on_report(worker, telemetry) hears every report; on_leave a
+        worker that left; on_restart one whose process was replaced (what was learned
+        of the old one no longer holds)."""
+        self.config = config
+        self.subscriber = subscriber
+        self.spawner = spawner
+        self.on_report = on_report or (lambda worker, telemetry: None)
+        self.on_leave = on_leave or (lambda worker: None)
+        self.on_restart = on_restart or (lambda worker: None)
+        self.workers: dict[str, WorkerHandle] = {}
+        self.on_change: list[Callable[[], None]] = []  # a worker left or rejoined service
+        self._reviving: dict[str, asyncio.Task] = {}  # worker id -> its revival
+        # Eviction timers of silent workers and fresh workers for evicted ones.
+        self._background: set[asyncio.Task] = set()
+        self._started = False
+
+    def admit(self, worker: WorkerHandle) -> None:
+        """A worker paired already (launch pairs the first ones before traffic)."""
+        self.workers[worker.worker_id] = worker
+
+    @property
+    def prefill(self) -> dict[str, WorkerHandle]:
+        """The prefill pool: workers in role prefill."""
+        return {k: w for k, w in self.workers.items() if w.state.role == "prefill"}
+
+    @property
+    def decode(self) -> dict[str, WorkerHandle]:
+        """Workers that run requests' decode: roles decode and both."""
+        return {k: w for k, w in self.workers.items() if w.state.decodes}
+
+    @property
+    def ready(self) -> bool:
+        """Whether a request could be placed now: a worker in role both, or a prefill
+        and a decode worker, in service."""
+        live = [w.state for w in self.workers.values() if w.state.available]
+        return any(w.role == "both" for w in live) or (
+            any(w.role == "prefill" for w in live) and any(w.decodes for w in live))
+
+    def states(self) -> dict[str, str]:
+        """Every worker's id -> "serving", "draining", "stalled" (no step or report
+        within the stall bound), "restarting" (its process died and is being
+        restarted) or "dead" (given up; evicted soon)."""
+        def state(w: WorkerHandle) -> str:
+            if w.worker_id in self._reviving:
+                return "restarting"
+            if w.state.alive:
+                return "draining" if w.state.draining else "serving"
+            return "stalled" if w.pump is not None and not w.pump.done() else "dead"
+        return {w.worker_id: state(w) for w in self.workers.values()}
+
+    async def start(self) -> None:
+        self._started = True
+        for worker in self.workers.values():
+            self._subscribe(worker)
+
+    async def stop(self) -> None:
+        for task in [*self._reviving.values(), *self._background]:
+            task.cancel()
+        for worker in self.workers.values():
+            worker.stop_pump()
+
+    # ---- membership -----------------------------------------------------------------
+
+    async def add(self, role: str) -> str:
+        """Spawns a worker of `role`, pairs it and subscribes to it, then gives it
+        traffic. Returns its id."""
+        check_role(role)
+        if self.spawner is None:
+            raise MembershipError("this router cannot spawn workers", 501)
+        worker = await self.spawner(role)
+        await self.join(worker)
+        return worker.worker_id
+
+    async def join(self, worker: WorkerHandle) -> None:
+        """Puts a loaded worker into service: paired with every worker of the other
+        side (off the engine threads, before any traffic), subscribed, then chosen."""
+        if worker.worker_id in self.workers:
+            raise MembershipError(f"worker {worker.worker_id} is already a member")
+        worker.update(draining=True)  # no traffic until paired and subscribed
+        self.admit(worker)
+        await self._pair_with_cluster(worker)
+        if self._started:
+            self._subscribe(worker)
+        worker.update(draining=False)
+        log.warning("worker %s (%s) joined", worker.worker_id, worker.state.role)
+        self._changed()
+
+    async def drain(self, worker_id: str, timeout_s: float | None = None) -> None:
+        """Stops new work on the worker and waits until this router's requests on it
+        are done. It stays a member, draining, until resumed, re-roled or removed.
+        Raises MembershipError (504) if they are not done within timeout_s; it stays
+        draining then."""
+        worker = self.member(worker_id)
+        drained = worker.drain()
+        self._changed()
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        try:
+            await asyncio.wait_for(drained.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            held = worker.state.inflight + worker.state.queued
+            raise MembershipError(f"worker {worker_id} still holds {held} request(s) after "
+                                  f"{timeout_s:g}s", 504) from None
+
+    def resume(self, worker_id: str) -> None:
+        """A drained (or draining) worker takes new requests again."""
+        self.member(worker_id).update(draining=False)
+        self._changed()
+
+    async def set_role(self, worker_id: str, role: str) -> None:
+        """Drains the worker, changes its role (its weights stay loaded), pairs it for
+        the new role and resumes it."""
+        check_role(role)
+        worker = self.member(worker_id)
+        await self.drain(worker_id)
+        try:
+            await asyncio.wait_for(worker.client.set_role(role), self.config.control_timeout_s)
+        except Exception as exc:
+            raise MembershipError(f"worker {worker_id} could not change role: "
+                                  f"{short_reason(exc)}") from None
+        worker.update(role=role)
+        await self._pair_with_cluster(worker)
+        self.resume(worker_id)
+        log.warning("worker %s is now in role %s", worker_id, role)
+
+    async def remove(self, worker_id: str, timeout_s: float | None = None,
+                     kill: bool = True) -> None:
+        """Drains the worker, then it leaves: unsubscribed, forgotten and (kill) ended."""
+        worker = self.member(worker_id)
+        if worker.state.alive:
+            await self.drain(worker_id, timeout_s)
+        self._leave(worker, kill)
+
+    def member(self, worker_id: str) -> WorkerHandle:
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            raise MembershipError(f"no worker {worker_id!r}", 404)
+        return worker
+
+    def _subscribe(self, worker: WorkerHandle) -> None:
+        worker.start_pump(self.config.stall_timeout_s, self.subscriber, self.on_report,
+                          self.died, self._stalled)
+
+    def _leave(self, worker: WorkerHandle, kill: bool) -> None:
+        worker.stop_pump()
+        revival = self._reviving.pop(worker.worker_id, None)
+        if revival is not None:
+            revival.cancel()
+        self.workers.pop(worker.worker_id, None)
+        self.on_leave(worker)
+        if kill:
+            worker.client.kill()
+        log.warning("worker %s left", worker.worker_id)
+        self._changed()
+
+    # ---- workers leaving and rejoining service ---------------------------------------
+
+    def died(self, worker: WorkerHandle) -> None:
+        """Its process died: out of service now, back once it has been restarted, or
+        evicted (and replaced) if it is not back within revive_timeout_s."""
+        if worker.worker_id in self._reviving or worker.worker_id not in self.workers:
+            return
+        worker.update(alive=False)
+        log.error("worker %s died; waiting for its restart", worker.worker_id)
+        self._reviving[worker.worker_id] = asyncio.get_running_loop().create_task(
+            self._revive(worker))
+        self._changed()
+
+    def _stalled(self, worker: WorkerHandle) -> None:
+        """Silent past the stall bound (its requests failed already): out of service
+        until it reports again (this is called again then); evicted (and replaced) if
+        it stays silent for revive_timeout_s more."""
+        self._changed()
+        if worker.state.alive:
+            return
+
+        async def evict_if_silent() -> None:
+            await asyncio.sleep(self.config.revive_timeout_s)  # a bound, not a sync
+            if not worker.state.alive and self.workers.get(worker.worker_id) is worker \
+                    and worker.worker_id not in self._reviving:
+                log.error("worker %s stayed silent for %gs more; evicting it",
+                          worker.worker_id, self.config.revive_timeout_s)
+                self._evict(worker)
+        self._in_background(evict_if_silent())
+
+    async def _revive(self, worker: WorkerHandle) -> None:
+        """Waits for the restarted process to answer (its model loads first), pairs it
+        with the live workers of the other side, and puts it back in service. Gives
+        up after revive_timeout_s (its restarts spent, or it cannot be placed): the
+        worker is evicted and, if the pool can spawn, replaced by a fresh one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.revive_timeout_s
+        backoff = 0.05
+        while True:
+            try:
+                await self._rejoin(worker)
+                break
+            except asyncio.CancelledError:
+                self._reviving.pop(worker.worker_id, None)
+                raise
+            except Exception as exc:
+                if loop.time() + backoff > deadline:
+                    log.error("worker %s did not come back within %gs: %s; evicting it",
+                              worker.worker_id, self.config.revive_timeout_s,
+                              short_reason(exc))
+                    self._reviving.pop(worker.worker_id, None)
+                    self._evict(worker)
+                    return
+                await asyncio.sleep(backoff)  # polling: a restart sends no event
+                backoff = min(2 * backoff, 2.0)
+        self._reviving.pop(worker.worker_id, None)
+        log.warning("worker %s is back in service", worker.worker_id)
+        self._changed()
+
+    def _evict(self, worker: WorkerHandle) -> None:
+        self._leave(worker, kill=True)
+        if self.spawner is not None:
+            self._in_background(self._replace(worker.state.role))
+
+    async def _replace(self, role: str) -> None:
+        try:
+            worker_id = await self.add(role)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.error("no replacement %s worker could be started: %s", role,
+                      short_reason(exc))
+            return
+        log.warning("worker %s replaces an evicted %s worker", worker_id, role)
+
+    async def _rejoin(self, worker: WorkerHandle) -> None:
+        stats = await asyncio.wait_for(worker.client.stats(), self.config.control_timeout_s)
+        # A new process, maybe on another node, listening on a new rendezvous: what
+        # was learned of the old one (steps, transfers, calibration, prefixes) goes.
+        worker.address = ""
+        worker.update(num_blocks=stats.num_blocks)
+        self.on_restart(worker)
+        await self._pair_with_cluster(worker)
+        self._subscribe(worker)
+
+    async def _pair_with_cluster(self, worker: WorkerHandle) -> None:
+        """Pairs the worker, ahead of traffic, with every worker it may send KV to or
+        receive KV from: role prefill (and in adaptive mode role both) sends to every
+        decode-capable worker. Outside adaptive mode, workers in role both run whole
+        requests only and send nothing."""
+        timeout_s, adaptive = self.config.control_timeout_s, self.config.adaptive
+        if worker.state.decodes and not worker.address:
+            worker.address = await asyncio.wait_for(worker.client.address(), timeout_s)
+        live = [w for w in self.workers.values() if w.state.alive and w is not worker]
+        pairs = []
+        if worker.state.sends_kv(adaptive):
+            pairs += [(worker, d.address) for d in live if d.state.decodes and d.address]
+        if worker.state.decodes:
+            pairs += [(p, worker.address) for p in live if p.state.sends_kv(adaptive)]
+        await self._pair(pairs)
+
+    async def _pair(self, pairs: list[tuple[WorkerHandle, str]]) -> None:
+        """Pairs prefill workers with decode addresses ahead of traffic, best effort: a
+        pair that fails now opens on its first request instead, and a prefill worker
+        found dead on the way is taken out of service."""
+        timeout_s = self.config.control_timeout_s
+        results = await asyncio.gather(*[
+            asyncio.wait_for(p.client.connect([address]), timeout_s)
+            for p, address in pairs], return_exceptions=True)
+        for (prefill, address), result in zip(pairs, results):
+            if isinstance(result, Exception):
+                log.warning("pairing %s with %s failed: %s", prefill.worker_id, address,
+                            short_reason(result))
+                if isinstance(result, WorkerDied):
+                    self.died(prefill)
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _changed(self) -> None:
+        for listener in self.on_change:
+            listener()

@@ -1,0 +1,327 @@
+"""A request's flight through its phases (lifecycle.py), every worker call through
+the WorkerClient seam and bounded by its timeout:
+
+    Disaggregate(P, D): admit the prompt to P's queue (before any KV is held, so
+        nothing admitted outwaits its lease) -> reserve KV on D (D refuses: the
+        placer decides again without it) -> prefill on P, which streams the KV into
+        the reserved blocks and samples token #1 (sent at once, with its text) ->
+        start on D -> D's deltas until it finishes.
+    Colocate(W): W (role both) takes the whole request -> W's deltas.
+
+Its `finally` releases the flight once, whatever ended it, aborting the request on
+exactly the workers its phase holds."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import AsyncIterator, Callable
+
+from pdserve.engine.detokenizer import Detokenizer
+from pdserve.engine.errors import InvalidRequestError, RequestFailedError
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.worker_messages import (
+    Job,
+    PrefillJob,
+    PrefillResult,
+    Reservation,
+    TokenDelta,
+)
+from pdserve.router.clock import Clock
+from pdserve.router.cluster_models import ClusterModels
+from pdserve.router.config import RouterConfig
+from pdserve.router.decision import Colocate
+from pdserve.router.errors import OverloadedError, WorkerDied, WorkerError, short_reason
+from pdserve.router.lifecycle import Accepted, Cancelled, Flight, Phase, until
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placer import Placer
+from pdserve.router.pool import Pool
+from pdserve.router.request_metrics import RequestTracker
+from pdserve.router.workers import WorkerHandle
+
+
+class RequestRunner:
+    def __init__(self, pool: Pool, placer: Placer, models: ClusterModels,
+                 metrics: RouterMetrics, config: RouterConfig, tokenizer: Tokenizer,
+                 clock: Clock, on_measured: Callable[[Flight, float, float | None], None]):
+        """on_measured(flight, ttft, tpot): a finished request's latencies."""
+        self.pool, self.placer, self.models, self.metrics = pool, placer, models, metrics
+        self.config, self.tokenizer, self.clock = config, tokenizer, clock
+        self.on_measured = on_measured
+        self.flights: dict[str, Flight] = {}
+        self.idle = asyncio.Event()  # set while no request is in flight
+        self.idle.set()
+        self._aborting: set[asyncio.Task] = set()  # abort calls to workers in flight
+
+    async def generate(self, req: Accepted) -> AsyncIterator[TokenDelta]:
+        """Streams the request's deltas; the last one has finished=True."""
+        flight = self._claim(req)
+        track = RequestTracker(self.metrics, flight, self.clock, self.on_measured)
+        try:
+            first, skip_text = await self._begin(flight)
+            if first is not None:
+                yield track.observe(self._progress(flight, first))
+            async for delta in self._stream(flight, skip_text, skip_token=first is not None):
+                yield track.observe(self._progress(flight, delta))
+        except Cancelled:
+            yield track.observe(TokenDelta(request_id=req.request_id, token_ids=[], text="",
+                                           logprobs=[], finished=True, finish_reason="abort"))
+        finally:
+            track.close()
+            self._release(flight)
+
+    def abort(self, request_id: str, owner: str = "") -> bool:
+        """Ends an in-flight request of this owner: its workers free it now, its stream
+        ends with finish_reason "abort". Another caller's request is not found."""
+        flight = self.flights.get(request_id)
+        if flight is None or flight.req.owner != owner:
+            return False
+        flight.cancelled.set()
+        self._abort_on_holders(flight)
+        return True
+
+    async def stop(self) -> None:
+        if self._aborting:
+            await asyncio.wait(self._aborting, timeout=self.config.control_timeout_s)
+
+    def _progress(self, flight: Flight, delta: TokenDelta) -> TokenDelta:
+        if delta.token_ids:
+            if flight.first_token_at is None:
+                flight.first_token_at = self.clock.time()
+                self._dequeue(flight)  # its prompt is computed
+            flight.num_output_tokens += len(delta.token_ids)
+        return delta
+
+    def _dequeue(self, flight: Flight) -> None:
+        if flight.queued_on is not None:
+            flight.queued_on.unqueue(len(flight.req.prompt_token_ids))
+            flight.queued_on = None
+
+    # ---- the phases -----------------------------------------------------------------
+
+    def _claim(self, req: Accepted) -> Flight:
+        if req.request_id in self.flights:
+            raise InvalidRequestError("request_id", f"{req.request_id!r} is already in flight")
+        if self.config.max_inflight and len(self.flights) >= self.config.max_inflight:
+            raise OverloadedError("the router is at max_inflight", self.config.retry_after_s)
+        flight = self.flights[req.request_id] = Flight(req)
+        self.idle.clear()
+        return flight
+
+    async def _begin(self, flight: Flight) -> tuple[TokenDelta | None, int]:
+        """Carries out the decision. Colocated: the worker takes the whole request
+        (None, 0). Disaggregated: returns token #1 as a delta with its text, and how
+        much of that text the decode worker's first delta repeats."""
+        req, refused = flight.req, frozenset()
+        num_tokens = len(req.prompt_token_ids)
+        while True:
+            decision = flight.predicted = await self.placer.place(flight, refused)
+            flight.placed_at = self.clock.time()
+            if isinstance(decision, Colocate):
+                worker = self.pool.workers[decision.worker]
+                flight.queued_on = worker  # until its first token, its prompt is queued there
+                worker.enqueue(num_tokens)
+                await self._submit(flight, worker)
+                return None, 0
+            prefill = self.pool.workers[decision.prefill]
+            decode = self.pool.workers[decision.decode]
+            prefill.enqueue(num_tokens)
+            try:
+                reservation = await self._reserve(flight, decode)
+                if reservation is not None:
+                    result = await self._prefill(flight, prefill, reservation)
+            finally:
+                prefill.unqueue(num_tokens)
+            if reservation is not None:
+                break
+            refused |= {decode.worker_id}
+        if result.transfer_seconds > 0:
+            self.models.transferred(prefill.worker_id, decode.worker_id,
+                                    result.kv_bytes_sent, result.transfer_seconds,
+                                    self.clock.monotonic())
+        self.metrics.prompt_tokens.inc(num_tokens)
+        self._start(flight, result.first_token)
+        return self._first_delta(req, result)
+
+    def _first_delta(self, req: Accepted, result: PrefillResult) -> tuple[TokenDelta, int]:
+        # The decode worker detokenizes from the same state: its first delta's text
+        # begins with exactly this, which the stream then skips.
+        text, _ = Detokenizer(self.tokenizer, req.prompt_token_ids,
+                              req.params.stop).append([result.first_token])
+        logprobs = [result.first_logprob] if result.first_logprob is not None else []
+        tops = [result.first_top_logprobs] if result.first_top_logprobs else []
+        first = TokenDelta(request_id=req.request_id, token_ids=[result.first_token],
+                           text=text, logprobs=logprobs, finished=False,
+                           num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=1,
+                           top_logprobs=tops)
+        return first, len(text)
+
+    async def _reserve(self, flight: Flight, worker: WorkerHandle) -> Reservation | None:
+        """The reservation, or None when the worker has no room (or no answer in time)."""
+        self._hold(flight, worker, Phase.RESERVING)
+        try:
+            reservation = await until(flight, worker.client.reserve(
+                _job(flight.req), self.pool.subscriber), self.config.reserve_timeout_s)
+        except Cancelled:
+            raise
+        except InvalidRequestError:
+            raise  # it can never fit: 400, not 429
+        except Exception as exc:
+            if isinstance(exc, WorkerDied):
+                self.pool.died(worker)
+            reservation = None  # no answer in time: the worker may reserve late
+            self._abort_on(worker, flight.request_id)
+        if reservation is not None:
+            flight.phase = Phase.RESERVED
+            return reservation
+        self._unhold(flight)
+        return None
+
+    async def _prefill(self, flight: Flight, worker: WorkerHandle,
+                       target: Reservation) -> PrefillResult:
+        req = flight.req
+        flight.prefill, flight.phase = worker, Phase.PREFILLING
+        try:
+            result = await until(flight, worker.client.prefill(
+                PrefillJob(job=_job(req), target=target)), self.config.prefill_timeout_s)
+        except (Cancelled, asyncio.CancelledError, InvalidRequestError, RequestFailedError):
+            raise
+        except asyncio.TimeoutError:
+            raise WorkerError(f"prefill of {req.request_id} took longer than "
+                              f"{self.config.prefill_timeout_s:g}s") from None
+        except Exception as exc:
+            if isinstance(exc, WorkerDied):
+                self.pool.died(worker)
+            raise WorkerError(f"prefill of {req.request_id} failed: {short_reason(exc)}") \
+                from None
+        flight.phase = Phase.STARTING  # the KV landed; the prefill worker holds nothing
+        return result
+
+    def _start(self, flight: Flight, first_token: int) -> None:
+        call = flight.decode.client.start(flight.request_id, first_token)
+        flight.starting = asyncio.ensure_future(
+            asyncio.wait_for(call, self.config.start_timeout_s))
+
+    async def _submit(self, flight: Flight, worker: WorkerHandle) -> None:
+        """The worker (role both) takes the whole request."""
+        req = flight.req
+        self._hold(flight, worker, Phase.SUBMITTING)
+        try:
+            await until(flight, worker.client.submit(_job(req), self.pool.subscriber),
+                        self.config.start_timeout_s)
+        except (Cancelled, asyncio.CancelledError, InvalidRequestError):
+            raise
+        except Exception as exc:
+            if isinstance(exc, WorkerDied):
+                self.pool.died(worker)
+            raise WorkerError(f"engine worker {worker.worker_id} could not take "
+                              f"{req.request_id}: {short_reason(exc)}") from None
+        self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        flight.phase = Phase.STREAMING
+
+    async def _stream(self, flight: Flight, skip_text: int,
+                      skip_token: bool) -> AsyncIterator[TokenDelta]:
+        """The decode worker's deltas. Disaggregated, the first repeats token #1 (sent
+        already): its id and its text are dropped."""
+        while True:
+            item = await self._next_delta(flight)
+            if skip_token and item.token_ids:
+                item, skip_token = replace(item, token_ids=item.token_ids[1:]), False
+            if skip_text:
+                cut = min(skip_text, len(item.text))
+                item, skip_text = replace(item, text=item.text[cut:]), skip_text - cut
+            if item.finished:
+                flight.phase = Phase.DONE  # the worker freed it
+            if item.finish_reason == "error":
+                raise RequestFailedError(flight.request_id, item.error or "")
+            yield item
+            if item.finished:
+                return
+
+    async def _next_delta(self, flight: Flight) -> TokenDelta:
+        """The next delta, merged with any queued behind it (the caller fell behind).
+        A failed start, Router.abort and the decode worker's pump (which reports a dead
+        or stalled worker within its bound) end the wait."""
+        queue, first = flight.queue, None
+        while first is None and queue.empty():
+            getter = asyncio.ensure_future(queue.get())
+            cancel = asyncio.ensure_future(flight.cancelled.wait())
+            waits = {getter, cancel}
+            if flight.starting is not None and not flight.starting.done():
+                waits.add(flight.starting)
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                getter.cancel()
+                cancel.cancel()
+            if flight.cancelled.is_set():
+                raise Cancelled
+            self._check_started(flight)
+            if getter.done() and not getter.cancelled():
+                first = getter.result()
+        self._check_started(flight)
+        item = first if first is not None else queue.get_nowait()
+        while not isinstance(item, Exception) and not queue.empty():
+            later = queue.get_nowait()
+            item = later if isinstance(later, Exception) else item.merged(later)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def _check_started(self, flight: Flight) -> None:
+        starting = flight.starting
+        if starting is None or not starting.done() or flight.phase is not Phase.STARTING:
+            return
+        if starting.cancelled() or starting.exception() is not None:
+            reason = "timed out" if starting.cancelled() else short_reason(starting.exception())
+            raise WorkerError(f"the decode worker could not start {flight.request_id}: "
+                              f"{reason}")
+        flight.phase = Phase.STREAMING
+
+    # ---- holding and releasing ------------------------------------------------------
+
+    def _hold(self, flight: Flight, worker: WorkerHandle, phase: Phase) -> None:
+        flight.decode, flight.phase = worker, phase
+        worker.hold(flight)
+
+    def _unhold(self, flight: Flight) -> None:
+        worker, flight.decode, flight.phase = flight.decode, None, Phase.ACCEPTED
+        worker.unhold(flight)
+
+    def _release(self, flight: Flight) -> None:
+        """Once per request, whatever ended it: frees what its phase holds."""
+        if flight.released:
+            return
+        flight.released = True
+        self._dequeue(flight)
+        self._abort_on_holders(flight)
+        if flight.decode is not None:
+            self._unhold(flight)
+        if flight.starting is not None and not flight.starting.done():
+            flight.starting.cancel()
+        self.flights.pop(flight.request_id, None)
+        if not self.flights:
+            self.idle.set()
+        self.placer.queue.freed()
+
+    def _abort_on_holders(self, flight: Flight) -> None:
+        for worker in flight.holders():
+            self._abort_on(worker, flight.request_id)
+        flight.phase = Phase.DONE
+
+    def _abort_on(self, worker: WorkerHandle, request_id: str) -> None:
+        """Fire and forget, bounded: a hung worker must not hold a caller's stream."""
+        task = asyncio.ensure_future(asyncio.wait_for(
+            worker.client.abort(request_id, self.pool.subscriber),
+            self.config.control_timeout_s))
+        self._aborting.add(task)
+        task.add_done_callback(self._forget_abort)
+
+    def _forget_abort(self, task: asyncio.Task) -> None:
+        self._aborting.discard(task)
+        if not task.cancelled():
+            task.exception()  # a failed abort: the worker frees it by its lease
+
+
+def _job(req: Accepted) -> Job:
+    return Job(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+               sampling_params=req.params, arrival_time=req.arrival_time)

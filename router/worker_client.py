@@ -1,0 +1,63 @@
+"""The one seam between the router and a worker: every call the router makes to a
+worker goes through a WorkerClient. Two implementations: `RayWorkerClient` (a
+worker actor on Ray: production) and `pdserve.sim.SimWorker` (a worker in virtual
+time: the simulator and router tests). Placement, admission, the wait for capacity,
+supervision and the planner are the same code over either.
+
+Errors: a call the worker's process could not answer (it died, or is restarting)
+raises router.errors.WorkerDied; an error the worker raised (InvalidRequestError,
+RequestFailedError, kv_transfer's typed errors, a wrong role) reaches the caller as
+raised there. The router bounds every call with its own timeout."""
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol
+
+from pdserve.engine.worker_messages import (
+    Job,
+    PrefillJob,
+    PrefillResult,
+    Reservation,
+    StepBatch,
+    WorkerStats,
+)
+
+
+class WorkerClient(Protocol):
+    async def address(self) -> str:
+        """Its KV rendezvous, which prefill-capable workers pair with."""
+
+    async def connect(self, receiver_addresses: list[str]) -> None:
+        """Pairs it (a worker that prefills for others) with these decode workers now,
+        rather than on their first request."""
+
+    async def reserve(self, job: Job, subscriber: str) -> Reservation | None:
+        """Decode side: KV blocks held for the prompt, which a prefill worker sends;
+        None when it has no room. The request belongs to `subscriber` (a router)."""
+
+    async def prefill(self, job: PrefillJob) -> PrefillResult:
+        """Computes the prompt, streams its KV to job.target and samples token #1;
+        returns once the decode side confirmed the KV."""
+
+    async def start(self, request_id: str, first_token: int) -> None:
+        """Decode side: the KV landed; the request joins the batch after token #1."""
+
+    async def submit(self, job: Job, subscriber: str) -> None:
+        """Role both: the whole request runs here."""
+
+    async def abort(self, request_id: str, subscriber: str) -> None:
+        """Frees whatever `subscriber`'s request of that id holds here."""
+
+    def steps(self, stall_timeout_s: float, subscriber: str) -> AsyncIterator[StepBatch]:
+        """One StepBatch per engine step (merged when the reader fell behind): the
+        deltas of `subscriber`'s requests and the worker's telemetry, which it also
+        sends while idle as long as its engine makes progress. Ends with an error if
+        the worker or its engine loop died. A second call replaces the first."""
+
+    async def set_role(self, role: str) -> None:
+        """prefill | decode | both; refused while it holds requests."""
+
+    async def stats(self) -> WorkerStats:
+        ...
+
+    def kill(self) -> None:
+        """Ends the worker for good (no restart); one already gone is fine."""
