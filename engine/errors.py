@@ -1,4 +1,4 @@
-"""Typed errors the engine raises for a caller to translate (400 / INVALID_ARGUMENT)."""
+"""Typed errors the engine and its workers raise for a caller to translate."""
 
 
 class InvalidRequestError(ValueError):
@@ -31,3 +31,11 @@ class RequestFailedError(RuntimeError):
 
     def __reduce__(self):
         return type(self), (self.request_id, self.reason)
+
+
+class WrongRoleError(RuntimeError):
+    """A call the worker's current role does not take (a router raced a role change)."""
+
+
+class WorkerBusyError(RuntimeError):
+    """A role change asked of a worker that still holds requests."""

@@ -46,6 +46,13 @@ class PrefillJob:
     def request_id(self) -> str:
         return self.job.request_id
 
+    @property
+    def params(self) -> SamplingParams:
+        """What the prefill worker runs the prompt with: only the first token is
+        sampled there; stop conditions are the decode side's."""
+        return replace(self.job.sampling_params, max_tokens=1, stop=(), stop_token_ids=(),
+                       ignore_eos=True)
+
 
 @dataclass(frozen=True)
 class WorkerStats:

@@ -16,6 +16,7 @@ from pdserve import cli_flags, env
 from pdserve.admin_cli import add_admin_parser
 from pdserve.bench.cli import add_bench_parser
 from pdserve.router.config import PoolSpec, RouterConfig, RoutingSpec
+from pdserve.sim.cli import add_sim_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_demo_parser(sub)
     add_bench_parser(sub)
+    add_sim_parser(sub)
     add_admin_parser(sub)
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight HF model + tokenizer",
                           description="Write the tiny random-weight Llama and its locally "

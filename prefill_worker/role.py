@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
@@ -58,9 +58,7 @@ class PrefillRole:
     def prefill(self, job: PrefillJob) -> Future:
         """Resolves to a PrefillResult once the KV landed on the decode worker."""
         entry = self._jobs[job.request_id] = _Job(job, Future())
-        # Only the first token is sampled here; stop conditions are the decode side's.
-        params = replace(job.job.sampling_params, max_tokens=1, stop=(), stop_token_ids=(),
-                         ignore_eos=True)
+        params = job.params
 
         def add(engine: LLMEngine) -> None:
             if self._jobs.get(job.request_id) is not entry:

@@ -24,22 +24,26 @@ MAX_REQUEST_ID_CHARS = 256
 
 
 class Intake:
-    def __init__(self, tokenizer: Tokenizer, model: ModelInfo, default_slo: Slo,
+    def __init__(self, tokenizer: Tokenizer | None, model: ModelInfo, default_slo: Slo,
                  clock: Clock):
+        """tokenizer None: prompts are token ids (the simulator serves no text)."""
         self.tokenizer, self.model, self.default_slo, self.clock = (
             tokenizer, model, default_slo, clock)
         self._ids = itertools.count()
 
     @functools.cached_property
     def limits(self) -> PromptLimits:
-        return PromptLimits(self.model.max_model_len,
-                            self.model.max_model_len * self.tokenizer.max_token_chars)
+        chars = self.tokenizer.max_token_chars if self.tokenizer is not None else 0
+        return PromptLimits(self.model.max_model_len, self.model.max_model_len * chars)
 
     async def accept(self, prompt, params: SamplingParams, request_id: str = "",
                      owner: str = "", slo: Slo = Slo()) -> Accepted:
         """Text that cannot fit the context is refused before tokenizing, and long text
         is tokenized off the event loop, which serves every other request meanwhile."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "must be token ids: this router has no "
+                                          "tokenizer")
             self.limits.check_chars("prompt", len(prompt))
         elif isinstance(prompt, (list, tuple)):
             self.limits.check_ids("prompt", len(prompt))
@@ -52,6 +56,8 @@ class Intake:
                           request_id: str = "", owner: str = "",
                           slo: Slo = Slo()) -> Accepted:
         """The chat template applied to checked messages, then as accept()."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("messages", "this router has no tokenizer")
         chars = sum(len(m["content"]) for m in messages)
         self.limits.check_chars("messages", chars)
         ids = await self._tokenize(chars, self._chat_token_ids, messages)

@@ -41,7 +41,7 @@ from pdserve.router.workers import WorkerHandle
 
 class RequestRunner:
     def __init__(self, pool: Pool, placer: Placer, models: ClusterModels,
-                 metrics: RouterMetrics, config: RouterConfig, tokenizer: Tokenizer,
+                 metrics: RouterMetrics, config: RouterConfig, tokenizer: Tokenizer | None,
                  clock: Clock, on_measured: Callable[[Flight, float, float | None], None]):
         """on_measured(flight, ttft, tpot): a finished request's latencies."""
         self.pool, self.placer, self.models, self.metrics = pool, placer, models, metrics
@@ -145,8 +145,8 @@ class RequestRunner:
     def _first_delta(self, req: Accepted, result: PrefillResult) -> tuple[TokenDelta, int]:
         # The decode worker detokenizes from the same state: its first delta's text
         # begins with exactly this, which the stream then skips.
-        text, _ = Detokenizer(self.tokenizer, req.prompt_token_ids,
-                              req.params.stop).append([result.first_token])
+        text = "" if self.tokenizer is None else Detokenizer(
+            self.tokenizer, req.prompt_token_ids, req.params.stop).append([result.first_token])[0]
         logprobs = [result.first_logprob] if result.first_logprob is not None else []
         tops = [result.first_top_logprobs] if result.first_top_logprobs else []
         first = TokenDelta(request_id=req.request_id, token_ids=[result.first_token],

@@ -33,10 +33,12 @@ __all__ = ["Accepted", "Router"]
 
 
 class Router:
-    def __init__(self, tokenizer: Tokenizer, model: ModelInfo, workers: list[WorkerHandle],
+    def __init__(self, tokenizer: Tokenizer | None, model: ModelInfo,
+                 workers: list[WorkerHandle],
                  config: RouterConfig = RouterConfig(), spawner: Spawner | None = None,
                  clock: Clock = SYSTEM_CLOCK, router_id: str | None = None):
-        """workers: paired already (launch pairs them before traffic); `spawner`
+        """tokenizer None: token ids in and out, no text (the simulator).
+        workers: paired already (launch pairs them before traffic); `spawner`
         makes adding workers and replacing dead ones possible. router_id names this
         router to the workers, which stream it its own requests only."""
         self.tokenizer, self.model, self.config, self.clock = tokenizer, model, config, clock

@@ -4,7 +4,7 @@
 step: the deltas of that subscriber's requests only (a request belongs to the
 subscriber that reserved or submitted it, so several routers share one pool) and the
 worker's telemetry, which every subscriber gets. While no step runs, a telemetry
-report goes out at least every TELEMETRY_INTERVAL_S, as long as the engine loop makes
+report goes out at least every IDLE_REPORT_INTERVAL_S, as long as the engine loop makes
 progress: silence past a subscriber's bound means the worker stalled. A step error
 its engine cannot pin on requests ends the process, and Ray restarts the actor
 (launch sets max_restarts)."""
@@ -20,6 +20,7 @@ import ray
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import exit_for_restart
 from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.telemetry import IDLE_REPORT_INTERVAL_S
 from pdserve.engine.worker_messages import (
     Job,
     PrefillJob,
@@ -29,8 +30,6 @@ from pdserve.engine.worker_messages import (
 )
 from pdserve.kv_transfer import TransferConfig
 from pdserve.worker.worker import Worker
-
-TELEMETRY_INTERVAL_S = 0.5
 
 
 @dataclass
@@ -78,8 +77,8 @@ class WorkerActor:
         engine loop's last progress is within."""
         loop = self.worker.loop
         while loop.error is None:
-            await asyncio.sleep(TELEMETRY_INTERVAL_S / 2)
-            if time.monotonic() - self._published_at < TELEMETRY_INTERVAL_S:
+            await asyncio.sleep(IDLE_REPORT_INTERVAL_S / 2)
+            if time.monotonic() - self._published_at < IDLE_REPORT_INTERVAL_S:
                 continue
             telemetry = await asyncio.to_thread(self.worker.telemetry)
             self._published_at = time.monotonic()
@@ -154,7 +153,7 @@ class WorkerActor:
         try:
             while True:
                 try:
-                    batch = await asyncio.wait_for(batches.get(), TELEMETRY_INTERVAL_S)
+                    batch = await asyncio.wait_for(batches.get(), IDLE_REPORT_INTERVAL_S)
                 except asyncio.TimeoutError:
                     if loop.error is not None:
                         raise RuntimeError(f"engine loop stopped: {loop.error!r}") from None

@@ -17,8 +17,10 @@ from pdserve.decode_worker.role import DecodeRole, deltas
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.errors import WorkerBusyError, WrongRoleError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.profile import profile
+from pdserve.engine.telemetry import gauges, report
 from pdserve.engine.worker_messages import (
     Job,
     PrefillJob,
@@ -26,18 +28,9 @@ from pdserve.engine.worker_messages import (
     TokenDelta,
     WorkerTelemetry,
     check_role,
-    net_prefix_events,
 )
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig
 from pdserve.prefill_worker.role import PrefillRole
-
-
-class WrongRoleError(RuntimeError):
-    """A call the worker's current role does not take (a router raced a role change)."""
-
-
-class WorkerBusyError(RuntimeError):
-    """A role change asked of a worker that still holds requests."""
 
 
 class Worker:
@@ -115,7 +108,8 @@ class Worker:
         return self.loop.call_concurrent(self._measure)
 
     def stats(self) -> dict:
-        t = self.loop.call_concurrent(self._gauges)
+        t = self.loop.call_concurrent(lambda engine: gauges(
+            self.worker_id, self.role, engine.scheduler, time.time()))
         return {**t, "kv_cache_usage": 1 - t["free_blocks"] / t["num_blocks"],
                 "lease_expiries": dict(self.receiver.lease_expiries)}
 
@@ -148,24 +142,8 @@ class Worker:
         new = engine.num_steps - self._reported_steps
         self._reported_steps = engine.num_steps
         steps = tuple(engine.step_timings)[-new:] if new else ()
-        stored, evicted = net_prefix_events(engine.block_manager.take_prefix_events())
-        return WorkerTelemetry(steps=steps, prefix_stored=stored, prefix_evicted=evicted,
-                               **self._gauges(engine))
-
-    def _gauges(self, engine: LLMEngine) -> dict:
-        scheduler, blocks = engine.scheduler, engine.block_manager
-        running = scheduler.running
-        return dict(
-            worker_id=self.worker_id, role=self.role, time=time.time(),
-            waiting=len(scheduler.waiting),
-            waiting_tokens=sum(r.num_tokens - r.num_computed_tokens
-                               for r in scheduler.waiting),
-            running=len(running),
-            context_tokens=sum(r.num_computed_tokens for r in running),
-            reserved=scheduler.num_unfinished - len(running) - len(scheduler.waiting),
-            free_blocks=blocks.num_free_blocks, num_blocks=blocks.num_blocks,
-            num_preemptions=engine.stats.num_preemptions,
-            token_budget=scheduler.config.max_num_batched_tokens)
+        return report(self.worker_id, self.role, engine.scheduler, time.time(),
+                                steps)
 
     def _require(self, call: str, *roles: str) -> None:
         if self.role not in roles:

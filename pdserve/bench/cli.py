@@ -37,18 +37,11 @@ def add_bench_parser(sub) -> None:
     run.add_argument("--vocab-size", type=int, default=None,
                      help="token ids of random prompts stay below this (grpc: asked of the "
                      "server; openai: default 1000)")
-    run.add_argument("--request-rate", type=float, default=float("inf"),
-                     help="mean arrivals per second; inf sends all at once "
-                     "(default: %(default)s)")
-    run.add_argument("--max-concurrency", type=int, default=0,
-                     help="the most requests in flight; 0 = no cap (default: %(default)s)")
     run.add_argument("--num-workers", type=int, default=1,
                      help="goodput is divided by this: requests per second per worker "
                      "(default: %(default)s)")
-    run.add_argument("--sweep", type=float, nargs="+", default=None, metavar="RATE",
-                     help="run at each request rate instead; report the highest rate per "
-                     "worker with >= 90%% SLO attainment")
-    _add_shared(run, default_name="bench")
+    add_load_flags(run)
+    add_workload_flags(run, default_name="bench")
     run.set_defaults(func=_run)
 
     compare = kinds.add_parser("compare", help="disaggregated vs colocated goodput per "
@@ -72,11 +65,23 @@ def add_bench_parser(sub) -> None:
                          help="torch threads per worker (default: %(default)s)")
     compare.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20,
                          help="KV cache per worker (default: %(default)s)")
-    _add_shared(compare, default_name="compare")
+    add_workload_flags(compare, default_name="compare")
     compare.set_defaults(func=_compare)
 
 
-def _add_shared(p: argparse.ArgumentParser, default_name: str) -> None:
+def add_load_flags(p: argparse.ArgumentParser) -> None:
+    """How requests are sent: a rate (or a sweep of rates) and a cap in flight."""
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="mean arrivals per second; inf sends all at once "
+                   "(default: %(default)s)")
+    p.add_argument("--max-concurrency", type=int, default=0,
+                   help="the most requests in flight; 0 = no cap (default: %(default)s)")
+    p.add_argument("--sweep", type=float, nargs="+", default=None, metavar="RATE",
+                   help="run at each request rate instead; report the highest rate per "
+                   "worker with >= 90%% SLO attainment")
+
+
+def add_workload_flags(p: argparse.ArgumentParser, default_name: str) -> None:
     load = p.add_argument_group("workload")
     load.add_argument("--workload", choices=WORKLOADS, default="random",
                       help="prompt and output lengths (default: %(default)s)")
@@ -112,7 +117,7 @@ def _add_shared(p: argparse.ArgumentParser, default_name: str) -> None:
                      help="file name stem of the outputs (default: %(default)s)")
 
 
-def _workload(args: argparse.Namespace, vocab: int):
+def workload_of(args: argparse.Namespace, vocab: int):
     """Run i's prompts, drawn with seed + 1 + i (a sweep's warm-up is i = -1)."""
     from pdserve.bench.workloads import make_workload
 
@@ -124,7 +129,7 @@ def _workload(args: argparse.Namespace, vocab: int):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pdserve.bench import driver, report
+    from pdserve.bench import driver
     from pdserve.bench.metrics import SLO, summarize
     from pdserve.bench.sweep import sweep
 
@@ -139,28 +144,43 @@ def _run(args: argparse.Namespace) -> int:
                            args.burstiness, args.max_concurrency, args.seed,
                            api_key=args.api_key, ca_file=args.ca_file,
                            slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms)
-    slo_text = "" if not args.goodput else f" [{' '.join(args.goodput)}]"
-    meta = {k: getattr(args, k) for k in ("backend", "target", "workload", "num_prompts",
-                                          "scale", "request_rate", "burstiness",
-                                          "max_concurrency", "goodput", "seed", "num_workers")}
-    meta["request_rate"] = str(meta["request_rate"])
+    meta = run_meta(args, backend=args.backend, target=args.target)
     if args.sweep:
-        result = asyncio.run(sweep(_workload(args, vocab), cfg, args.sweep, slo,
+        result = asyncio.run(sweep(workload_of(args, vocab), cfg, args.sweep, slo,
                                    args.num_workers))
+    else:
+        records, duration = asyncio.run(driver.run(workload_of(args, vocab)(-1), cfg))
+        result = summarize(records, duration, slo, args.num_workers)
+    publish(args, result, meta)
+    return 0
+
+
+def run_meta(args: argparse.Namespace, **fields) -> dict:
+    """What a report says of its run: the workload, arrivals and SLOs, and `fields`."""
+    meta = {**fields, **{k: getattr(args, k) for k in (
+        "workload", "num_prompts", "scale", "request_rate", "burstiness", "max_concurrency",
+        "goodput", "seed", "num_workers")}}
+    meta["request_rate"] = str(meta["request_rate"])
+    return meta
+
+
+def publish(args: argparse.Namespace, result: dict, meta: dict) -> None:
+    """Prints a run's (or a sweep's) report and writes its JSON and Markdown (and a
+    sweep's PNG) under --out-dir, named --name."""
+    from pdserve.bench import report
+
+    slo_text = "" if not args.goodput else f" [{' '.join(args.goodput)}]"
+    if "rows" in result:
         for row in result["rows"]:
             print(f"rate {row['rate']:g} req/s")
             print(report.text_block(row, slo_text))
         print(report.sweep_markdown(result))
         paths = report.write_sweep(args.out_dir, args.name, result, meta)
     else:
-        requests = _workload(args, vocab)(-1)
-        records, duration = asyncio.run(driver.run(requests, cfg))
-        summary = summarize(records, duration, slo, args.num_workers)
-        print(report.text_block(summary, slo_text))
-        paths = report.write(args.out_dir, args.name, summary, meta)
+        print(report.text_block(result, slo_text))
+        paths = report.write(args.out_dir, args.name, result, meta)
     for path in paths:
         print(f"wrote {path}")
-    return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -173,7 +193,7 @@ def _compare(args: argparse.Namespace) -> int:
     model_dir = resolve_model_path(args.model)
     config = EngineConfig.from_kwargs(str(model_dir), num_threads=args.engine_threads,
                                       kv_cache_memory_bytes=args.kv_cache_memory_bytes)
-    workload = _workload(args, ModelConfig.from_dir(model_dir).vocab_size)
+    workload = workload_of(args, ModelConfig.from_dir(model_dir).vocab_size)
     isolated = compare.measure_isolated(config, workload(0))
     if args.slo_scale is not None:
         slo = compare.slo_for(isolated, args.slo_scale, args.tpot_slo_scale or args.slo_scale)

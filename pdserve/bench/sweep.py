@@ -10,8 +10,6 @@ from pdserve.bench.metrics import SLO, crossing, summarize
 from pdserve.bench.workloads import BenchRequest
 
 TARGET_ATTAINMENT = 0.9
-
-
 WARMUP_REQUESTS = 4
 
 
@@ -26,6 +24,12 @@ async def sweep(workload: Callable[[int], list[BenchRequest]], cfg: driver.RunCo
     for i, rate in enumerate(sorted(rates)):
         records, duration = await driver.run(workload(i), replace(cfg, request_rate=rate))
         rows.append({"rate": rate, **summarize(records, duration, slo, num_workers)})
+    return result(rows, num_workers)
+
+
+def result(rows: list[dict], num_workers: int) -> dict:
+    """A sweep's rows (each a rate and its summary, by rate) and its crossing: the
+    highest rate, and rate per worker, with the target attainment."""
     best = crossing([r["rate"] for r in rows], [r["slo_attainment"] for r in rows],
                     TARGET_ATTAINMENT)
     return {"rows": rows, "target_attainment": TARGET_ATTAINMENT,

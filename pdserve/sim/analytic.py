@@ -1,0 +1,168 @@
+"""An analytic profile: a worker's step and transfer costs computed from a model's
+config.json and an accelerator's stated speeds, for GPU-scale questions on a machine
+that has no GPU. A model, and labelled as one (Profile.source "analytic", its
+assumptions in `notes`), never a measurement.
+
+Each step's time is a roofline: the larger of its compute (matmul FLOPs at a share of
+the accelerator's peak, attention FLOPs at a lower share) and its memory traffic
+(the weights read once a step, each decode's KV read, at a share of the memory
+bandwidth), plus a fixed launch overhead. The profile's StepCost is the router's own
+linear fit (latency_model.StepModel) of that roofline over the shapes serving sees,
+so the simulator and the router forecast with the same kind of model the real
+cluster fits from telemetry.
+
+Transfers stream layer by layer during the forward pass (kv_transfer): what stays
+exposed after the last layer is that layer's share of the bytes at the link's
+bandwidth, plus a handshake latency."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.latency_model import StepModel, TransferCost
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.step_shape import StepShape, StepTiming
+from pdserve.sim.profile import Profile
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    peak_flops: float  # dense bf16 matmul, per second
+    memory_bytes_per_s: float  # HBM bandwidth
+    memory_bytes: float
+    link_bytes_per_s: float  # between two workers' GPUs (the KV transfer's link)
+    link_latency_s: float
+
+
+# Vendor datasheet figures (dense bf16; SXM parts). The link is one 400 Gb/s NIC
+# per GPU (InfiniBand NDR / RoCE), as between nodes of a disaggregated cluster.
+ACCELERATORS = {
+    "h100": Accelerator("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 80e9, 50e9, 1e-3),
+    "h200": Accelerator("NVIDIA H200 SXM 141GB", 989e12, 4.8e12, 141e9, 50e9, 1e-3),
+    "a100": Accelerator("NVIDIA A100 SXM 80GB", 312e12, 2.04e12, 80e9, 25e9, 1e-3),
+    "l40s": Accelerator("NVIDIA L40S 48GB", 362e12, 0.864e12, 48e9, 25e9, 1e-3),
+}
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Shares of the peaks a serving engine reaches: what the analytic model assumes."""
+    matmul: float = 0.6  # of peak FLOPs in the projections and MLP
+    attention: float = 0.35  # of peak FLOPs in attention
+    memory: float = 0.75  # of the memory bandwidth
+    link: float = 0.8  # of the link's bandwidth
+    step_overhead_s: float = 2e-3  # launches and scheduling per step (eager PyTorch, no graphs)
+    gpu_memory_utilization: float = 0.9  # as the engine's flag
+    activation_reserve_bytes: float = 4e9  # not for weights or KV
+
+
+# Public config.json values of models a profile can be built for by name.
+NAMED_CONFIGS = {
+    "llama-3-8b": {  # meta-llama/Meta-Llama-3-8B
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": 128001},
+    "qwen2-7b": {  # Qwen/Qwen2-7B
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768, "tie_word_embeddings": False,
+        "bos_token_id": 151643, "eos_token_id": 151643},
+}
+
+BYTES_PER_PARAM = 2  # bf16 weights and KV
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Seconds of one step of a shape on the accelerator, by the analytic model."""
+    model: ModelConfig
+    accel: Accelerator
+    eff: Efficiency
+
+    @property
+    def layer_params(self) -> int:
+        m = self.model
+        attention = m.hidden_size * (m.q_size + 2 * m.kv_size) + m.q_size * m.hidden_size
+        return m.num_layers * (attention + 3 * m.hidden_size * m.intermediate_size)
+
+    @property
+    def weight_bytes(self) -> float:
+        m = self.model
+        embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+        return (self.layer_params + embeddings) * BYTES_PER_PARAM
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.model.num_layers * self.model.kv_size * BYTES_PER_PARAM
+
+    def seconds(self, shape: StepShape) -> float:
+        m, a, e = self.model, self.accel, self.eff
+        tokens = shape.prefill_tokens + shape.decode_seqs
+        sampled = shape.decode_seqs + (1 if shape.prefill_tokens else 0)
+        matmul = 2 * (self.layer_params * tokens + m.vocab_size * m.hidden_size * sampled)
+        pairs = shape.prefill_pairs + shape.decode_context
+        attention = 4 * m.num_layers * m.q_size * pairs
+        compute = matmul / (a.peak_flops * e.matmul) + attention / (a.peak_flops * e.attention)
+        traffic = self.weight_bytes + self.kv_bytes_per_token * (
+            shape.decode_context + 2 * shape.prefill_tokens)
+        memory = traffic / (a.memory_bytes_per_s * e.memory)
+        return e.step_overhead_s + max(compute, memory)
+
+
+def serving_shapes(max_model_len: int) -> list[StepShape]:
+    """The shapes the fit weighs: prompts alone, decode batches of many sizes and
+    contexts, and chunks beside decodes, within the context."""
+    shapes = []
+    for n in (16, 64, 256, 512, 1024, 2048, 4096, 8192):
+        if n <= max_model_len:
+            shapes.append(StepShape(prefill_tokens=n, prefill_pairs=n * (n + 1) // 2))
+    for seqs in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        for context in (256, 1024, 4096):
+            if context <= max_model_len:
+                shapes.append(StepShape(decode_seqs=seqs, decode_context=seqs * context))
+    for chunk in (256, 1024):
+        for seqs in (8, 32, 128):
+            shapes.append(StepShape(prefill_tokens=chunk, prefill_pairs=chunk * (chunk + 1) // 2,
+                                    decode_seqs=seqs, decode_context=seqs * 1024))
+    return shapes
+
+
+def analytic_profile(model_name: str, config: dict, accelerator: str,
+                     block_size: int = 16, eff: Efficiency = Efficiency()) -> Profile:
+    """config: a config.json's contents (NAMED_CONFIGS, or a local file's)."""
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"unknown accelerator {accelerator!r}: one of {sorted(ACCELERATORS)}")
+    model = ModelConfig.from_hf_dict(config)
+    accel = ACCELERATORS[accelerator]
+    roof = Roofline(model, accel, eff)
+    fit = StepModel()
+    fit.observe([StepTiming(shape=s, duration_s=roof.seconds(s), end_time=0.0)
+                 for s in serving_shapes(model.max_position_embeddings)])
+    kv_bytes_per_block = roof.kv_bytes_per_token * block_size
+    kv_room = (accel.memory_bytes * eff.gpu_memory_utilization - roof.weight_bytes
+               - eff.activation_reserve_bytes)
+    if kv_room < kv_bytes_per_block:
+        raise ValueError(f"{model_name} does not fit one {accel.name} with room for KV")
+    transfer = TransferCost(
+        latency_s=accel.link_latency_s,
+        per_byte_s=1.0 / (accel.link_bytes_per_s * eff.link * model.num_layers))
+    return Profile(
+        name=f"{model_name} on {accel.name} (analytic)", source="analytic",
+        step_cost=fit.cost(), transfer_cost=transfer,
+        num_kv_blocks=int(kv_room // kv_bytes_per_block), block_size=block_size,
+        kv_bytes_per_block=kv_bytes_per_block, max_model_len=model.max_position_embeddings,
+        vocab_size=model.vocab_size,
+        notes=(f"a model, not a measurement: {accel.name} at {accel.peak_flops / 1e12:g} "
+               f"TFLOPS bf16, {accel.memory_bytes_per_s / 1e12:g} TB/s, "
+               f"{accel.memory_bytes / 1e9:g} GB",
+               f"efficiencies: matmul {eff.matmul}, attention {eff.attention}, memory "
+               f"{eff.memory}, link {eff.link}; {eff.step_overhead_s * 1e3:g} ms overhead "
+               "per step",
+               "step = overhead + max(compute, memory traffic), fitted linearly over the "
+               "shapes serving sees (latency_model.StepModel)",
+               f"KV transfer over {accel.link_bytes_per_s * 8 / 1e9:g} Gb/s, layer by layer: "
+               "the last layer's share exposed, plus the handshake",
+               f"{roof.layer_params / 1e9:.2f}B layer parameters, bf16 weights and KV"))

@@ -1,0 +1,133 @@
+"""`pdserve sim`: a whole cluster in virtual time. It takes `pdserve serve`'s pool,
+routing and engine flags (same names, same meanings) and `pdserve bench run`'s
+workload, arrival and SLO flags, and writes the same report; `--profile` says how
+long things take (a file from `pdserve profile`, or `analytic:<accelerator>` for the
+--model's config). `pdserve sim plan` searches pool shapes for a worker budget."""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from pdserve import cli_flags
+from pdserve.bench.cli import add_load_flags, add_workload_flags, publish, run_meta, workload_of
+from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.router.config import PoolSpec, RouterConfig, RoutingSpec
+
+DEFAULT_MODEL = "llama-3-8b"
+DEFAULT_PROFILE = "analytic:h100"
+
+
+def add_sim_parser(sub) -> None:
+    sim = sub.add_parser(
+        "sim", help="simulate a cluster in virtual time and report goodput",
+        description="Simulate a cluster in virtual time: the production scheduler, block "
+        "manager, router, policy and latency model over simulated workers whose steps "
+        "and KV transfers take what a profile says. Reports what `pdserve bench run` "
+        "reports.")
+    add_cluster_flags(sim)
+    add_load_flags(sim)
+    add_workload_flags(sim, default_name="sim")
+    sim.set_defaults(func=_sim)
+
+
+def add_cluster_flags(p: argparse.ArgumentParser, pools: bool = True) -> None:
+    """What `pdserve serve` launches (its flags), and the profile of its workers."""
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="with an analytic profile: a model config by name "
+                   "(llama-3-8b, qwen2-7b) or a local HF directory (its config.json); with "
+                   "a profile file, only the name reports carry (default: %(default)s)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help="how long steps and transfers take: a JSON file from `pdserve "
+                   "profile`, or analytic:<h100|h200|a100|l40s> (a model of the "
+                   "accelerator, not a measurement) (default: %(default)s)")
+    if pools:
+        cli_flags.add_flags(p.add_argument_group("pools"), PoolSpec)
+    cli_flags.add_flags(p.add_argument_group("routing"), RoutingSpec)
+    engine = p.add_argument_group("engine: the scheduler and the KV cache (vLLM's names; "
+                                  "--num-kv-blocks overrides the profile's)")
+    for cls in (SchedulerConfig, CacheConfig):
+        cli_flags.add_flags(engine, cls)
+
+
+def profile_of(args: argparse.Namespace):
+    """The profile --profile names, sized by the engine flags."""
+    from pdserve.sim.analytic import NAMED_CONFIGS, analytic_profile
+    from pdserve.sim.profile import Profile
+
+    spec, block_size = args.profile, args.block_size
+    if spec.startswith("analytic:"):
+        config = NAMED_CONFIGS.get(args.model)
+        if config is None:
+            path = Path(args.model) / "config.json"
+            if not path.is_file():
+                raise SystemExit(f"pdserve sim: --model {args.model!r} is neither a named "
+                                 f"config ({', '.join(NAMED_CONFIGS)}) nor a directory with "
+                                 "a config.json")
+            import json
+            config = json.loads(path.read_text())
+        try:
+            profile = analytic_profile(args.model, config, spec.split(":", 1)[1], block_size)
+        except ValueError as err:
+            raise SystemExit(f"pdserve sim: {err}") from None
+    else:
+        try:
+            profile = Profile.load(spec)
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"pdserve sim: --profile: {err}") from None
+        if profile.block_size != block_size:
+            raise SystemExit(f"pdserve sim: the profile's blocks hold {profile.block_size} "
+                             f"tokens, --block-size says {block_size}")
+    if args.num_kv_blocks:
+        profile = replace(profile, num_kv_blocks=args.num_kv_blocks)
+    return profile
+
+
+def setup_of(args: argparse.Namespace, pools: PoolSpec | None = None):
+    from pdserve.sim.run import Setup
+
+    try:
+        return Setup(profile=profile_of(args),
+                     pools=pools or PoolSpec(**cli_flags.values(args, PoolSpec)),
+                     router=RouterConfig(routing=RoutingSpec(
+                         **cli_flags.values(args, RoutingSpec))),
+                     scheduler=SchedulerConfig(**cli_flags.values(args, SchedulerConfig)),
+                     prefix_caching=args.enable_prefix_caching, seed=args.seed)
+    except ValueError as err:
+        raise SystemExit(f"pdserve sim: {err}") from None
+
+
+def load_of(args: argparse.Namespace):
+    from pdserve.bench.metrics import SLO
+    from pdserve.sim.driver import Load
+
+    try:
+        slo = SLO.parse(args.goodput)
+    except ValueError as err:
+        raise SystemExit(f"pdserve sim: {err}") from None
+    return Load(request_rate=args.request_rate, burstiness=args.burstiness,
+                max_concurrency=args.max_concurrency, seed=args.seed, slo=slo)
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from pdserve.sim.run import simulate, sweep
+
+    setup, load = setup_of(args), load_of(args)
+    args.num_workers = setup.num_workers
+    workload = workload_of(args, setup.profile.vocab_size)
+    began = time.perf_counter()
+    if args.sweep:
+        result = sweep(setup, workload, args.sweep, load)
+        simulated = sum(row["duration_s"] for row in result["rows"])
+    else:
+        result = simulate(setup, workload(-1), load)
+        simulated = result["duration_s"]
+    wall = time.perf_counter() - began
+    publish(args, result, run_meta(args, backend="sim", target=setup.profile.name,
+                                   mode=setup.pools.mode, roles=setup.pools.roles,
+                                   routing_policy=args.routing_policy,
+                                   admission=args.admission))
+    print(f"simulated {simulated:.1f} s in {wall:.1f} s of wall time: "
+          f"{simulated / max(wall, 1e-9):.1f} simulated seconds per wall second")
+    return 0

@@ -1,0 +1,85 @@
+"""A whole cluster in virtual time: the pools a PoolSpec names as SimWorkers (pdserve
+serve's worker ids: `<role>-<n>`), booted through the engine's start-up profile, and
+the production Router over them through the WorkerClient seam, on the loop's clock.
+Run it on a VirtualTimeLoop (virtual_time.py)."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import zlib
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import replace
+
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.config import PoolSpec, RouterConfig
+from pdserve.router.model_info import ModelInfo
+from pdserve.router.router import Router
+from pdserve.router.workers import WorkerHandle
+from pdserve.sim.profile import Profile
+from pdserve.sim.tokens import TokenSource
+from pdserve.sim.virtual_time import LoopClock
+from pdserve.sim.worker import SimWorker
+
+ROUTER_ID = "sim-router"
+
+
+class SimCluster:
+    def __init__(self, profile: Profile, pools: PoolSpec,
+                 router_config: RouterConfig = RouterConfig(),
+                 scheduler: SchedulerConfig = SchedulerConfig(), *, prefix_caching: bool = True,
+                 seed: int = 0, tokens: Callable[[str], TokenSource] | None = None,
+                 tokenizer: Tokenizer | None = None, eos_token_ids: tuple[int, ...] = (),
+                 model_name: str | None = None):
+        """tokens(worker_id): each worker's token source (default: synthetic);
+        tokenizer: the router's (default: none, token ids only)."""
+        self.profile, self.pools, self.scheduler = profile, pools, scheduler
+        self.router_config = replace(router_config, adaptive=pools.mode == "adaptive")
+        self.prefix_caching, self.seed, self.tokens = prefix_caching, seed, tokens
+        self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
+        self.model = ModelInfo(name=model_name or profile.name,
+                               max_model_len=profile.max_model_len,
+                               vocab_size=profile.vocab_size, block_size=profile.block_size,
+                               kv_bytes_per_block=profile.kv_bytes_per_block)
+        self.workers: dict[str, SimWorker] = {}  # every worker ever started, by id (address)
+        self.router: Router | None = None
+        self._numbers: defaultdict[str, itertools.count] = defaultdict(itertools.count)
+
+    async def start(self) -> Router:
+        """Boots the pools (in virtual time), then the router over them."""
+        workers = [self._create(role) for role in self.pools.roles]
+        await asyncio.gather(*(w.boot() for w in workers))
+        self.router = Router(self.tokenizer, self.model, [_handle(w) for w in workers],
+                             self.router_config, spawner=self.spawn,
+                             clock=LoopClock(asyncio.get_running_loop()), router_id=ROUTER_ID)
+        await self.router.start()
+        return self.router
+
+    async def spawn(self, role: str) -> WorkerHandle:
+        """A fresh worker of `role`, booted, not yet paired or subscribed (the Pool's
+        spawner: admin add, replacement of an evicted worker, the planner)."""
+        worker = self._create(role)
+        await worker.boot()
+        return _handle(worker)
+
+    async def stop(self) -> None:
+        if self.router is not None:
+            await self.router.stop()
+        for worker in self.workers.values():
+            worker.kill()
+
+    def _create(self, role: str) -> SimWorker:
+        worker_id = f"{role}-{next(self._numbers[role])}"
+        # self.workers is every worker's peers too: a transfer finds its target there
+        worker = SimWorker(worker_id, role, self.profile, self.scheduler, self.workers,
+                           seed=zlib.crc32(f"{self.seed}:{worker_id}".encode()),
+                           tokens=self.tokens(worker_id) if self.tokens else None,
+                           prefix_caching=self.prefix_caching,
+                           eos_token_ids=self.eos_token_ids)
+        return worker
+
+
+def _handle(worker: SimWorker) -> WorkerHandle:
+    return WorkerHandle.of(worker.worker_id, worker, worker.role,
+                           num_blocks=worker.blocks.num_blocks, address=worker.worker_id)

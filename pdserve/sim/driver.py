@@ -1,0 +1,81 @@
+"""Drives a simulated cluster's router with a workload, as `pdserve bench run` drives
+a server: requests go out at their arrival times (the same arrival processes and
+trace timestamps), optionally capped in flight, each with the run's SLOs; every
+token's arrival is recorded in virtual time, in the bench's RequestRecord, so the
+same summary and reports follow."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from pdserve.bench.arrivals import arrival_times, trace_times
+from pdserve.bench.metrics import SLO, RequestRecord
+from pdserve.bench.workloads import BenchRequest
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.errors import OverloadedError
+from pdserve.router.router import Router
+from pdserve.router.slo import Slo
+
+
+@dataclass(frozen=True)
+class Load:
+    """How the workload is sent (bench run's flags of the same names)."""
+    request_rate: float = float("inf")
+    burstiness: float = 1.0
+    max_concurrency: int = 0  # 0 = no cap
+    seed: int = 0  # arrivals
+    slo: SLO = SLO()  # sent with every request, as bench run sends its --goodput
+
+
+async def drive(router: Router, requests: list[BenchRequest],
+                load: Load) -> tuple[list[RequestRecord], float]:
+    """Sends every request; returns their records and the run's duration (virtual
+    seconds from the first send to the last request's end)."""
+    loop = asyncio.get_running_loop()
+    if requests and all(r.timestamp is not None for r in requests):
+        offsets = trace_times([r.timestamp for r in requests])
+    else:
+        offsets = arrival_times(len(requests), load.request_rate, load.burstiness, load.seed)
+    cap = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+    slo = Slo.from_ms(load.slo.ttft_ms, load.slo.tpot_ms)
+    start = loop.time()
+
+    async def one(i: int, req: BenchRequest, offset: float) -> RequestRecord:
+        await asyncio.sleep(max(0.0, start + offset - loop.time()))
+        if cap is None:
+            return await _send(router, f"sim-{i}", req, slo)
+        async with cap:
+            return await _send(router, f"sim-{i}", req, slo)
+
+    records = await asyncio.gather(*[one(i, r, o) for i, (r, o) in
+                                     enumerate(zip(requests, offsets))])
+    return list(records), loop.time() - start
+
+
+async def _send(router: Router, request_id: str, req: BenchRequest, slo: Slo) -> RequestRecord:
+    now = router.clock.time
+    record = RequestRecord(now(), num_prompt_tokens=len(req.prompt))
+    if isinstance(req.prompt, str):
+        raise InvalidRequestError("prompt", "the simulator takes token-id prompts")
+    params = SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True)
+    try:
+        accepted = await router.accept(list(req.prompt), params, request_id, slo=slo)
+        async for delta in router.generate(accepted):
+            if delta.token_ids:
+                at = now()
+                if record.first_output_time is None:
+                    record.first_output_time = at
+                    placed = router.forecast_of(request_id)
+                    record.predicted_ttft = getattr(placed, "ttft_s", None)
+                    record.predicted_tpot = getattr(placed, "tpot_s", None)
+                record.token_times += [at] * len(delta.token_ids)
+            if delta.finished:
+                record.num_cached_tokens = delta.num_cached_tokens
+        record.end_time = now()
+    except OverloadedError:
+        record.rejected = True
+        record.end_time = now()
+    except Exception as exc:  # a failed request is a result, never a crash of the run
+        record.error = f"{type(exc).__name__}: {exc}"
+    return record

@@ -1,0 +1,56 @@
+"""One simulated run, or a sweep of rates, each on a fresh cluster in virtual time:
+what `pdserve sim` and `pdserve sim plan` call, and what the simulator's benchmarks
+judge policies with."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from pdserve.bench.metrics import summarize
+from pdserve.bench.sweep import result
+from pdserve.bench.workloads import BenchRequest
+from pdserve.engine.config import SchedulerConfig
+from pdserve.router.config import PoolSpec, RouterConfig
+from pdserve.sim import virtual_time
+from pdserve.sim.cluster import SimCluster
+from pdserve.sim.driver import Load, drive
+from pdserve.sim.profile import Profile
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A simulated cluster: pdserve serve's pools, routing and engine settings, and a
+    profile for the time things take."""
+    profile: Profile
+    pools: PoolSpec
+    router: RouterConfig = RouterConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    prefix_caching: bool = True
+    seed: int = 0  # the workers' step noise
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.pools.roles)
+
+
+def simulate(setup: Setup, requests: list[BenchRequest], load: Load) -> dict:
+    """The workload through a fresh simulated cluster: the bench's summary of it."""
+    async def run() -> tuple[list, float]:
+        cluster = SimCluster(setup.profile, setup.pools, setup.router, setup.scheduler,
+                             prefix_caching=setup.prefix_caching, seed=setup.seed)
+        router = await cluster.start()
+        try:
+            return await drive(router, requests, load)
+        finally:
+            await cluster.stop()
+    records, duration = virtual_time.run(run())
+    return summarize(records, duration, load.slo, setup.num_workers)
+
+
+def sweep(setup: Setup, workload: Callable[[int], list[BenchRequest]], rates: list[float],
+          load: Load) -> dict:
+    """Each rate on a fresh cluster with workload(i) for the i-th rate, and the highest
+    rate (per worker) with the target SLO attainment, as `pdserve bench run --sweep`."""
+    rows = [{"rate": rate, **simulate(setup, workload(i), replace(load, request_rate=rate))}
+            for i, rate in enumerate(sorted(rates))]
+    return result(rows, setup.num_workers)

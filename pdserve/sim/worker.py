@@ -1,0 +1,427 @@
+"""A worker in virtual time, behind the router's WorkerClient seam: the simulator's
+workers, and a real implementation of the seam for router tests without Ray.
+
+What decides is production code, imported: the engine's Scheduler and BlockManager
+(continuous batching, chunked prefill, prefix caching, preemption) schedule every
+step; the worker reports the engine's telemetry (engine/telemetry.py) and runs the
+engine's start-up profile before traffic. What is simulated is time: a step lasts
+what the profile's StepCost says of its shape (with the profile's noise), a KV
+transfer what its TransferCost says of the bytes sent, exposed after the step that
+computed the prompt's last chunk. Tokens come from a TokenSource (synthetic, or the
+real model's when asked: tokens.py).
+
+A call that changes the batch (submit, start, a prefill job, an abort) takes effect
+at the next step boundary, as in the real engine loop; a reservation at once, as the
+real one runs beside the forward pass. Deltas go to the request's subscriber (the
+router that reserved or submitted it), telemetry to every subscriber. Text is not
+detokenized: deltas carry token ids only."""
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.errors import InvalidRequestError, WorkerBusyError, WrongRoleError
+from pdserve.engine.profile import startup_rounds
+from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from pdserve.engine.step_shape import StepShape, StepTiming
+from pdserve.engine.telemetry import IDLE_REPORT_INTERVAL_S, report
+from pdserve.engine.validation import check_length
+from pdserve.engine.worker_messages import (
+    Job,
+    PrefillJob,
+    PrefillResult,
+    Reservation,
+    StepBatch,
+    TokenDelta,
+    WorkerStats,
+    check_role,
+)
+from pdserve.router.errors import WorkerDied
+from pdserve.sim.profile import Profile
+from pdserve.sim.tokens import SyntheticTokens, TokenSource
+
+# How long an abort is remembered, so a reservation it overtook is refused.
+TOMBSTONE_S = 60.0
+
+
+class TransferFailed(RuntimeError):
+    """The KV never landed: the decode side aborted, or is gone."""
+
+
+@dataclass
+class _Prefill:
+    """A prefill job here: computing, then its KV in flight to the decode side."""
+    job: PrefillJob
+    done: asyncio.Future  # its PrefillResult
+    started_at: float | None = None  # when first scheduled
+
+
+class SimWorker:
+    def __init__(self, worker_id: str, role: str, profile: Profile,
+                 scheduler: SchedulerConfig = SchedulerConfig(),
+                 peers: dict[str, "SimWorker"] | None = None, *, seed: int = 0,
+                 tokens: TokenSource | None = None, prefix_caching: bool = True,
+                 eos_token_ids: tuple[int, ...] = ()):
+        """peers: address -> worker, shared by a cluster's workers (a transfer lands
+        on its target through it); this worker adds itself. seed: its step noise."""
+        check_role(role)
+        self.worker_id, self.role, self.profile = worker_id, role, profile
+        self.blocks = BlockManager(profile.num_kv_blocks, profile.block_size, prefix_caching)
+        self.blocks.record_prefix_events = True  # reported in telemetry, as a real worker's
+        self.scheduler = Scheduler(scheduler, self.blocks)
+        self.tokens = tokens or SyntheticTokens(profile.vocab_size)
+        self.peers = {} if peers is None else peers
+        self.peers[worker_id] = self  # its address is its id
+        self.alive = True
+        self._eos = eos_token_ids
+        self._noise = random.Random(seed)
+        self._owners: dict[str, str] = {}  # request id -> its subscriber
+        self._prefills: dict[str, _Prefill] = {}
+        self._landing: dict[str, asyncio.Future] = {}  # reserved here, KV on its way
+        self._aborted: dict[str, float] = {}  # request id -> when its abort came
+        self._boundary: list[Callable[[], None]] = []  # calls for the next step boundary
+        self._wake = asyncio.Event()
+        self._subscribers: dict[str, asyncio.Queue] = {}
+        self._steps: list[StepTiming] = []  # since the last report
+        self._task: asyncio.Task | None = None
+
+    @property
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    # ---- its life ---------------------------------------------------------------------
+
+    async def boot(self) -> None:
+        """The engine's start-up profile in virtual time (its steps seed the router's
+        latency model, as a real worker's do), then the engine loop."""
+        bm = self.blocks
+        for prompts, params in startup_rounds(self.profile.vocab_size, bm.num_blocks,
+                                              bm.block_size, self.profile.max_model_len):
+            for request_id, ids in prompts.items():
+                self.scheduler.add_request(self._request(request_id, ids, params, self._now))
+            while self.scheduler.has_unfinished():
+                if not await self._step(publish=False):
+                    raise RuntimeError(f"{self.worker_id}: the start-up profile cannot run")
+        self.scheduler.stats = SchedulerStats()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def kill(self) -> None:
+        """Its process dies: every stream ends with an error, every call after raises
+        WorkerDied, and what was in flight fails."""
+        if not self.alive:
+            return
+        self.alive = False
+        if self._task is not None:
+            self._task.cancel()
+        for queue in self._subscribers.values():
+            queue.put_nowait(WorkerDied(f"worker {self.worker_id} died"))
+        for waiting in [*(p.done for p in self._prefills.values()), *self._landing.values()]:
+            if not waiting.done():
+                waiting.set_exception(WorkerDied(f"worker {self.worker_id} died"))
+
+    async def _run(self) -> None:
+        while True:
+            calls, self._boundary = self._boundary, []
+            for call in calls:
+                call()
+            if await self._step():
+                continue
+            self._wake.clear()
+            if self._boundary:
+                continue
+            try:
+                await asyncio.wait_for(self._wake.wait(), IDLE_REPORT_INTERVAL_S)
+            except asyncio.TimeoutError:
+                self._publish([])  # idle: telemetry all the same
+
+    async def _step(self, publish: bool = True) -> bool:
+        """One engine step; False when there was nothing to schedule."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return False
+        shape, began = StepShape.of(out), self._now
+        for request in out.requests:
+            job = self._prefills.get(request.request_id)
+            if job is not None and job.started_at is None:
+                job.started_at = began
+        duration = self.profile.step_cost.duration(shape) * self._spread()
+        await asyncio.sleep(duration)
+        result = self.tokens.execute(out)
+        end = self._now
+        self._send_kv(out, result)  # before update frees the prompts' blocks
+        finished = self.scheduler.update(out, result)
+        self._steps.append(StepTiming(shape=shape, duration_s=duration, end_time=end))
+        deltas = []
+        for request in out.requests:
+            rid = request.request_id
+            if rid in result.failed or rid in result.sampled_token_ids:
+                if rid in self._prefills:
+                    self._prefilled(request, end)
+                else:
+                    tokens = 0 if rid in result.failed else 1
+                    deltas.append(_delta(request, tokens))
+        for request in finished:
+            self.tokens.forget(request.request_id)
+        if publish:
+            self._publish(deltas)
+        return True
+
+    def _spread(self) -> float:
+        noise = self.profile.step_noise
+        return 1.0 if not noise else min(max(self._noise.gauss(1.0, noise), 0.5), 1.5)
+
+    def _publish(self, deltas: list[TokenDelta]) -> None:
+        """Each delta to its request's subscriber, the telemetry to all."""
+        if not self._subscribers:
+            return  # nobody listens: the steps wait for the first report
+        telemetry = report(self.worker_id, self.role, self.scheduler, self._now,
+                           tuple(self._steps))
+        self._steps = []
+        mine: dict[str, list[TokenDelta]] = {}
+        for delta in deltas:
+            owner = (self._owners.pop(delta.request_id, None) if delta.finished
+                     else self._owners.get(delta.request_id))
+            mine.setdefault(owner, []).append(delta)
+        for name, queue in self._subscribers.items():
+            queue.put_nowait(StepBatch(worker_id=self.worker_id, deltas=mine.get(name, []),
+                                       telemetry=telemetry))
+
+    def _at_boundary(self, call: Callable[[], None]) -> None:
+        self._boundary.append(call)
+        self._wake.set()
+
+    def _check(self, call: str, *roles: str) -> None:
+        if not self.alive:
+            raise WorkerDied(f"worker {self.worker_id} died")
+        if roles and self.role not in roles:
+            raise WrongRoleError(f"worker {self.worker_id} is in role {self.role}: it "
+                                 f"takes no {call}")
+
+    def _request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                 arrival_time: float) -> Request:
+        """Validated as the engine validates a request, before anything changes."""
+        if request_id in self.scheduler.requests or request_id in self._prefills:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        check_length(len(prompt), params.max_tokens, self.profile.max_model_len)
+        need = self.blocks.blocks_needed(len(prompt) + params.max_tokens)
+        if need > self.blocks.num_blocks:
+            raise InvalidRequestError("max_tokens", f"prompt plus max_tokens needs {need} KV "
+                                      f"blocks; the cache holds {self.blocks.num_blocks}")
+        return Request(request_id=request_id, prompt_token_ids=list(prompt),
+                       sampling_params=params, arrival_time=arrival_time,
+                       eos_token_ids=self._eos, max_model_len=self.profile.max_model_len)
+
+    # ---- WorkerClient -----------------------------------------------------------------
+
+    async def address(self) -> str:
+        self._check("address")
+        return self.worker_id
+
+    async def connect(self, receiver_addresses: list[str]) -> None:
+        self._check("connect")  # peers find each other through `peers`
+
+    async def reserve(self, job: Job, subscriber: str) -> Reservation | None:
+        self._check("reserve", "decode", "both")
+        rid = job.request_id
+        if rid in self._aborted:
+            return None  # its abort overtook this call
+        if rid in self._owners:
+            raise InvalidRequestError("request_id", f"{rid!r} is already in use on this worker")
+        request = self._request(rid, job.prompt_token_ids, job.sampling_params,
+                                job.arrival_time)
+        if not self.scheduler.reserve(request):
+            return None
+        self._owners[rid] = subscriber
+        self._landing[rid] = asyncio.get_running_loop().create_future()
+        cached = request.num_cached_tokens // self.blocks.block_size
+        return Reservation(request_id=rid, receiver_address=self.worker_id,
+                           block_ids=list(request.block_ids), num_cached_blocks=cached)
+
+    async def prefill(self, job: PrefillJob) -> PrefillResult:
+        self._check("prefill", "prefill", "both")
+        prompt = job.job
+        request = self._request(job.request_id, prompt.prompt_token_ids, job.params,
+                                prompt.arrival_time)
+        entry = self._prefills[job.request_id] = _Prefill(
+            job, asyncio.get_running_loop().create_future())
+        self._at_boundary(lambda: self.scheduler.add_request(request)
+                          if self._prefills.get(job.request_id) is entry else None)
+        return await entry.done
+
+    async def start(self, request_id: str, first_token: int) -> None:
+        self._check("start")
+        landing = self._landing.get(request_id)
+        if landing is None:
+            raise TransferFailed(f"no KV of {request_id} is expected here")
+        await landing
+        self._landing.pop(request_id, None)
+        admitted = asyncio.get_running_loop().create_future()
+        self._at_boundary(lambda: self._admit(request_id, first_token, admitted))
+        await admitted
+
+    async def submit(self, job: Job, subscriber: str) -> None:
+        self._check("submit", "both")
+        rid = job.request_id
+        if rid in self._owners:
+            raise InvalidRequestError("request_id", f"{rid!r} is already in use on this worker")
+        request = self._request(rid, job.prompt_token_ids, job.sampling_params,
+                                job.arrival_time)
+        self._owners[rid] = subscriber
+        added = asyncio.get_running_loop().create_future()
+
+        def add() -> None:
+            if rid in self._aborted:
+                self._owners.pop(rid, None)
+                added.set_exception(InvalidRequestError("request_id", f"{rid!r} was aborted"))
+                return
+            self.scheduler.add_request(request)
+            added.set_result(None)
+        self._at_boundary(add)
+        await added
+
+    async def abort(self, request_id: str, subscriber: str) -> None:
+        """Another subscriber's request of the same id is not this caller's to end."""
+        self._check("abort")
+        owner = self._owners.get(request_id)
+        if owner is not None and owner != subscriber:
+            return
+        now = self._now
+        self._aborted[request_id] = now
+        for rid in [r for r, at in self._aborted.items() if now - at > TOMBSTONE_S]:
+            del self._aborted[rid]
+        landing = self._landing.pop(request_id, None)
+        if landing is not None and not landing.done():
+            landing.set_exception(TransferFailed(f"{request_id} was aborted"))
+        job = self._prefills.pop(request_id, None)
+        if job is not None and not job.done.done():
+            job.done.set_exception(TransferFailed(f"{request_id} was aborted"))
+        self._at_boundary(lambda: self._finish_aborted(request_id))
+
+    async def steps(self, stall_timeout_s: float, subscriber: str
+                    ) -> AsyncIterator[StepBatch]:
+        self._check("steps")
+        queue = self._subscribers[subscriber] = asyncio.Queue()
+        try:
+            while True:
+                batch = await queue.get()
+                while isinstance(batch, StepBatch) and not queue.empty():
+                    later = queue.get_nowait()
+                    batch = later if isinstance(later, Exception) else batch.merged(later)
+                if isinstance(batch, Exception):
+                    raise batch
+                yield batch
+        finally:
+            if self._subscribers.get(subscriber) is queue:
+                del self._subscribers[subscriber]
+
+    async def set_role(self, role: str) -> None:
+        self._check("set_role")
+        check_role(role)
+        if self.scheduler.has_unfinished() or self._prefills:
+            raise WorkerBusyError(f"worker {self.worker_id} still holds "
+                                  f"{self.scheduler.num_unfinished} request(s); drain it first")
+        self.role = role
+
+    async def stats(self) -> WorkerStats:
+        self._check("stats")
+        return WorkerStats(num_blocks=self.blocks.num_blocks,
+                           free_blocks=self.blocks.num_free_blocks)
+
+    # ---- at step boundaries ------------------------------------------------------------
+
+    def _admit(self, request_id: str, first_token: int, admitted: asyncio.Future) -> None:
+        """The KV landed: the request joins the batch after token #1 (published now, so
+        it precedes the request's next step)."""
+        try:
+            request = self.scheduler.admit_prefilled(request_id, first_token)
+        except (KeyError, ValueError) as exc:  # aborted meanwhile
+            admitted.set_exception(TransferFailed(f"{request_id} cannot start: {exc}"))
+            return
+        reason = request.check_stop()
+        if reason is not None:
+            self.scheduler.finish_requests([request_id], reason)
+            self.tokens.forget(request_id)
+        self._publish([_delta(request, 1)])
+        admitted.set_result(None)
+
+    def _finish_aborted(self, request_id: str) -> None:
+        for request in self.scheduler.finish_requests([request_id], FinishReason.ABORT):
+            self.tokens.forget(request_id)
+            if request_id in self._owners:
+                self._publish([_delta(request, 0)])
+
+    # ---- the KV transfer ----------------------------------------------------------------
+
+    def _send_kv(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """The prompts computed in full this step: their KV goes to the decode side's
+        reserved blocks (the decode side's own prefix hits stay)."""
+        for request in out.requests:
+            job = self._prefills.get(request.request_id)
+            if job is None or request.request_id not in result.sampled_token_ids:
+                continue
+            target = job.job.target
+            peer = self.peers.get(target.receiver_address)
+            if peer is not None and peer.alive:
+                first, last = target.num_cached_blocks, len(target.block_ids)
+                self.tokens.copy_kv(request.block_ids[first:last], peer.tokens,
+                                    target.block_ids[first:])
+
+    def _prefilled(self, request: Request, computed_at: float) -> None:
+        """The prompt's first token is sampled: what stays exposed of its transfer
+        follows, then the decode side confirms."""
+        job = self._prefills[request.request_id]
+        target = job.job.target
+        nbytes = (len(target.block_ids) - target.num_cached_blocks) \
+            * self.profile.kv_bytes_per_block
+        seconds = self.profile.transfer_cost.seconds(nbytes)
+        first_token = request.output_token_ids[-1] if request.output_token_ids else None
+        asyncio.get_running_loop().call_later(
+            seconds, self._transferred, job, first_token, nbytes, seconds)
+
+    def _transferred(self, job: _Prefill, first_token: int | None, nbytes: int,
+                     seconds: float) -> None:
+        rid = job.job.request_id
+        if self._prefills.get(rid) is not job or job.done.done():
+            return  # aborted meanwhile
+        del self._prefills[rid]
+        peer = self.peers.get(job.job.target.receiver_address)
+        if first_token is None:
+            job.done.set_exception(RuntimeError(f"the prefill of {rid} failed"))
+        elif peer is None or not peer.alive or not peer._landed(rid):
+            job.done.set_exception(TransferFailed(f"the KV of {rid} did not land: the decode "
+                                                  "side gave it up"))
+        else:
+            started = job.started_at if job.started_at is not None else job.job.job.arrival_time
+            job.done.set_result(PrefillResult(
+                request_id=rid, first_token=first_token, first_logprob=None,
+                first_top_logprobs=None, kv_bytes_sent=nbytes,
+                prefill_seconds=self._now - started, transfer_seconds=seconds))
+
+    def _landed(self, request_id: str) -> bool:
+        """The decode side: a transfer's KV is in; False if it no longer expects it."""
+        landing = self._landing.get(request_id)
+        if landing is None or landing.done():
+            return False
+        landing.set_result(None)  # start() takes it from here
+        return True
+
+
+def _delta(request: Request, new_tokens: int) -> TokenDelta:
+    """The request's last `new_tokens` tokens as a delta (text is not simulated)."""
+    new = request.output_token_ids[-new_tokens:] if new_tokens else []
+    return TokenDelta(request_id=request.request_id, token_ids=list(new), text="",
+                      logprobs=request.output_logprobs[-new_tokens:] if new else [],
+                      finished=request.is_finished,
+                      finish_reason=request.finish_reason.value if request.finish_reason
+                      else None, num_prompt_tokens=request.num_prompt_tokens,
+                      num_cached_tokens=request.num_cached_tokens,
+                      num_output_tokens=request.num_output_tokens,
+                      top_logprobs=request.output_top_logprobs[-new_tokens:] if new else [],
+                      error=request.error)
