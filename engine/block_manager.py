@@ -32,9 +32,12 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Blocks with ref_cnt == 0 in LRU order: handed out from the front.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # A block's state, made when first handed out (a large pool is cheap to build).
+        self.blocks: list[KVBlock | None] = [None] * num_blocks
+        # Free blocks are handed out in LRU order: first those never used (ids
+        # _fresh..num_blocks-1, in order), then freed ones, least recently freed first.
+        self._fresh = 0
+        self._free: OrderedDict[int, None] = OrderedDict()  # freed, ref_cnt == 0
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         # A request's block ids live on `request.block_ids`, in token order.
         self._num_hashed: dict[str, int] = {}  # request id -> leading blocks registered
@@ -45,7 +48,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self.num_blocks - self._fresh + len(self._free)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -72,7 +75,7 @@ class BlockManager:
     def can_allocate(self, request: Request, num_new_tokens: int,
                      new_computed_blocks: list[int] = ()) -> bool:
         return self._num_new_blocks(request, num_new_tokens, new_computed_blocks) <= (
-            len(self._free) - sum(1 for b in new_computed_blocks if b in self._free))
+            self.num_free_blocks - sum(1 for b in new_computed_blocks if b in self._free))
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[int] = ()) -> bool:
@@ -144,6 +147,11 @@ class BlockManager:
         block.ref_cnt += 1
 
     def _pop_free(self) -> int:
+        if self._fresh < self.num_blocks:
+            block_id, self._fresh = self._fresh, self._fresh + 1
+            block = self.blocks[block_id] = KVBlock(block_id)
+            block.ref_cnt = 1
+            return block_id
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:

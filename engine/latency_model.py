@@ -74,9 +74,13 @@ class OnlineFit:
     zero: no term makes a step faster."""
 
     def __init__(self, prior: Sequence[float], window: int = 512, strength: float = 1e-4,
-                 refit_every: int = 8, max_age_s: float | None = None):
+                 refit_every: int = 8, max_age_s: float | None = None,
+                 min_refit_interval_s: float = 0.0):
         """max_age_s: samples older than that (by their `at`, against the `now` given
-        to `coefficients`) leave the window; None: only the window's length bounds it."""
+        to `coefficients`) leave the window; None: only the window's length bounds it.
+        min_refit_interval_s: once the window holds enough samples, a refit waits
+        this long after the last (by `now`): a worker reports every step, and a fit is
+        a least-squares solve."""
         self.prior = np.asarray(prior, dtype=np.float64)
         self.strength = strength
         self.refit_every = refit_every
@@ -86,6 +90,8 @@ class OnlineFit:
         self._at: deque[float] = deque(maxlen=window)
         self._w = self.prior.copy()
         self._unfitted = 0  # samples since the last fit
+        self.min_refit_interval_s = min_refit_interval_s
+        self._fitted_at = float("-inf")
 
     def __len__(self) -> int:
         return len(self._y)
@@ -114,9 +120,12 @@ class OnlineFit:
                 self._unfitted = max(self._unfitted, self.refit_every)
         if not self._y:
             self._w, self._unfitted = self.prior.copy(), 0
-        elif self._unfitted >= self.refit_every or (self._unfitted and len(self._y) < 64):
+        elif (self._unfitted and len(self._y) < 64) or (
+                self._unfitted >= self.refit_every and (
+                    now is None or now - self._fitted_at >= self.min_refit_interval_s)):
             self._w = self._fit()
             self._unfitted = 0
+            self._fitted_at = float("-inf") if now is None else now
         return self._w
 
     def _fit(self) -> np.ndarray:
@@ -140,20 +149,23 @@ class StepModel:
     """One worker's StepCost, fitted from the StepTimings its telemetry carries."""
 
     def __init__(self, prior: StepCost = DEFAULT_STEP_COST, window: int = 512,
-                 max_age_s: float | None = None):
+                 max_age_s: float | None = None, min_refit_interval_s: float = 0.0):
         """max_age_s: steps that ended longer ago than that (on the worker's clock,
-        against `cost(now)`) no longer count."""
-        self._fit = OnlineFit(astuple(prior), window, max_age_s=max_age_s)
+        against `cost(now)`) no longer count. min_refit_interval_s: OnlineFit's."""
+        self._fit = OnlineFit(astuple(prior), window, max_age_s=max_age_s,
+                              min_refit_interval_s=min_refit_interval_s)
 
     @classmethod
     def seeded(cls, timings: Sequence[StepTiming], window: int = 512,
-               max_age_s: float | None = None) -> "StepModel":
+               max_age_s: float | None = None,
+               min_refit_interval_s: float = 0.0) -> "StepModel":
         """A model whose prior is the fit of `timings` (a worker's start-up profile,
         or the first steps seen of it), which it also holds as its first samples: once
         they age out, it forecasts what it measured then."""
         first = cls()
         first.observe(timings)
-        model = cls(prior=first.cost(), window=window, max_age_s=max_age_s)
+        model = cls(prior=first.cost(), window=window, max_age_s=max_age_s,
+                    min_refit_interval_s=min_refit_interval_s)
         model.observe(timings)
         return model
 

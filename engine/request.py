@@ -99,6 +99,11 @@ class Request:
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
 
+    def extend_output(self, token_ids: list[int]) -> None:
+        """Several sampled tokens at once (no logprobs): Scheduler.decode_steps."""
+        self.output_token_ids.extend(token_ids)
+        self.num_tokens += len(token_ids)
+
     def check_stop(self) -> FinishReason | None:
         """Stop conditions that need no text: eos, stop tokens, max_tokens, context."""
         last = self.output_token_ids[-1]

@@ -7,6 +7,7 @@ goes back to the front of the waiting queue. No torch, no I/O, no clocks.
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
@@ -140,6 +141,53 @@ class Scheduler:
                 finished.append(request)
         self.stats.generation_tokens += generated
         return finished
+
+    # ---- steady decoding, many steps at once (the simulator's fast path) -----
+
+    def steady_decode_steps(self) -> int:
+        """How many steps from now would be the same batch decoding one token each:
+        nothing waiting, every running request one token behind with no stop token
+        or logprobs to check, none reaching its end, and KV blocks free for every
+        token. decode_steps(n) for n up to it equals n rounds of schedule() and
+        update() with the same tokens (tests/engine/test_scheduler.py)."""
+        running = self.running
+        if self.waiting or not running or len(running) > self.config.max_num_batched_tokens:
+            return 0
+        steps = None
+        for r in running:
+            if r.num_tokens - r.num_computed_tokens != 1 or r.stop_token_set \
+                    or r.sampling_params.logprobs:
+                return 0
+            left = r.max_num_tokens - r.num_tokens - 1  # the last one is a step of its own
+            steps = left if steps is None else min(steps, left)
+        bm = self.block_manager
+        free = bm.num_free_blocks
+        # The most steps whose new blocks fit: new blocks grow with the steps.
+        low, high = 0, max(steps, 0)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if sum(self._blocks_short(r, mid) for r in running) <= free:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def decode_steps(self, steps: int, tokens: Callable[[Request, int], list[int]]) -> None:
+        """`steps` steady decode steps at once (at most steady_decode_steps()): each
+        request gets tokens(request, steps) as its next tokens."""
+        bm = self.block_manager
+        for r in self.running:
+            if self._blocks_short(r, steps):
+                bm.allocate_slots(r, steps)
+            r.extend_output(tokens(r, steps))
+            r.num_computed_tokens += steps
+            bm.cache_full_blocks(r, r.num_computed_tokens)
+        self.stats.generation_tokens += steps * len(self.running)
+
+    def _blocks_short(self, request: Request, steps: int) -> int:
+        """The blocks `steps` more decode steps of the request need beyond its own."""
+        need = self.block_manager.blocks_needed(request.num_computed_tokens + steps)
+        return max(0, need - len(request.block_ids))
 
     # ---- internals ----------------------------------------------------------
 

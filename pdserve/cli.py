@@ -1,4 +1,4 @@
-"""The `pdserve` command line: serve, demo, bench, admin, make-tiny-model.
+"""The `pdserve` command line: serve, demo, bench, sim, profile, admin, make-tiny-model.
 
 Engine and pool flags are derived from their config dataclasses (`cli_flags`); each
 subcommand owns its flags. Heavy modules (torch, Ray) are imported by the command
@@ -17,6 +17,7 @@ from pdserve.admin_cli import add_admin_parser
 from pdserve.bench.cli import add_bench_parser
 from pdserve.router.config import PoolSpec, RouterConfig, RoutingSpec
 from pdserve.sim.cli import add_sim_parser
+from pdserve.sim.measure import add_profile_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_parser(sub)
     add_bench_parser(sub)
     add_sim_parser(sub)
+    add_profile_parser(sub)
     add_admin_parser(sub)
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight HF model + tokenizer",
                           description="Write the tiny random-weight Llama and its locally "
@@ -65,7 +67,8 @@ def launch_cluster(args: argparse.Namespace, **engine_overrides):
     pools = PoolSpec(**cli_flags.values(args, PoolSpec))
     routing = RoutingSpec(**cli_flags.values(args, RoutingSpec))
     return launch(config, pools, TransferConfig(timeout_s=args.transfer_timeout),
-                  RouterConfig(routing=routing), served_model_name=getattr(args, "served_model_name", None) or args.model)
+                  RouterConfig(routing=routing),
+                  served_model_name=getattr(args, "served_model_name", None) or args.model)
 
 
 def _add_serve_parser(sub) -> None:

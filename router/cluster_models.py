@@ -26,6 +26,9 @@ from pdserve.router.decision import Colocate, Disaggregate, placement_kind
 from pdserve.router.prefix_index import PrefixIndex
 
 STEP_MAX_AGE_S = 120.0
+# A worker's step model is refitted at most this often (on the worker's clock): it
+# reports every step, and a fit is a least-squares solve over its window.
+REFIT_INTERVAL_S = 1.0
 
 
 class ClusterModels:
@@ -45,7 +48,8 @@ class ClusterModels:
         model = self.steps.get(t.worker_id)
         if model is None:  # seeded by the first steps seen (the default prior if none)
             model = self.steps[t.worker_id] = StepModel.seeded(
-                t.steps, max_age_s=self.step_max_age_s)
+                t.steps, max_age_s=self.step_max_age_s,
+                min_refit_interval_s=REFIT_INTERVAL_S)
         else:
             model.observe(t.steps)
         if t.prefix_stored or t.prefix_evicted:

@@ -56,6 +56,7 @@ class RouterMetrics:
                                       "Prefix-cache blocks made findable / evicted",
                                       per_worker + ["event"], registry=r)
         self._roles: dict[str, str] = {}  # worker -> the role its series carry
+        self._series: dict[str, dict] = {}  # worker -> its labelled series
         self.lease_expiries = Gauge(
             "pdserve:kv_lease_expiries",
             "Decode-side KV released by a lease (cumulative): a reservation never begun, "
@@ -100,26 +101,31 @@ class RouterMetrics:
         """One WorkerTelemetry report."""
         if self._roles.get(t.worker_id, t.role) != t.role:
             self.forget_worker(t.worker_id)  # its series under the old role end
-        self._roles[t.worker_id] = t.role
-        key = (self._model, t.worker_id, t.role)
-        g = self._worker_gauges
+        series = self._series.get(t.worker_id)
+        if series is None:  # looked up once per worker: a report comes every step
+            self._roles[t.worker_id] = t.role
+            key = (self._model, t.worker_id, t.role)
+            series = self._series[t.worker_id] = {
+                **{name: gauge.labels(*key) for name, gauge in self._worker_gauges.items()},
+                "steps": self._step_seconds.labels(*key),
+                "stored": self._prefix_events.labels(*key, "stored"),
+                "evicted": self._prefix_events.labels(*key, "evicted")}
         for name in ("running", "waiting", "waiting_tokens", "context_tokens", "reserved",
                      "free_blocks"):
-            g[name].labels(*key).set(getattr(t, name))
-        g["kv_usage"].labels(*key).set(1 - t.free_blocks / t.num_blocks if t.num_blocks else 0)
-        g["preemptions"].labels(*key).set(t.num_preemptions)
-        if t.steps:
-            step_seconds = self._step_seconds.labels(*key)
-            for step in t.steps:
-                step_seconds.observe(step.duration_s)
+            series[name].set(getattr(t, name))
+        series["kv_usage"].set(1 - t.free_blocks / t.num_blocks if t.num_blocks else 0)
+        series["preemptions"].set(t.num_preemptions)
+        for step in t.steps:
+            series["steps"].observe(step.duration_s)
         if t.prefix_stored:
-            self._prefix_events.labels(*key, "stored").inc(len(t.prefix_stored))
+            series["stored"].inc(len(t.prefix_stored))
         if t.prefix_evicted:
-            self._prefix_events.labels(*key, "evicted").inc(len(t.prefix_evicted))
+            series["evicted"].inc(len(t.prefix_evicted))
 
     def forget_worker(self, worker_id: str) -> None:
         """A worker that left (or changed role): its series end."""
         role = self._roles.pop(worker_id, None)
+        self._series.pop(worker_id, None)
         if role is None:
             return
         key = (self._model, worker_id, role)

@@ -75,7 +75,8 @@ class RequestRunner:
         flight = self.flights.get(request_id)
         if flight is None or flight.req.owner != owner:
             return False
-        flight.cancelled.set()
+        flight.cancelled.set()  # ends a wait for a worker's answer
+        flight.queue.put_nowait(Cancelled())  # ends the wait for its next delta
         self._abort_on_holders(flight)
         return True
 
@@ -200,6 +201,7 @@ class RequestRunner:
         call = flight.decode.client.start(flight.request_id, first_token)
         flight.starting = asyncio.ensure_future(
             asyncio.wait_for(call, self.config.start_timeout_s))
+        flight.starting.add_done_callback(lambda done: self._started(flight, done))
 
     async def _submit(self, flight: Flight, worker: WorkerHandle) -> None:
         """The worker (role both) takes the whole request."""
@@ -239,43 +241,30 @@ class RequestRunner:
 
     async def _next_delta(self, flight: Flight) -> TokenDelta:
         """The next delta, merged with any queued behind it (the caller fell behind).
-        A failed start, Router.abort and the decode worker's pump (which reports a dead
-        or stalled worker within its bound) end the wait."""
-        queue, first = flight.queue, None
-        while first is None and queue.empty():
-            getter = asyncio.ensure_future(queue.get())
-            cancel = asyncio.ensure_future(flight.cancelled.wait())
-            waits = {getter, cancel}
-            if flight.starting is not None and not flight.starting.done():
-                waits.add(flight.starting)
-            try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                getter.cancel()
-                cancel.cancel()
-            if flight.cancelled.is_set():
-                raise Cancelled
-            self._check_started(flight)
-            if getter.done() and not getter.cancelled():
-                first = getter.result()
-        self._check_started(flight)
-        item = first if first is not None else queue.get_nowait()
-        while not isinstance(item, Exception) and not queue.empty():
+        Whatever ends the request early arrives on the same queue: a failed start,
+        Router.abort, the decode worker's pump (a dead or stalled worker, within its
+        bound)."""
+        queue = flight.queue
+        item = queue.get_nowait() if not queue.empty() else await queue.get()
+        while not isinstance(item, BaseException) and not queue.empty():
             later = queue.get_nowait()
-            item = later if isinstance(later, Exception) else item.merged(later)
-        if isinstance(item, Exception):
+            item = later if isinstance(later, BaseException) else item.merged(later)
+        if isinstance(item, BaseException):
             raise item
         return item
 
-    def _check_started(self, flight: Flight) -> None:
-        starting = flight.starting
-        if starting is None or not starting.done() or flight.phase is not Phase.STARTING:
+    @staticmethod
+    def _started(flight: Flight, starting: asyncio.Future) -> None:
+        """The decode worker's start call ended: the request streams, or (if it is
+        still starting) fails."""
+        if flight.phase is not Phase.STARTING:
             return
         if starting.cancelled() or starting.exception() is not None:
             reason = "timed out" if starting.cancelled() else short_reason(starting.exception())
-            raise WorkerError(f"the decode worker could not start {flight.request_id}: "
-                              f"{reason}")
-        flight.phase = Phase.STREAMING
+            flight.queue.put_nowait(WorkerError(
+                f"the decode worker could not start {flight.request_id}: {reason}"))
+        else:
+            flight.phase = Phase.STREAMING
 
     # ---- holding and releasing ------------------------------------------------------
 

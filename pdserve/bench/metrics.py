@@ -96,7 +96,9 @@ def _stats(values: list[float], scale: float = 1e3) -> dict:
 
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: SLO,
-              num_workers: int = 1) -> dict:
+              num_workers: int = 1, itl_ms: dict | None = None) -> dict:
+    """itl_ms: the inter-token latency statistics where they were counted elsewhere
+    (the simulator's workers); else from each record's token times."""
     done = [r for r in records if r.ok]
     good = sum(slo.met(r) for r in records)
     return {
@@ -112,7 +114,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO,
                              / max(1, sum(r.num_prompt_tokens for r in done))),
         "ttft_ms": _stats([r.ttft for r in done if r.ttft is not None]),
         "tpot_ms": _stats([r.tpot for r in done if r.tpot is not None]),
-        "itl_ms": _stats([gap for r in done for gap in r.itls]),
+        "itl_ms": itl_ms or _stats([gap for r in done for gap in r.itls]),
         "e2el_ms": _stats([r.e2e for r in done]),
         "rejection_ms": _stats([r.e2e for r in records if r.rejected and r.e2e is not None]),
         "goodput": good / duration_s,

@@ -50,8 +50,10 @@ def make_workload(name: str, num: int, vocab_size: int, seed: int = 0, scale: fl
                   path: str | None = None) -> list[BenchRequest]:
     rng = random.Random(seed)
 
+    ids = range(4, vocab_size)
+
     def tokens(n: int) -> list[int]:
-        return [rng.randrange(4, vocab_size) for _ in range(n)]
+        return rng.choices(ids, k=n)
 
     if name == "random":
         # vLLM's random dataset: lengths uniform in [len * (1 - r), len * (1 + r)].

@@ -17,6 +17,7 @@ from pdserve.router.config import PoolSpec, RouterConfig
 from pdserve.router.model_info import ModelInfo
 from pdserve.router.router import Router
 from pdserve.router.workers import WorkerHandle
+from pdserve.sim.itl import ItlHistogram
 from pdserve.sim.profile import Profile
 from pdserve.sim.tokens import TokenSource
 from pdserve.sim.virtual_time import LoopClock
@@ -43,6 +44,7 @@ class SimCluster:
                                vocab_size=profile.vocab_size, block_size=profile.block_size,
                                kv_bytes_per_block=profile.kv_bytes_per_block)
         self.workers: dict[str, SimWorker] = {}  # every worker ever started, by id (address)
+        self.itl = ItlHistogram()  # the gaps between tokens, as the workers made them
         self.router: Router | None = None
         self._numbers: defaultdict[str, itertools.count] = defaultdict(itertools.count)
 
@@ -76,7 +78,7 @@ class SimCluster:
                            seed=zlib.crc32(f"{self.seed}:{worker_id}".encode()),
                            tokens=self.tokens(worker_id) if self.tokens else None,
                            prefix_caching=self.prefix_caching,
-                           eos_token_ids=self.eos_token_ids)
+                           eos_token_ids=self.eos_token_ids, itl=self.itl)
         return worker
 
 

@@ -35,16 +35,17 @@ class Setup:
 
 def simulate(setup: Setup, requests: list[BenchRequest], load: Load) -> dict:
     """The workload through a fresh simulated cluster: the bench's summary of it."""
+    cluster = SimCluster(setup.profile, setup.pools, setup.router, setup.scheduler,
+                         prefix_caching=setup.prefix_caching, seed=setup.seed)
+
     async def run() -> tuple[list, float]:
-        cluster = SimCluster(setup.profile, setup.pools, setup.router, setup.scheduler,
-                             prefix_caching=setup.prefix_caching, seed=setup.seed)
         router = await cluster.start()
         try:
             return await drive(router, requests, load)
         finally:
             await cluster.stop()
     records, duration = virtual_time.run(run())
-    return summarize(records, duration, load.slo, setup.num_workers)
+    return summarize(records, duration, load.slo, setup.num_workers, cluster.itl.stats_ms())
 
 
 def sweep(setup: Setup, workload: Callable[[int], list[BenchRequest]], rates: list[float],

@@ -14,6 +14,13 @@ _FIRST_ID = 4  # below: the special tokens of small vocabularies
 
 
 class TokenSource(Protocol):
+    # Whether following() can tell a steady batch's next tokens without a model: the
+    # simulated worker then runs such a batch many steps at a time.
+    coasts: bool
+
+    def following(self, request: Request, steps: int) -> list[int]:
+        """The tokens the request's next `steps` steps sample (only if `coasts`)."""
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """The tokens sampled by the step `out` scheduled (requests whose chunk
         reaches their last known token)."""
@@ -27,16 +34,22 @@ class TokenSource(Protocol):
 
 
 class SyntheticTokens:
+    coasts = True
+
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
-    def token(self, request: Request) -> int:
-        return _FIRST_ID + (request.num_tokens * 2654435761 + request.prompt_token_ids[0]) \
+    def at(self, request: Request, position: int) -> int:
+        """The token sampled to follow `position` tokens of the request."""
+        return _FIRST_ID + (position * 2654435761 + request.prompt_token_ids[0]) \
             % (self.vocab_size - _FIRST_ID)
+
+    def following(self, request: Request, steps: int) -> list[int]:
+        return [self.at(request, request.num_tokens + k) for k in range(steps)]
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return ModelRunnerOutput(sampled_token_ids={
-            r.request_id: self.token(r) for r, n in zip(out.requests, out.num_scheduled)
+            r.request_id: self.at(r, r.num_tokens) for r, n in zip(out.requests, out.num_scheduled)
             if r.num_computed_tokens + n == r.num_tokens})
 
     def copy_kv(self, source_blocks, target, target_blocks) -> None:
@@ -49,6 +62,7 @@ class SyntheticTokens:
 class ModelTokens:
     """The real engine's forward pass and sampler (engine/model_runner.py) over a KV
     cache of the simulated worker's blocks."""
+    coasts = False  # every step runs the model
 
     def __init__(self, runner):
         self.runner = runner  # a ModelRunner with its KV cache initialized

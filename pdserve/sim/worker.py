@@ -14,10 +14,20 @@ A call that changes the batch (submit, start, a prefill job, an abort) takes eff
 at the next step boundary, as in the real engine loop; a reservation at once, as the
 real one runs beside the forward pass. Deltas go to the request's subscriber (the
 router that reserved or submitted it), telemetry to every subscriber. Text is not
-detokenized: deltas carry token ids only."""
+detokenized: deltas carry token ids only.
+
+A steady batch (every request decoding, nothing waiting; Scheduler.
+steady_decode_steps) is run many steps at a time, up to MAX_STRETCH_S of virtual
+time: the same steps, their durations summed, their tokens applied at once by the
+production scheduler (decode_steps, tested equal to step-by-step), one delta per
+request and one report (a few of its steps, for the latency model) at its end. A
+call that changes the batch cuts the stretch after the step in flight, as it would
+join the real engine at the next step boundary. Inter-token gaps are counted here,
+per step, into the run's ItlHistogram: the deltas of a stretch arrive together."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -44,15 +54,29 @@ from pdserve.engine.worker_messages import (
     check_role,
 )
 from pdserve.router.errors import WorkerDied
+from pdserve.sim.itl import ItlHistogram
 from pdserve.sim.profile import Profile
 from pdserve.sim.tokens import SyntheticTokens, TokenSource
 
 # How long an abort is remembered, so a reservation it overtook is refused.
 TOMBSTONE_S = 60.0
+# The longest a steady batch runs before it reports (the router's view of the worker
+# is at most this old; a real worker reports every step).
+MAX_STRETCH_S = 0.25
 
 
 class TransferFailed(RuntimeError):
     """The KV never landed: the decode side aborted, or is gone."""
+
+
+@dataclass
+class _Stretch:
+    """A steady batch's steps run as one: step j ends at ends[j]."""
+    shapes: list[StepShape]
+    durations: list[float]
+    ends: list[float]
+    cut: asyncio.Event
+    steps: int = 0  # applied to the scheduler (0: not yet)
 
 
 @dataclass
@@ -68,9 +92,10 @@ class SimWorker:
                  scheduler: SchedulerConfig = SchedulerConfig(),
                  peers: dict[str, "SimWorker"] | None = None, *, seed: int = 0,
                  tokens: TokenSource | None = None, prefix_caching: bool = True,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), itl: ItlHistogram | None = None):
         """peers: address -> worker, shared by a cluster's workers (a transfer lands
-        on its target through it); this worker adds itself. seed: its step noise."""
+        on its target through it); this worker adds itself. seed: its step noise.
+        itl: where the gaps between its requests' tokens are counted."""
         check_role(role)
         self.worker_id, self.role, self.profile = worker_id, role, profile
         self.blocks = BlockManager(profile.num_kv_blocks, profile.block_size, prefix_caching)
@@ -91,6 +116,9 @@ class SimWorker:
         self._subscribers: dict[str, asyncio.Queue] = {}
         self._steps: list[StepTiming] = []  # since the last report
         self._task: asyncio.Task | None = None
+        self._stretch: _Stretch | None = None
+        self._itl = itl
+        self._last_token_at: dict[str, float] = {}  # when its last token reached the router
 
     @property
     def _now(self) -> float:
@@ -142,7 +170,13 @@ class SimWorker:
                 self._publish([])  # idle: telemetry all the same
 
     async def _step(self, publish: bool = True) -> bool:
-        """One engine step; False when there was nothing to schedule."""
+        """One engine step, or a steady batch's many; False when there was nothing to
+        schedule."""
+        if publish and self.tokens.coasts:
+            steady = self.scheduler.steady_decode_steps()
+            if steady >= 2:
+                await self._coast(steady)
+                return True
         out = self.scheduler.schedule()
         if out.is_empty:
             return False
@@ -167,11 +201,73 @@ class SimWorker:
                 else:
                     tokens = 0 if rid in result.failed else 1
                     deltas.append(_delta(request, tokens))
+                    self._token_came(rid, end)
         for request in finished:
-            self.tokens.forget(request.request_id)
+            self._done(request.request_id)
         if publish:
             self._publish(deltas)
         return True
+
+    async def _coast(self, steps: int) -> None:
+        """The steady batch's next `steps` steps (at most MAX_STRETCH_S of them) as
+        one, cut short after the step in flight if a call changes the batch."""
+        batch, start = list(self.scheduler.running), self._now
+        seqs, context = len(batch), sum(r.num_computed_tokens + 1 for r in batch)
+        stretch = _Stretch([], [], [], asyncio.Event())
+        for j in range(steps):
+            shape = StepShape(decode_seqs=seqs, decode_context=context + j * seqs)
+            duration = self.profile.step_cost.duration(shape) * self._spread()
+            stretch.shapes.append(shape)
+            stretch.durations.append(duration)
+            stretch.ends.append((stretch.ends[-1] if j else start) + duration)
+            if stretch.ends[-1] - start >= MAX_STRETCH_S:
+                break
+        self._stretch = stretch
+        try:
+            await asyncio.wait_for(stretch.cut.wait(), stretch.ends[-1] - start)
+        except asyncio.TimeoutError:
+            pass
+        self._stretch = None
+        if not stretch.steps:
+            self._apply(stretch, len(stretch.ends))
+        n = stretch.steps
+        end = stretch.ends[n - 1]
+        await asyncio.sleep(max(end - self._now, 0.0))
+        for j in sorted({0, n // 2, n - 1}):  # enough of its steps for the model's fit
+            self._steps.append(StepTiming(shape=stretch.shapes[j],
+                                          duration_s=stretch.durations[j],
+                                          end_time=stretch.ends[j]))
+        if self._itl is not None:
+            self._itl.add(stretch.durations[1:n], weight=seqs)
+        for request in batch:
+            self._token_came(request.request_id, stretch.ends[0])
+            self._last_token_at[request.request_id] = end
+        self._publish([_delta(r, n) for r in batch])
+
+    def _apply(self, stretch: _Stretch, steps: int) -> None:
+        self.scheduler.decode_steps(steps, self.tokens.following)
+        stretch.steps = steps
+
+    def _cut(self) -> None:
+        """A call changes the batch: a stretch in flight ends after its step in flight
+        (applied now, so the call sees the blocks its steps took)."""
+        stretch = self._stretch
+        if stretch is None or stretch.steps:
+            return
+        ended = bisect.bisect_right(stretch.ends, self._now)
+        self._apply(stretch, min(ended + 1, len(stretch.ends)))
+        stretch.cut.set()
+
+    def _token_came(self, request_id: str, at: float) -> None:
+        """A token of the request reached the router at `at`: the gap since its last."""
+        last = self._last_token_at.get(request_id)
+        if last is not None and self._itl is not None:
+            self._itl.add((at - last,))
+        self._last_token_at[request_id] = at
+
+    def _done(self, request_id: str) -> None:
+        self.tokens.forget(request_id)
+        self._last_token_at.pop(request_id, None)
 
     def _spread(self) -> float:
         noise = self.profile.step_noise
@@ -195,6 +291,7 @@ class SimWorker:
 
     def _at_boundary(self, call: Callable[[], None]) -> None:
         self._boundary.append(call)
+        self._cut()
         self._wake.set()
 
     def _check(self, call: str, *roles: str) -> None:
@@ -236,6 +333,7 @@ class SimWorker:
             raise InvalidRequestError("request_id", f"{rid!r} is already in use on this worker")
         request = self._request(rid, job.prompt_token_ids, job.sampling_params,
                                 job.arrival_time)
+        self._cut()  # the blocks a stretch in flight took are taken
         if not self.scheduler.reserve(request):
             return None
         self._owners[rid] = subscriber
@@ -262,6 +360,7 @@ class SimWorker:
             raise TransferFailed(f"no KV of {request_id} is expected here")
         await landing
         self._landing.pop(request_id, None)
+        self._last_token_at[request_id] = self._now  # the router has token #1
         admitted = asyncio.get_running_loop().create_future()
         self._at_boundary(lambda: self._admit(request_id, first_token, admitted))
         await admitted
@@ -347,13 +446,13 @@ class SimWorker:
         reason = request.check_stop()
         if reason is not None:
             self.scheduler.finish_requests([request_id], reason)
-            self.tokens.forget(request_id)
+            self._done(request_id)
         self._publish([_delta(request, 1)])
         admitted.set_result(None)
 
     def _finish_aborted(self, request_id: str) -> None:
         for request in self.scheduler.finish_requests([request_id], FinishReason.ABORT):
-            self.tokens.forget(request_id)
+            self._done(request_id)
             if request_id in self._owners:
                 self._publish([_delta(request, 0)])
 

@@ -150,3 +150,40 @@ def test_prioritize_prefill_admits_before_decodes():
     s.add_request(request("p", 200))
     out, _ = step(s)
     assert scheduled(out)["p"] == 64  # the prefill took the whole budget first
+
+
+def _state(s: Scheduler) -> tuple:
+    bm = s.block_manager
+    return ([(r.request_id, r.num_computed_tokens, r.num_tokens, list(r.output_token_ids),
+              len(r.block_ids)) for r in s.running], bm.num_free_blocks,
+            sorted(bm._cached), s.stats.generation_tokens)
+
+
+def test_steady_decode_steps_at_once_equal_as_many_schedule_and_update_rounds():
+    """The simulator's fast path: a batch decoding alone, n steps applied at once,
+    ends exactly where n rounds of schedule() and update() end: tokens, progress,
+    blocks (new ones taken as the batch crosses block ends; full ones cached) and
+    counts. It stops short of a request's last token, of a batch with someone waiting,
+    and of the blocks free."""
+    def batch(num_blocks):
+        s = make(num_blocks=num_blocks, block_size=4)
+        for i, (prompt, max_tokens) in enumerate([(5, 30), (9, 12), (3, 40)]):
+            s.add_request(request(f"r{i}", prompt, max_tokens, first_token=100 * (i + 1)))
+        step(s)  # the prompts: every request now decodes
+        return s
+    per_step, at_once = batch(100), batch(100)
+    steady = at_once.steady_decode_steps()
+    assert steady == 12 - 1 - 1  # r1 has 11 tokens left; its last is a step of its own
+    at_once.decode_steps(steady, lambda r, n: [7] * n)
+    for _ in range(steady):
+        step(per_step)
+    assert _state(at_once) == _state(per_step)
+    # blocks run short first: 3 requests cross block ends every 4 steps
+    assert batch(9).steady_decode_steps() < batch(100).steady_decode_steps()
+    short = batch(9)
+    n = short.steady_decode_steps()
+    short.decode_steps(n, lambda r, k: [7] * k)
+    assert short.block_manager.num_free_blocks >= 0 and not short.waiting
+    waiting = batch(100)
+    waiting.add_request(request("late", 5))
+    assert waiting.steady_decode_steps() == 0

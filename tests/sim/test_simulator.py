@@ -41,7 +41,7 @@ def _run_and_inspect(mode: str, requests, load: Load, profile):
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated", "adaptive"])
 def test_every_request_finishes_or_is_refused_and_every_block_is_free_at_the_end(mode):
-    profile = small_profile(num_kv_blocks=200, noise=0.05)
+    profile = small_profile(num_kv_blocks=300, noise=0.05, max_model_len=4096)
     requests = make_workload("azure-conv", 120, profile.vocab_size, seed=3, scale=0.25)
     records, held, counts, inflight = _run_and_inspect(
         mode, requests, Load(request_rate=150.0, slo=SLO(ttft_ms=300, tpot_ms=30)), profile)

@@ -1,0 +1,126 @@
+"""The WorkerClient seam's contract, held by both of its implementations: the Ray one
+(RayWorkerClient over worker actors) and the simulated one (SimWorker running the
+same model), each driven through the seam alone, as the router drives it. Same
+greedy tokens; a reservation aborted frees its blocks; a call of the wrong role
+raises the worker's own error; a role change is refused while the worker holds a
+request and taken once it does not; a killed worker's calls raise WorkerDied."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig, SchedulerConfig
+from pdserve.engine.errors import WorkerBusyError, WrongRoleError
+from pdserve.engine.worker_messages import Job, PrefillJob
+from pdserve.kv_transfer import TransferConfig
+from pdserve.router.errors import WorkerDied
+from pdserve.router.ray_worker_client import RayWorkerClient
+from pdserve.sim import virtual_time
+from pdserve.sim.tokens import ModelTokens
+from pdserve.sim.worker import SimWorker
+from tests.sim.sims import model_profile
+
+PROMPT = list(range(40, 140))
+PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+NUM_BLOCKS = 256
+
+
+def _job(request_id: str, prompt=PROMPT, params=PARAMS) -> Job:
+    return Job(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
+               arrival_time=time.time())
+
+
+async def _until_free(client, total: int) -> None:
+    async def poll() -> None:  # no event carries a worker's stats: they are asked for
+        while (await client.stats()).free_blocks != total:
+            await asyncio.sleep(0.05)
+    await asyncio.wait_for(poll(), 30)
+
+
+async def contract(prefill, decode) -> dict:
+    """The router's sequence through the seam, and the refusals it relies on."""
+    seen: dict[str, list[int]] = {}
+    done: dict[str, str] = {}
+    finished = asyncio.Event()
+
+    async def read() -> None:
+        async for batch in decode.steps(30.0, "contract"):
+            for d in batch.deltas:
+                seen.setdefault(d.request_id, []).extend(d.token_ids)
+                if d.finished:
+                    done[d.request_id] = d.finish_reason
+                    finished.set()
+    reader = asyncio.ensure_future(read())
+    await prefill.connect([await decode.address()])
+    total = (await decode.stats()).num_blocks
+    reservation = await decode.reserve(_job("r1"), "contract")
+    result = await prefill.prefill(PrefillJob(job=_job("r1"), target=reservation))
+    await decode.start("r1", result.first_token)
+    while "r1" not in done:
+        finished.clear()
+        await finished.wait()
+    await _until_free(decode, total)
+    out = {"tokens": [result.first_token] + seen["r1"][1:], "reason": done["r1"]}
+    with pytest.raises(WrongRoleError):
+        await prefill.reserve(_job("wrong"), "contract")
+    held = await decode.reserve(_job("held"), "contract")
+    out["held_blocks"] = len(held.block_ids)
+    with pytest.raises(WorkerBusyError):
+        await decode.set_role("both")
+    await decode.abort("held", "contract")
+    await _until_free(decode, total)
+    await decode.set_role("both")
+    await decode.set_role("decode")
+    reader.cancel()
+    decode.kill()
+
+    async def gone() -> None:  # a kill takes effect once the process is gone
+        while True:
+            await decode.stats()
+            await asyncio.sleep(0.05)
+    with pytest.raises(WorkerDied):
+        await asyncio.wait_for(gone(), 30)
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir):
+    return LLM(str(llama_dir), num_kv_blocks=NUM_BLOCKS, max_model_len=512).generate(
+        [PROMPT], PARAMS)[0].token_ids
+
+
+def test_the_ray_client_holds_the_contract(ray_local, llama_dir, expected):
+    from pdserve.worker.actor import WorkerActor
+
+    config = EngineConfig.from_kwargs(str(llama_dir), num_kv_blocks=NUM_BLOCKS,
+                                      max_model_len=512)
+    transfer = TransferConfig(timeout_s=30)
+    actors = [WorkerActor.options(num_cpus=1, max_restarts=0).remote(name, config, transfer,
+                                                                     role)
+              for name, role in (("cp", "prefill"), ("cd", "decode"))]
+    prefill, decode = (RayWorkerClient(a) for a in actors)
+    try:
+        out = asyncio.run(contract(prefill, decode))
+    finally:
+        prefill.kill()
+        decode.kill()
+    assert out["tokens"] == expected and out["reason"] == "length"
+    assert out["held_blocks"] == -(-len(PROMPT) // 16)
+
+
+def test_the_simulated_worker_holds_the_contract(llama_dir, expected):
+    async def scenario():
+        profile = model_profile(llama_dir, NUM_BLOCKS)
+        peers: dict[str, SimWorker] = {}
+        prefill, decode = (
+            SimWorker(name, role, profile, SchedulerConfig(), peers,
+                      tokens=ModelTokens.load(str(llama_dir), NUM_BLOCKS, 16, 512))
+            for name, role in (("cp", "prefill"), ("cd", "decode")))
+        await asyncio.gather(prefill.boot(), decode.boot())
+        return await contract(prefill, decode)
+    out = virtual_time.run(scenario())
+    assert out["tokens"] == expected and out["reason"] == "length"
+    assert out["held_blocks"] == -(-len(PROMPT) // 16)
