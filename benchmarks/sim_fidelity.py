@@ -10,20 +10,22 @@ them. Prints the table, then the share of cells within each target last; writes 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
 from pathlib import Path
 
-from routing import Cluster, run_fixed  # noqa: F401  (benchmarks/routing.py)
+from routing import Cluster, run_fixed  # benchmarks/routing.py
 
+from pdserve.bench import driver
 from pdserve.bench.compare import measure_isolated, slo_for
 from pdserve.bench.workloads import make_workload
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_path import resolve_model_path
 from pdserve.router.config import PoolSpec, RouterConfig, RoutingSpec
 from pdserve.sim.driver import Load
-from pdserve.sim.measure import measure
+from pdserve.sim.measure import TransferSample, measure, refit
 from pdserve.sim.profile import Profile
 from pdserve.sim.run import Setup, simulate
 
@@ -41,6 +43,30 @@ def cell(real: dict, sim: dict) -> dict:
     return {"attainment_points": attain, "ttft_p50": rel("ttft_ms"), "tpot_p50": rel("tpot_ms")}
 
 
+def under_load(config: EngineConfig, mode: str, profile: Profile, requests, rate: float,
+               seed: int) -> Profile:
+    """The profile refitted from the real cluster's own telemetry while it serves
+    `requests` at `rate`: its steps and transfers as measured under the contention of
+    two workers, the router and the load generator sharing this machine."""
+    steps, transfers = [], []
+    with Cluster(config, mode, RoutingSpec()) as server:
+        router = server.router
+        hear, learn = router.pool.on_report, router.models.transferred
+
+        def heard(worker, telemetry) -> None:
+            steps.extend(telemetry.steps)
+            hear(worker, telemetry)
+
+        def transferred(prefill, decode, nbytes, seconds, now) -> None:
+            transfers.append(TransferSample(nbytes=nbytes, seconds=seconds))
+            learn(prefill, decode, nbytes, seconds, now)
+        router.pool.on_report, router.models.transferred = heard, transferred
+        cfg = driver.RunConfig("grpc", server.grpc_target, request_rate=rate, seed=seed,
+                               progress=False)
+        asyncio.run(driver.run(requests, cfg))
+    return refit(profile, steps, transfers, f"in a {mode} cluster at {rate:g} req/s")
+
+
 def within(errors: dict) -> dict:
     return {k: v is not None and abs(v) <= TARGETS[k] for k, v in errors.items()}
 
@@ -51,6 +77,9 @@ def main() -> int:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--profile", default=None,
                     help="a profile from `pdserve profile` (default: measure one first)")
+    ap.add_argument("--under-load", action="store_true",
+                    help="refit the profile per mode from the real cluster's telemetry "
+                    "in a calibration run (other requests, the middle rate) first")
     ap.add_argument("--modes", nargs="+", default=["colocated", "disaggregated", "adaptive"])
     ap.add_argument("--workloads", nargs="+", default=["azure-conv", "azure-code"])
     ap.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.5, 4.0])
@@ -77,7 +106,15 @@ def main() -> int:
         slo = slo_for(measure_isolated(config, requests), args.slo_scale,
                       args.tpot_slo_scale)
         for mode in args.modes:
-            setup = Setup(profile=profile, pools=PoolSpec(1, 1, mode=mode),
+            used = profile
+            if args.under_load:
+                calibration = make_workload(name, args.num_prompts, profile.vocab_size,
+                                            args.seed + 100, args.scale)
+                used = under_load(config, mode, profile, calibration,
+                                  args.rates[len(args.rates) // 2], args.seed + 100)
+                print(f"{name} {mode} under load: {used.step_cost}, {used.transfer_cost}, "
+                      f"noise {used.step_noise:.3f}", flush=True)
+            setup = Setup(profile=used, pools=PoolSpec(1, 1, mode=mode),
                           router=RouterConfig(routing=RoutingSpec()),
                           scheduler=config.scheduler, seed=args.seed)
             for rate in args.rates:
@@ -87,6 +124,7 @@ def main() -> int:
                                                      slo=slo))
                 errors = cell(real, sim)
                 row = {"workload": name, "mode": mode, "rate": rate, "slo": vars(slo),
+                       "step_cost": vars(used.step_cost),
                        "errors": errors, "within": within(errors),
                        "measured": _brief(real), "simulated": _brief(sim),
                        "decisions": {"measured": real["decisions"]}}

@@ -101,9 +101,15 @@ _SHORTLIST = 16
 
 
 def candidates(request: RequestView, state: ClusterState) -> list[Forecast]:
-    live = [w for w in state.workers if w.available]
-    decoders = [w for w in live if w.decodes and w.worker_id not in request.refused]
-    prefillers = [w for w in live if w.sends_kv(state.adaptive) and has_room(w, request, state)]
+    adaptive, refused = state.adaptive, request.refused
+    decoders, prefillers = [], []
+    for w in state.workers:  # one pass: a cluster may have a thousand workers
+        if not w.available:
+            continue
+        if w.decodes and w.worker_id not in refused:
+            decoders.append(w)
+        if w.sends_kv(adaptive) and has_room(w, request, state):
+            prefillers.append(w)
     # Past the shortlist, a rough estimate cached in each worker's state (as last
     # reported) picks the ones forecast; their forecasts read staleness as usual.
     if len(decoders) > _SHORTLIST:
@@ -126,7 +132,7 @@ def candidates(request: RequestView, state: ClusterState) -> list[Forecast]:
         decoders = sorted(decoders, key=lambda w: sides[w.worker_id].tpot)[:keep]
     for p in prefillers:
         out += [_pair(request, state, sides[p.worker_id], sides[d.worker_id]) for d in decoders
-                if d is not p and (state.adaptive or d.role == "decode" or p.role == "prefill")]
+                if d is not p and (adaptive or d.role == "decode" or p.role == "prefill")]
     return out
 
 

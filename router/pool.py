@@ -179,8 +179,11 @@ class Pool:
         return worker
 
     def _subscribe(self, worker: WorkerHandle) -> None:
-        worker.start_pump(self.config.stall_timeout_s, self.subscriber, self.on_report,
+        worker.start_pump(self.config.stall_timeout_s, self.subscriber, self._reported,
                           self.died, self._stalled)
+
+    def _reported(self, worker: WorkerHandle, telemetry) -> None:
+        self.on_report(worker, telemetry)  # looked up per report: a hook may be replaced
 
     def _leave(self, worker: WorkerHandle, kill: bool) -> None:
         worker.stop_pump()

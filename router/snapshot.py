@@ -62,9 +62,12 @@ class Budgets(Mapping):
     def __getitem__(self, worker_id: str) -> tuple[TpotBudget, ...]:
         found = self._computed.get(worker_id)
         if found is None:
-            requests = self._running[worker_id]  # KeyError: no such worker
-            found = self._computed[worker_id] = tuple(
-                b for b in (budget(r, self._now) for r in requests.values()) if b is not None)
+            now, found = self._now, []
+            for request in self._running[worker_id].values():  # KeyError: no such worker
+                b = budget(request, now)
+                if b is not None:
+                    found.append(b)
+            found = self._computed[worker_id] = tuple(found)
         return found
 
     def __iter__(self) -> Iterator[str]:

@@ -30,6 +30,23 @@ def add_sim_parser(sub) -> None:
     add_load_flags(sim)
     add_workload_flags(sim, default_name="sim")
     sim.set_defaults(func=_sim)
+    kinds = sim.add_subparsers(dest="sim_command", metavar="{plan}")
+    plan = kinds.add_parser(
+        "plan", help="the pool shape with the most goodput per worker for a budget",
+        description="For a profile, a workload, SLOs and a worker budget: every P:D split, "
+        "colocated and adaptive, each searched (rate doubled, then bisected) for the "
+        "highest request rate with >= 90%% SLO attainment; the table, best first.")
+    plan.add_argument("--budget", type=int, default=16, help="workers (default: %(default)s)")
+    plan.add_argument("--first-rate", type=float, default=1.0,
+                      help="the search's first request rate, req/s (default: %(default)s)")
+    plan.add_argument("--iterations", type=int, default=5,
+                      help="bisections of each shape's rate (default: %(default)s)")
+    plan.add_argument("--min-duration", type=float, default=20.0,
+                      help="each probe sends requests for at least this many seconds at "
+                      "its rate; --num-prompts is the fewest (default: %(default)s)")
+    add_cluster_flags(plan, pools=False)
+    add_workload_flags(plan, default_name="plan")
+    plan.set_defaults(func=_plan, burstiness=1.0)
 
 
 def add_cluster_flags(p: argparse.ArgumentParser, pools: bool = True) -> None:
@@ -130,4 +147,50 @@ def _sim(args: argparse.Namespace) -> int:
                                    admission=args.admission))
     print(f"simulated {simulated:.1f} s in {wall:.1f} s of wall time: "
           f"{simulated / max(wall, 1e-9):.1f} simulated seconds per wall second")
+    return 0
+
+
+def replace_args(args: argparse.Namespace, **changes) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from pdserve.sim.plan import plan, table
+
+    if not args.goodput:
+        raise SystemExit("pdserve sim plan: give the SLOs (--goodput ttft:MS tpot:MS)")
+    setup = setup_of(args, PoolSpec(prefill_workers=args.budget, decode_workers=0,
+                                    mode="colocated"))
+    args.request_rate, args.max_concurrency = float("inf"), 0
+    load = load_of(args)
+    began = time.perf_counter()
+    vocab = setup.profile.vocab_size
+
+    def workload(n: int):
+        return workload_of(replace_args(args, num_prompts=n), vocab)(0)
+    found = plan(setup, args.budget, workload, load, args.first_rate, args.iterations,
+                 args.num_prompts, args.min_duration)
+    text = table(found)
+    print(f"{setup.profile.name}, {args.budget} workers, {args.workload} (each probe at "
+          f"least {args.min_duration:g} s and {args.num_prompts} requests), SLOs "
+          f"{' '.join(args.goodput)}, routing {args.routing_policy}/{args.admission}")
+    print(text)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.md").write_text(text)
+    (out / f"{args.name}.json").write_text(json.dumps({
+        "profile": setup.profile.name, "budget": args.budget, "workload": args.workload,
+        "num_prompts": args.num_prompts, "scale": args.scale, "seed": args.seed,
+        "goodput": args.goodput, "routing_policy": args.routing_policy,
+        "admission": args.admission, "shapes": [
+            {"pools": s.name, "mode": s.pools.mode, "prefill_workers": s.pools.prefill_workers,
+             "decode_workers": s.pools.decode_workers, "max_rate": s.max_rate,
+             "goodput_per_worker": s.goodput_per_worker,
+             "probes": [[p.rate, p.attainment] for p in s.probes]} for s in found]},
+        indent=2))
+    print(f"best: {found[0].name}, {found[0].goodput_per_worker:.3f} req/s per worker "
+          f"({time.perf_counter() - began:.0f} s)")
+    print(f"wrote {out / (args.name + '.md')}, {out / (args.name + '.json')}")
     return 0

@@ -261,6 +261,19 @@ def fit_transfer(samples: Sequence[TransferSample]) -> TransferCost:
 # ---- the profile --------------------------------------------------------------------
 
 
+def refit(profile: Profile, steps: Sequence[StepTiming], transfers: Sequence[TransferSample],
+          note: str) -> Profile:
+    """The profile with its step cost, noise and (given any transfers) transfer cost
+    fitted anew from these samples: a live cluster's telemetry, say, which measures
+    the steps under the contention of everything else that runs beside them."""
+    fit = fit_steps(steps)
+    return replace(profile, step_cost=fit.cost, step_noise=fit.noise,
+                   transfer_cost=fit_transfer(transfers) if transfers else profile.transfer_cost,
+                   notes=(*profile.notes, f"refitted from {len(steps)} steps and "
+                          f"{len(transfers)} transfers {note}; the fit's median relative "
+                          f"error {fit.median_error:.1%}"))
+
+
 def measure(config: EngineConfig, *, transfer: bool = True, repeats: int = 3) -> Profile:
     import torch
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
+
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -45,7 +47,9 @@ class SyntheticTokens:
             % (self.vocab_size - _FIRST_ID)
 
     def following(self, request: Request, steps: int) -> list[int]:
-        return [self.at(request, request.num_tokens + k) for k in range(steps)]
+        positions = np.arange(request.num_tokens, request.num_tokens + steps, dtype=np.int64)
+        return (_FIRST_ID + (positions * 2654435761 + request.prompt_token_ids[0])
+                % (self.vocab_size - _FIRST_ID)).tolist()
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return ModelRunnerOutput(sampled_token_ids={

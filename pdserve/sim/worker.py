@@ -27,10 +27,10 @@ per step, into the run's ItlHistogram: the deltas of a stretch arrive together."
 from __future__ import annotations
 
 import asyncio
-import bisect
-import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
@@ -62,7 +62,8 @@ from pdserve.sim.tokens import SyntheticTokens, TokenSource
 TOMBSTONE_S = 60.0
 # The longest a steady batch runs before it reports (the router's view of the worker
 # is at most this old; a real worker reports every step).
-MAX_STRETCH_S = 0.25
+MAX_STRETCH_S = 1.0
+_MIN_SPREAD = 0.5  # a step takes between half and 1.5x its cost, whatever the noise
 
 
 class TransferFailed(RuntimeError):
@@ -72,11 +73,15 @@ class TransferFailed(RuntimeError):
 @dataclass
 class _Stretch:
     """A steady batch's steps run as one: step j ends at ends[j]."""
-    shapes: list[StepShape]
-    durations: list[float]
-    ends: list[float]
+    seqs: int  # the batch
+    context: int  # its KV length at the first step
+    durations: np.ndarray  # [steps] seconds
+    ends: np.ndarray  # [steps] virtual time
     cut: asyncio.Event
     steps: int = 0  # applied to the scheduler (0: not yet)
+
+    def shape(self, j: int) -> StepShape:
+        return StepShape(decode_seqs=self.seqs, decode_context=self.context + j * self.seqs)
 
 
 @dataclass
@@ -106,7 +111,7 @@ class SimWorker:
         self.peers[worker_id] = self  # its address is its id
         self.alive = True
         self._eos = eos_token_ids
-        self._noise = random.Random(seed)
+        self._noise = np.random.default_rng(seed)
         self._owners: dict[str, str] = {}  # request id -> its subscriber
         self._prefills: dict[str, _Prefill] = {}
         self._landing: dict[str, asyncio.Future] = {}  # reserved here, KV on its way
@@ -212,37 +217,43 @@ class SimWorker:
         """The steady batch's next `steps` steps (at most MAX_STRETCH_S of them) as
         one, cut short after the step in flight if a call changes the batch."""
         batch, start = list(self.scheduler.running), self._now
-        seqs, context = len(batch), sum(r.num_computed_tokens + 1 for r in batch)
-        stretch = _Stretch([], [], [], asyncio.Event())
-        for j in range(steps):
-            shape = StepShape(decode_seqs=seqs, decode_context=context + j * seqs)
-            duration = self.profile.step_cost.duration(shape) * self._spread()
-            stretch.shapes.append(shape)
-            stretch.durations.append(duration)
-            stretch.ends.append((stretch.ends[-1] if j else start) + duration)
-            if stretch.ends[-1] - start >= MAX_STRETCH_S:
-                break
+        stretch = self._plan(steps, len(batch), sum(r.num_computed_tokens + 1 for r in batch),
+                             start)
         self._stretch = stretch
         try:
-            await asyncio.wait_for(stretch.cut.wait(), stretch.ends[-1] - start)
+            await asyncio.wait_for(stretch.cut.wait(), float(stretch.ends[-1]) - start)
         except asyncio.TimeoutError:
             pass
         self._stretch = None
         if not stretch.steps:
             self._apply(stretch, len(stretch.ends))
         n = stretch.steps
-        end = stretch.ends[n - 1]
+        end = float(stretch.ends[n - 1])
         await asyncio.sleep(max(end - self._now, 0.0))
         for j in sorted({0, n // 2, n - 1}):  # enough of its steps for the model's fit
-            self._steps.append(StepTiming(shape=stretch.shapes[j],
-                                          duration_s=stretch.durations[j],
-                                          end_time=stretch.ends[j]))
+            self._steps.append(StepTiming(shape=stretch.shape(j),
+                                          duration_s=float(stretch.durations[j]),
+                                          end_time=float(stretch.ends[j])))
         if self._itl is not None:
-            self._itl.add(stretch.durations[1:n], weight=seqs)
+            self._itl.add(stretch.durations[1:n], weight=stretch.seqs)
+        first = float(stretch.ends[0])
         for request in batch:
-            self._token_came(request.request_id, stretch.ends[0])
+            self._token_came(request.request_id, first)
             self._last_token_at[request.request_id] = end
         self._publish([_delta(r, n) for r in batch])
+
+    def _plan(self, steps: int, seqs: int, context: int, start: float) -> _Stretch:
+        """Up to `steps` steps of a decode batch, each a step of the profile's cost
+        (every decode attends one more key each step) times its noise, ending once
+        MAX_STRETCH_S has passed."""
+        cost = self.profile.step_cost
+        first = cost.duration(StepShape(decode_seqs=seqs, decode_context=context))
+        steps = min(steps, int(MAX_STRETCH_S / max(first * _MIN_SPREAD, 1e-9)) + 1)
+        durations = (first + cost.decode_context_s * seqs * np.arange(steps)) \
+            * self._spreads(steps)
+        elapsed = np.cumsum(durations)
+        n = min(int(np.searchsorted(elapsed, MAX_STRETCH_S)) + 1, steps)
+        return _Stretch(seqs, context, durations[:n], start + elapsed[:n], asyncio.Event())
 
     def _apply(self, stretch: _Stretch, steps: int) -> None:
         self.scheduler.decode_steps(steps, self.tokens.following)
@@ -254,7 +265,7 @@ class SimWorker:
         stretch = self._stretch
         if stretch is None or stretch.steps:
             return
-        ended = bisect.bisect_right(stretch.ends, self._now)
+        ended = int(np.searchsorted(stretch.ends, self._now, side="right"))
         self._apply(stretch, min(ended + 1, len(stretch.ends)))
         stretch.cut.set()
 
@@ -270,8 +281,14 @@ class SimWorker:
         self._last_token_at.pop(request_id, None)
 
     def _spread(self) -> float:
+        return float(self._spreads(1)[0])
+
+    def _spreads(self, steps: int) -> np.ndarray:
+        """Each step's duration over its cost: the profile's noise, bounded."""
         noise = self.profile.step_noise
-        return 1.0 if not noise else min(max(self._noise.gauss(1.0, noise), 0.5), 1.5)
+        if not noise:
+            return np.ones(steps)
+        return np.clip(self._noise.normal(1.0, noise, steps), _MIN_SPREAD, 2 - _MIN_SPREAD)
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         """Each delta to its request's subscriber, the telemetry to all."""
