@@ -49,6 +49,8 @@ class Judge:
     def __init__(self, args, profile: Profile):
         self.args, self.profile = args, profile
         self.slo = SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
+        # (arm, workload) -> the first seed's rate: later seeds search around it
+        self.found: dict[tuple, float] = {}
 
     def workload(self, name: str, seed: int):
         """n -> n requests of the workload (a 50/50 mix interleaves azure-conv and
@@ -72,13 +74,21 @@ class Judge:
 
     def goodput(self, pools: PoolSpec, name: str, seed: int, routing: RoutingSpec = RoutingSpec(),
                 burstiness: float = 1.0) -> float:
-        """Goodput per worker: the highest rate with >= 90% attainment, per worker."""
+        """Goodput per worker: the highest rate with >= 90% attainment, per worker. The
+        first seed's search doubles from --first-rate-per-worker; later seeds' start at
+        --near x its rate and grow by 1 + --near (--iterations bisections each)."""
         args = self.args
+        arm = (pools, routing, name, burstiness)
+        known = self.found.get(arm)
+        first, growth = ((args.first_rate_per_worker * args.workers, 2.0) if not known
+                         else (known * (1 - args.near), 1 + args.near))
         found = max_rate(self.setup(pools, routing, seed), self.workload(name, seed),
                          Load(seed=seed, slo=self.slo, burstiness=burstiness),
-                         first_rate=args.first_rate_per_worker * args.workers,
-                         iterations=args.iterations, min_requests=args.min_requests,
-                         min_duration_s=args.min_duration)
+                         first_rate=first, iterations=args.iterations,
+                         min_requests=args.min_requests, min_duration_s=args.min_duration,
+                         growth=growth)
+        if found.max_rate:
+            self.found.setdefault(arm, found.max_rate)
         return found.max_rate / args.workers
 
 
@@ -188,6 +198,8 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--first-rate-per-worker", type=float, default=2.0)
     ap.add_argument("--iterations", type=int, default=4)
+    ap.add_argument("--near", type=float, default=0.2,
+                    help="later seeds search from (1 - near) x the first seed's rate")
     ap.add_argument("--min-requests", type=int, default=200)
     ap.add_argument("--min-duration", type=float, default=20.0)
     ap.add_argument("--prefix-rate-per-worker", type=float, default=4.0)

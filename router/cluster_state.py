@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Mapping
+from typing import Iterable, Mapping
+
+import numpy as np
 
 from pdserve.engine.latency_calibration import NONE, Calibration
 from pdserve.engine.latency_forecast import WorkerLoad
@@ -21,14 +23,30 @@ from pdserve.router.model_info import ModelInfo
 from pdserve.router.slo import Slo
 
 
-@dataclass(frozen=True)
-class TpotBudget:
-    """A running request's TPOT SLO as it stands now."""
-    priority: int  # the request's; lower runs first
-    # How long each of its remaining steps may take and still meet it: its slack is
-    # this less its worker's decode step now (< 0: missed already).
-    allowance_s: float
-    remaining: int  # tokens it may still generate
+@dataclass(frozen=True, eq=False)
+class TpotBudgets:
+    """The TPOT SLOs of this router's requests running on one decode worker, as they
+    stand now: one entry per request, in arrays (a worker may run hundreds, and a
+    decision reads a dozen workers')."""
+    priority: np.ndarray  # each request's; lower runs first
+    # How long each of its remaining steps may take and still meet its SLO: its slack
+    # is this less its worker's decode step now (< 0: missed already).
+    allowance_s: np.ndarray
+    remaining: np.ndarray  # tokens it may still generate
+
+    @classmethod
+    def of(cls, rows: Iterable[tuple[int, float, int]]) -> "TpotBudgets":
+        """From (priority, allowance_s, remaining) rows."""
+        rows = list(rows)
+        return cls(priority=np.array([r[0] for r in rows], dtype=np.int64),
+                   allowance_s=np.array([r[1] for r in rows], dtype=np.float64),
+                   remaining=np.array([r[2] for r in rows], dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.remaining)
+
+
+NO_BUDGETS = TpotBudgets.of(())
 
 
 @dataclass(frozen=True)
@@ -117,7 +135,7 @@ class ClusterState:
     # Decode worker id -> this router's requests running there with a TPOT SLO. The
     # router's is a view computed for the workers a decision reads (of the same
     # moment: a decision is one synchronous call), not for every worker.
-    budgets: Mapping[str, tuple[TpotBudget, ...]] = field(default_factory=dict)
+    budgets: Mapping[str, TpotBudgets] = field(default_factory=dict)
 
     @property
     def stale_after_s(self) -> float:

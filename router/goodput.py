@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from functools import partial
 from operator import attrgetter
 
+import numpy as np
+
 from pdserve.engine.latency_forecast import (
     decode_step_seconds,
     joining_slowdown,
@@ -39,7 +41,7 @@ from pdserve.engine.latency_forecast import (
     tpot_seconds,
     ttft_seconds,
 )
-from pdserve.router.cluster_state import ClusterState, RequestView, TpotBudget, WorkerState
+from pdserve.router.cluster_state import NO_BUDGETS, ClusterState, RequestView, WorkerState
 from pdserve.router.decision import Colocate, Decision, Disaggregate, Reject
 from pdserve.router.least_loaded import has_room
 
@@ -150,7 +152,7 @@ class _Side:
         self.join_s = joining_slowdown(cost, n)  # per step, when the request decodes here
         self.stall_s = prompt_compute_seconds(cost, n, self.cached)  # once, computing it
         self.decode_seqs = load.decode_seqs
-        self.budgets = state.budgets.get(w.worker_id, ())  # this router's timed requests here
+        self.budgets = state.budgets.get(w.worker_id, NO_BUDGETS)  # this router's timed ones here
         self._harms: dict[tuple[bool, bool], _Harm] = {}
 
     def harm(self, request: RequestView, joins: bool, computes: bool) -> "_Harm":
@@ -195,17 +197,20 @@ class _Harm:
 
     def __init__(self, request: RequestView, side: _Side, per_step_s: float, stall_s: float):
         self.cost = 0.0  # shares of their TPOT SLOs
-        # On-track requests it would push past theirs, with the worker's step now.
-        self.breaks: list[tuple[TpotBudget, float]] = []
+        # When the last on-track request it would push past its SLO (none of a lower
+        # priority) will have finished, at the worker's step now; None: it breaks none.
+        self.breaks_until: float | None = None
         if not per_step_s and not stall_s:
             return
-        for b in side.budgets:
-            added = per_step_s + stall_s / max(b.remaining, 1)
-            self.cost += added / max(b.allowance_s, 1e-6)
+        b = side.budgets
+        if len(b):
+            added = per_step_s + stall_s / np.maximum(b.remaining, 1)
+            self.cost += float(np.sum(added / np.maximum(b.allowance_s, 1e-6)))
             slack = b.allowance_s - side.step
-            if slack >= 0 and added > slack and b.priority <= request.priority:
-                self.breaks.append((b, side.step))
-        others = max(side.decode_seqs - len(side.budgets), 0)  # best effort, or another router's
+            broken = (slack >= 0) & (added > slack) & (b.priority <= request.priority)
+            if broken.any():
+                self.breaks_until = float(b.remaining[broken].max()) * side.step
+        others = max(side.decode_seqs - len(b), 0)  # best effort, or another router's
         if others:
             self.cost += others * (per_step_s + stall_s / max(request.max_tokens, 1)) \
                 / _REFERENCE_TPOT_S
@@ -220,7 +225,8 @@ def _forecast(make, request: RequestView, state: ClusterState, ttft: float, tpot
     decision = make(ttft, tpot)
     cost = (ttft / (slo.ttft_s or _REFERENCE_TTFT_S) + tpot / (slo.tpot_s or _REFERENCE_TPOT_S)
             + sum(h.cost for h in harms))
-    breaks = [b for h in harms for b in h.breaks]
+    breaks_until = max((h.breaks_until for h in harms if h.breaks_until is not None),
+                       default=None)
     free = state.free_blocks(decode)
     if free is not None and free < request.blocks_needed:
         return Forecast(decision, ttft, tpot, cost, "kv", state.retry_after_s)
@@ -233,10 +239,8 @@ def _forecast(make, request: RequestView, state: ClusterState, ttft: float, tpot
     if request.max_tokens > 1 and not slo.tpot_met(tpot) and decode_seqs > 0:
         return Forecast(decision, ttft, tpot, cost, "tpot",
                         _shrunk_enough(state, decode, (tpot - slo.tpot_s) / tpot))
-    if breaks:
-        # until every request it would break has finished
-        last = max(b.remaining * step for b, step in breaks)
-        return Forecast(decision, ttft, tpot, cost, "harm", last)
+    if breaks_until is not None:  # until every request it would break has finished
+        return Forecast(decision, ttft, tpot, cost, "harm", breaks_until)
     return Forecast(decision, ttft, tpot, cost)
 
 
@@ -248,11 +252,11 @@ def _shrunk_enough(state: ClusterState, w: WorkerState, excess: float) -> float:
     when its known requests are not enough."""
     cost, load = state.step_cost(w), state.load(w)
     excess_s = excess * (decode_step_seconds(cost, load) + cost.decode_seq_s)
-    ends = sorted(b.remaining for b in state.budgets.get(w.worker_id, ()))
+    ends = np.sort(state.budgets.get(w.worker_id, NO_BUDGETS).remaining)
     needed = (max(1, math.ceil(excess_s / cost.decode_seq_s)) if cost.decode_seq_s > 0
               else len(ends) + 1)
-    if ends and len(ends) >= load.decode_seqs:
+    if len(ends) and len(ends) >= load.decode_seqs:
         needed = min(needed, len(ends))  # once all end it decodes alone: never refused
     if needed > len(ends):
         return state.retry_after_s
-    return ends[needed - 1] * decode_step_seconds(cost, load)
+    return float(ends[needed - 1]) * decode_step_seconds(cost, load)

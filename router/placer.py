@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator, Mapping
+import weakref
 
 from pdserve.router.capacity_queue import CapacityQueue
 from pdserve.router.clock import Clock
@@ -32,6 +32,8 @@ class Placer:
         self.model, self.metrics, self.clock = model, metrics, clock
         self.queue = CapacityQueue()
         self._placed = itertools.count()  # decisions made (round robin's sequence)
+        # each worker's running requests' TPOT deadlines, until its version changes
+        self._deadlines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     async def place(self, flight: Flight, refused: frozenset[str]) -> Decision:
         """The request's placement, after a wait for capacity if it may wait; raises
@@ -104,22 +106,6 @@ class Placer:
         """Every worker's state now, as the policy sees it, with the TPOT budgets of
         this router's requests running on each."""
         workers = self.pool.workers
-        return snapshot(tuple(w.state for w in workers.values()), _Held(workers),
+        return snapshot(tuple(w.state for w in workers.values()), workers,
                         self.clock.monotonic(), self.clock.time(), self.config, self.model,
-                        self.models.transfer_costs)
-
-
-class _Held(Mapping):
-    """worker id -> this router's requests held on it (a view, not a copy)."""
-
-    def __init__(self, workers: Mapping):
-        self._workers = workers
-
-    def __getitem__(self, worker_id: str):
-        return self._workers[worker_id].flights
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._workers)
-
-    def __len__(self) -> int:
-        return len(self._workers)
+                        self.models.transfer_costs, self._deadlines)

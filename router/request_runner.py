@@ -90,6 +90,8 @@ class RequestRunner:
                 flight.first_token_at = self.clock.time()
                 self._dequeue(flight)  # its prompt is computed
             flight.num_output_tokens += len(delta.token_ids)
+            if flight.decode is not None:
+                flight.decode.progressed()
         return delta
 
     def _dequeue(self, flight: Flight) -> None:

@@ -1,13 +1,16 @@
 """The snapshot the policy decides on: every worker's state as the router holds it,
 the pairs' transfer costs, and the TPOT budgets of the router's requests running on
-each worker. Pure: a function of what it is given."""
+each worker. Pure but for a memo the caller keeps: a function of what it is given."""
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from pdserve.engine.latency_model import TransferCost
-from pdserve.router.cluster_state import ClusterState, TpotBudget, WorkerState
+from pdserve.router.cluster_state import NO_BUDGETS, ClusterState, TpotBudgets, WorkerState
 from pdserve.router.config import RouterConfig
 from pdserve.router.model_info import ModelInfo
 
@@ -26,52 +29,86 @@ class Running(Protocol):
     def max_tokens(self) -> int: ...
 
 
-def snapshot(workers: tuple[WorkerState, ...], running: Mapping[str, Mapping[str, Running]],
-             now: float, wall_now: float, config: RouterConfig, model: ModelInfo,
-             transfer: Mapping[tuple[str, str], TransferCost]) -> ClusterState:
+class Held(Protocol):
+    """A decode worker's requests, as the router holds them (a WorkerHandle)."""
+    @property
+    def version(self) -> int: ...  # changes whenever a request there joins, leaves or
+    # is sent tokens
+    @property
+    def flights(self) -> Mapping[str, Running]: ...
+
+
+def snapshot(workers: tuple[WorkerState, ...], held: Mapping[str, Held], now: float,
+             wall_now: float, config: RouterConfig, model: ModelInfo,
+             transfer: Mapping[tuple[str, str], TransferCost],
+             deadlines: MutableMapping[Held, "Deadlines"] | None = None) -> ClusterState:
     """now: the router's monotonic clock; wall_now: its wall clock (running requests'
-    first tokens are wall times). running: decode worker id -> its requests there."""
+    first tokens are wall times). held: decode worker id -> its requests. deadlines:
+    a memo of each worker's deadlines the caller keeps across snapshots (each entry
+    is rebuilt once its worker's version changes; weak keys let left workers go)."""
     return ClusterState(workers=workers, now=now, config=config, model=model,
-                        transfer=transfer, budgets=Budgets(running, wall_now))
+                        transfer=transfer,
+                        budgets=Budgets(held, wall_now, {} if deadlines is None else deadlines))
 
 
-def budget(request: Running, now: float) -> TpotBudget | None:
-    """How long each of the request's remaining steps may take and still meet its TPOT
-    SLO (the mean over its output; it expects max_tokens); None when it has no TPOT
-    SLO or no first token yet."""
-    tpot, first = request.tpot_slo_s, request.first_token_at
-    if tpot is None or first is None:
-        return None
-    n = request.num_output_tokens
-    total = max(request.max_tokens, n + 1)
-    remaining = total - n
-    deadline = first + tpot * (total - 1)
-    return TpotBudget(priority=request.priority, allowance_s=(deadline - now) / remaining,
-                      remaining=remaining)
+@dataclass(frozen=True, eq=False)
+class Deadlines:
+    """The TPOT SLOs of a worker's running requests as one version of it holds them:
+    by when each must have generated all it expects (the mean over its output; it
+    expects max_tokens), and how many tokens it has left. A budget at any moment
+    follows from these; requests without a TPOT SLO or a first token are left out."""
+    version: int
+    priority: np.ndarray
+    deadline: np.ndarray  # wall clock
+    remaining: np.ndarray
+
+    @classmethod
+    def of(cls, held: Held) -> "Deadlines":
+        priority, deadline, remaining = [], [], []
+        for request in held.flights.values():
+            tpot, first = request.tpot_slo_s, request.first_token_at
+            if tpot is None or first is None:
+                continue
+            n = request.num_output_tokens
+            total = max(request.max_tokens, n + 1)
+            priority.append(request.priority)
+            deadline.append(first + tpot * (total - 1))
+            remaining.append(total - n)
+        return cls(version=held.version, priority=np.array(priority, dtype=np.int64),
+                   deadline=np.array(deadline, dtype=np.float64),
+                   remaining=np.array(remaining, dtype=np.int64))
+
+    def at(self, now: float) -> TpotBudgets:
+        """How long each remaining step may take from `now` (wall clock) on."""
+        if not len(self.remaining):
+            return NO_BUDGETS
+        return TpotBudgets(priority=self.priority, remaining=self.remaining,
+                           allowance_s=(self.deadline - now) / self.remaining)
 
 
 class Budgets(Mapping):
     """decode worker id -> budgets of the requests running there, each worker's
-    computed when a decision first reads it: a decision reads a few candidates, and
-    a large cluster runs many requests."""
+    computed when a decision first reads it (a decision reads a few candidates, and
+    a large cluster runs many requests), from its deadlines as memoized until its
+    version changes (between two of its steps, only the clock moves)."""
 
-    def __init__(self, running: Mapping[str, Mapping[str, Running]], now: float):
-        self._running, self._now = running, now
-        self._computed: dict[str, tuple[TpotBudget, ...]] = {}
+    def __init__(self, held: Mapping[str, Held], now: float,
+                 deadlines: MutableMapping[Held, Deadlines]):
+        self._held, self._now, self._deadlines = held, now, deadlines
+        self._computed: dict[str, TpotBudgets] = {}
 
-    def __getitem__(self, worker_id: str) -> tuple[TpotBudget, ...]:
+    def __getitem__(self, worker_id: str) -> TpotBudgets:
         found = self._computed.get(worker_id)
         if found is None:
-            now, found = self._now, []
-            for request in self._running[worker_id].values():  # KeyError: no such worker
-                b = budget(request, now)
-                if b is not None:
-                    found.append(b)
-            found = self._computed[worker_id] = tuple(found)
+            held = self._held[worker_id]  # KeyError: no such worker
+            memo = self._deadlines.get(held)
+            if memo is None or memo.version != held.version:
+                memo = self._deadlines[held] = Deadlines.of(held)
+            found = self._computed[worker_id] = memo.at(self._now)
         return found
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._running)
+        return iter(self._held)
 
     def __len__(self) -> int:
-        return len(self._running)
+        return len(self._held)

@@ -26,6 +26,7 @@ class WorkerHandle:
     # request id -> this router's request held here (reserved, starting or running):
     # its flight (lifecycle.Flight), whose queue the pump feeds.
     flights: dict[str, object] = field(default_factory=dict)
+    version: int = 0  # changes whenever a flight here joins, leaves or is sent tokens
     pump: asyncio.Task | None = None
     _drained: asyncio.Event | None = field(default=None, repr=False)
 
@@ -64,11 +65,17 @@ class WorkerHandle:
     def hold(self, flight) -> None:
         """The request is reserved, submitted or running here."""
         self.flights[flight.request_id] = flight
+        self.version += 1
         self.update(inflight=self.state.inflight + 1)
 
     def unhold(self, flight) -> None:
         self.flights.pop(flight.request_id, None)
+        self.version += 1
         self.update(inflight=self.state.inflight - 1)
+
+    def progressed(self) -> None:
+        """A flight here was sent tokens (its TPOT budget moved)."""
+        self.version += 1
 
     def start_pump(self, stall_timeout_s: float, subscriber: str,
                    on_report: Callable[["WorkerHandle", WorkerTelemetry], None],

@@ -53,10 +53,15 @@ def shapes(budget: int) -> list[PoolSpec]:
 
 def max_rate(setup: Setup, workload: Callable[[int], list[BenchRequest]], load: Load,
              first_rate: float, iterations: int = 6, min_requests: int = 100,
-             min_duration_s: float = 20.0, target: float = TARGET_ATTAINMENT) -> Searched:
-    """Doubles the rate from first_rate until attainment falls below target (or halves
-    it until it holds), then bisects `iterations` times between the last rate that
-    held and the first that did not. workload(n): n requests."""
+             min_duration_s: float = 20.0, target: float = TARGET_ATTAINMENT,
+             growth: float = 2.0) -> Searched:
+    """Multiplies the rate by `growth` from first_rate until attainment falls below
+    target (or divides it until it holds), then bisects `iterations` times between the
+    last rate that held and the first that did not. workload(n): n requests. A known
+    rate nearby (another seed's) as first_rate, with a small growth, needs fewer and
+    cheaper probes."""
+    if growth <= 1.0:
+        raise ValueError("growth must be > 1")
     probes: list[Probe] = []
 
     def holds(rate: float) -> bool:
@@ -69,12 +74,12 @@ def max_rate(setup: Setup, workload: Callable[[int], list[BenchRequest]], load: 
     for _ in range(_MAX_DOUBLINGS):
         if not holds(high):
             break
-        low, high = high, 2 * high
+        low, high = high, growth * high
     if low == 0.0:  # the first rate failed: look below it
         for _ in range(iterations):
-            high /= 2
+            high /= growth
             if holds(high):
-                low, high = high, 2 * high
+                low, high = high, growth * high
                 break
     for _ in range(iterations if low else 0):
         mid = (low + high) / 2

@@ -14,7 +14,7 @@ from pdserve.engine.latency_calibration import Calibration
 from pdserve.engine.latency_forecast import decode_step_seconds
 from pdserve.engine.latency_model import StepCost, TransferCost
 from pdserve.engine.worker_messages import WorkerTelemetry
-from pdserve.router.cluster_state import ClusterState, RequestView, TpotBudget, WorkerState
+from pdserve.router.cluster_state import ClusterState, RequestView, TpotBudgets, WorkerState
 from pdserve.router.config import RouterConfig, RoutingSpec
 from pdserve.router.decision import Colocate, Disaggregate, Reject
 from pdserve.router.goodput import decide
@@ -45,7 +45,7 @@ def state(*workers, adaptive=False, admission="slo", transfer=None, slack=None):
     base = ClusterState(tuple(workers), NOW, config, ModelInfo("m", 4096, 1000, 16, 1000),
                         transfer=transfer or {})
     by_id = {w.worker_id: w for w in workers}
-    budgets = {wid: tuple(TpotBudget(priority, slack_s + decode_step_seconds(
+    budgets = {wid: TpotBudgets.of((priority, slack_s + decode_step_seconds(
         base.step_cost(by_id[wid]), base.load(by_id[wid])), remaining)
         for priority, slack_s, remaining in specs)
         for wid, specs in (slack or {}).items()}
