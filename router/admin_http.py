@@ -5,6 +5,7 @@ separate from the client keys: a client key cannot drain a pool. Errors are the
 OpenAI-shaped JSON of the other routes."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import asdict
 from typing import Literal
 
@@ -15,7 +16,7 @@ from starlette.exceptions import HTTPException
 from pdserve.engine.worker_messages import ROLES
 from pdserve.router.auth import ApiKeys
 from pdserve.router.placement import PlacementError
-from pdserve.router.pool import MembershipError
+from pdserve.router.pool import MembershipError, Pool
 from pdserve.router.router import Router
 
 Role = Literal[ROLES]  # the one list, engine.worker_messages.ROLES
@@ -56,14 +57,14 @@ def admin_routes(router: Router, keys: ApiKeys) -> APIRouter:
     async def add_worker(body: AddWorker):
         """Starts a worker of the role; it is paired and subscribed before it gets
         traffic. Answers once it is in service."""
-        worker_id = await _carried_out(pool.add(body.role))
+        worker_id = await _carried_out(pool, pool.add(body.role))
         return describe(router, worker_id)
 
     @api.post("/workers/{worker_id}/drain")
     async def drain(worker_id: str, body: Drain | None = None):
         """No new requests; answers once this router's requests on it are done (504
         if they are not within the timeout: it stays draining)."""
-        await _carried_out(pool.drain(worker_id, body.timeout_s if body else None))
+        await _carried_out(pool, pool.drain(worker_id, body.timeout_s if body else None))
         return describe(router, worker_id)
 
     @api.post("/workers/{worker_id}/resume")
@@ -75,13 +76,13 @@ def admin_routes(router: Router, keys: ApiKeys) -> APIRouter:
     async def change_role(worker_id: str, body: ChangeRole):
         """Drains the worker, switches its role (weights stay loaded), pairs it anew
         and resumes it."""
-        await _carried_out(pool.set_role(worker_id, body.role))
+        await _carried_out(pool, pool.set_role(worker_id, body.role))
         return describe(router, worker_id)
 
     @api.delete("/workers/{worker_id}")
     async def remove(worker_id: str, body: Drain | None = None):
         """Drains the worker, then it leaves the cluster and its actor ends."""
-        await _carried_out(pool.remove(worker_id, body.timeout_s if body else None))
+        await _carried_out(pool, pool.remove(worker_id, body.timeout_s if body else None))
         return {"worker_id": worker_id, "removed": True}
 
     return api
@@ -100,9 +101,22 @@ def describe(router: Router, worker_id: str) -> dict:
             "queued": w.queued, "queued_tokens": w.queued_tokens, "telemetry": report}
 
 
-async def _carried_out(call):
+async def _carried_out(pool: Pool, call):
+    """The operation's result, or its typed failure as HTTP; one the router's shutdown
+    interrupts ends at once (503) rather than hold the drain."""
+    operation = asyncio.ensure_future(call)
+    closing = asyncio.ensure_future(pool.closing.wait())
     try:
-        return await call
+        await asyncio.wait({operation, closing}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        closing.cancel()
+        if not operation.done():
+            operation.cancel()
+    if operation.cancelled() or not operation.done():  # cancel() takes a loop turn
+        raise HTTPException(503, "the router is shutting down: the operation was "
+                                 "cancelled")
+    try:
+        return operation.result()
     except (MembershipError, PlacementError) as exc:
         raise _as_http(exc) from None
 

@@ -55,6 +55,7 @@ class Pool:
         # Eviction timers of silent workers and fresh workers for evicted ones.
         self._background: set[asyncio.Task] = set()
         self._started = False
+        self.closing = asyncio.Event()  # set by close(): the router is shutting down
 
     def admit(self, worker: WorkerHandle) -> None:
         """A worker paired already (launch pairs the first ones before traffic)."""
@@ -95,7 +96,13 @@ class Pool:
         for worker in self.workers.values():
             self._subscribe(worker)
 
+    def close(self) -> None:
+        """The router is shutting down: membership operations under way end now (the
+        admin API answers them 503) and none starts."""
+        self.closing.set()
+
     async def stop(self) -> None:
+        self.close()
         for task in [*self._reviving.values(), *self._background]:
             task.cancel()
         for worker in self.workers.values():

@@ -7,11 +7,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
+import httpx
 import pytest
 
 from pdserve.cli import main
-from pdserve.client import Client
+from pdserve.client import Client, UnavailableError
 
 
 def test_offline_demo_reports_throughput(llama_dir, capsys):
@@ -30,34 +32,59 @@ def test_cluster_demo_goes_through_grpc_and_http(llama_dir):
     assert done.stdout.count("[gRPC]") == 4 and "[HTTP] /v1/completions 200" in done.stdout
 
 
-def test_serve_drains_in_flight_requests_on_sigterm(llama_dir):
+def test_sigterm_stops_both_front_ends_at_once_and_drains_what_is_in_flight(llama_dir):
+    """On SIGTERM no new request of either API is admitted, an admin operation under
+    way is answered 503 (it must not hold the drain), the stream in flight completes,
+    and the process exits well within --drain-timeout with no traceback."""
+    drain_timeout = 30
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve", "serve", "--model", str(llama_dir),
          "--grpc-port", "0", "--http-port", "0", "--max-model-len", "512",
-         "--kv-cache-memory-bytes", str(32 << 20), "--drain-timeout", "30"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+         "--kv-cache-memory-bytes", str(32 << 20), "--drain-timeout", str(drain_timeout),
+         "--admin-api-key", "admin-key"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    errors: list[str] = []
+    threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True).start()
+    lines = iter(process.stdout)
+    admin_headers = {"Authorization": "Bearer admin-key"}
     try:
-        target = None
-        for line in process.stdout:
-            match = re.search(r"gRPC (\S+)", line)
-            if match:
-                target = match.group(1)
-                break
-        assert target, "serve did not report its address"
+        match = next(m for m in map(re.compile(r"gRPC (\S+)  HTTP (\S+)").search, lines) if m)
+        target, url = match.groups()
+        workers = httpx.get(f"{url}/admin/workers", headers=admin_headers).json()["workers"]
+        decode = next(w["worker_id"] for w in workers if w["role"] == "decode")
         with Client(target) as client:
-            stream = client.generate_stream([5, 6, 7], max_tokens=300, ignore_eos=True)
+            stream = client.generate_stream([5, 6, 7], max_tokens=200, ignore_eos=True)
             first = next(stream)
-            threading.Timer(0.05, process.send_signal, (signal.SIGTERM,)).start()
+            # An admin operation under way: the drain waits for the stream to end.
+            drained: list[httpx.Response] = []
+            drain = threading.Thread(target=lambda: drained.append(httpx.post(
+                f"{url}/admin/workers/{decode}/drain", headers=admin_headers, timeout=60)))
+            drain.start()
+            while not any(w["state"] == "draining" for w in httpx.get(
+                    f"{url}/admin/workers", headers=admin_headers).json()["workers"]):
+                assert drain.is_alive(), drained
+            signaled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            assert next(line for line in lines if "draining" in line)
+            drain.join(10)
+            assert [r.status_code for r in drained] == [503]
+            assert "shutting down" in drained[0].json()["error"]["message"]
+            with pytest.raises(UnavailableError), Client(target, max_retries=0) as late:
+                late.generate([1, 2], max_tokens=2)
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{url}/health")
             rest = list(stream)  # the stream in flight completes during the drain
         chunks = [first] + rest
-        assert sum(len(c.token_ids) for c in chunks) == 300
+        assert sum(len(c.token_ids) for c in chunks) == 200
         assert chunks[-1].finish_reason == "length"
-        assert process.wait(timeout=60) == 0
-        assert "stopped" in process.stdout.read()
+        assert process.wait(timeout=drain_timeout + 15) == 0
+        assert time.monotonic() - signaled < drain_timeout
+        assert any("stopped" in line for line in lines)
     finally:
         if process.poll() is None:
             process.kill()
+    assert not [line for line in errors if "Traceback" in line], "".join(errors)[-3000:]
 
 
 def test_bench_compare_runs_both_modes_and_reports_the_ratio(llama_dir, tmp_path):
