@@ -57,6 +57,9 @@ class WorkerState:
     worker_id: str
     role: str  # prefill | decode | both (engine.worker_messages.ROLES)
     alive: bool = True  # in service (not dead, not restarting, not stalled)
+    # No step and no report for telemetry_stale_s (a frozen process, a hung loop): no
+    # new requests until it reports again; its running ones wait for the stall bound.
+    silent: bool = False
     draining: bool = False  # takes no new requests
     # Counted by this router: prompts sent to be computed here and not yet computed,
     # and their tokens; requests reserved or running here (decode and both roles).
@@ -82,7 +85,7 @@ class WorkerState:
     @property
     def available(self) -> bool:
         """Whether it may be given a new request."""
-        return self.alive and not self.draining
+        return self.alive and not self.draining and not self.silent
 
     # Computed once per state: the router keeps a worker's state until it changes, so
     # most decisions read these cached.

@@ -81,13 +81,16 @@ class Pool:
 
     def states(self) -> dict[str, str]:
         """Every worker's id -> "serving", "draining", "stalled" (no step or report
-        within the stall bound), "restarting" (its process died and is being
-        restarted) or "dead" (given up; evicted soon)."""
+        for telemetry_stale_s: no new requests; past the stall bound its requests
+        fail too), "restarting" (its process died and is being restarted) or "dead"
+        (given up; evicted soon)."""
         def state(w: WorkerHandle) -> str:
             if w.worker_id in self._reviving:
                 return "restarting"
-            if w.state.alive:
+            if w.state.alive and not w.state.silent:
                 return "draining" if w.state.draining else "serving"
+            if w.state.alive:
+                return "stalled"  # silent: no new requests until it reports again
             return "stalled" if w.pump is not None and not w.pump.done() else "dead"
         return {w.worker_id: state(w) for w in self.workers.values()}
 
@@ -187,7 +190,7 @@ class Pool:
 
     def _subscribe(self, worker: WorkerHandle) -> None:
         worker.start_pump(self.config.stall_timeout_s, self.subscriber, self._reported,
-                          self.died, self._stalled)
+                          self.died, self._stalled, self.config.telemetry_stale_s)
 
     def _reported(self, worker: WorkerHandle, telemetry) -> None:
         self.on_report(worker, telemetry)  # looked up per report: a hook may be replaced
@@ -218,9 +221,9 @@ class Pool:
         self._changed()
 
     def _stalled(self, worker: WorkerHandle) -> None:
-        """Silent past the stall bound (its requests failed already): out of service
-        until it reports again (this is called again then); evicted (and replaced) if
-        it stays silent for revive_timeout_s more."""
+        """Silent (out of placement), or silent past the stall bound (its requests
+        failed already), until it reports again (this is called again then); evicted
+        (and replaced) if it stays stalled for revive_timeout_s more."""
         self._changed()
         if worker.state.alive:
             return

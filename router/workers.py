@@ -80,22 +80,26 @@ class WorkerHandle:
     def start_pump(self, stall_timeout_s: float, subscriber: str,
                    on_report: Callable[["WorkerHandle", WorkerTelemetry], None],
                    on_death: Callable[["WorkerHandle"], None],
-                   on_stall: Callable[["WorkerHandle"], None]) -> None:
+                   on_stall: Callable[["WorkerHandle"], None],
+                   silent_after_s: float = float("inf")) -> None:
         """Subscribes to `subscriber`'s batches, replacing an earlier subscription (a
         revived worker's). on_report hears each telemetry report; on_stall hears when
-        the worker goes silent past the bound, and when it reports again (its state's
-        `alive` says which); on_death when its stream ends with an error."""
+        the worker goes silent (no batch for silent_after_s: it takes no new requests),
+        when it stalls (none for stall_timeout_s: its requests fail), and when it
+        reports again (its state's `silent` and `alive` say which); on_death when its
+        stream ends with an error."""
         self.stop_pump()
-        self.update(alive=True)
+        self.update(alive=True, silent=False)
         self.pump = asyncio.get_running_loop().create_task(
-            self._pump(stall_timeout_s, subscriber, on_report, on_death, on_stall))
+            self._pump(stall_timeout_s, subscriber, on_report, on_death, on_stall,
+                       silent_after_s))
 
     def stop_pump(self) -> None:
         if self.pump is not None and not self.pump.done():
             self.pump.cancel()
 
     async def _pump(self, stall_timeout_s: float, subscriber: str, on_report, on_death,
-                    on_stall) -> None:
+                    on_stall, silent_after_s: float) -> None:
         """The worker sends a batch every step and telemetry while idle (only while its
         engine loop makes progress), so no item within the bound means it stalled:
         every request on it fails then, with a typed error, it leaves service until it
@@ -107,7 +111,17 @@ class WorkerHandle:
             while True:
                 if pending is None:
                     pending = asyncio.ensure_future(anext(steps))
-                done, _ = await asyncio.wait({pending}, timeout=stall_timeout_s)
+                silence = not self.state.silent and silent_after_s < stall_timeout_s
+                wait_s = (silent_after_s if silence
+                          else stall_timeout_s - silent_after_s if self.state.alive
+                          and self.state.silent else stall_timeout_s)
+                done, _ = await asyncio.wait({pending}, timeout=wait_s)
+                if not done and silence:
+                    log.warning("worker %s sent nothing for %gs: no new requests until "
+                                "it does", self.worker_id, silent_after_s)
+                    self.update(silent=True)
+                    on_stall(self)
+                    continue
                 if not done:
                     if self.state.alive:
                         log.error("worker %s made no step within %gs", self.worker_id,
@@ -118,9 +132,9 @@ class WorkerHandle:
                                                  f"step within {stall_timeout_s:g}s"))
                     continue
                 batch, pending = pending.result(), None
-                if not self.state.alive:  # it went silent, and reports again
+                if not self.state.alive or self.state.silent:  # it reports again
                     log.warning("worker %s reports again", self.worker_id)
-                    self.update(alive=True)
+                    self.update(alive=True, silent=False)
                     on_stall(self)
                 if batch.telemetry is not None:
                     on_report(self, batch.telemetry)

@@ -3,11 +3,15 @@ the decode worker's sampler) fails that request alone, with a 500 / INTERNAL nam
 the cause, or an SSE error event then [DONE] once it streams; every other request's
 tokens are exact and the worker keeps serving. One it cannot pin (injected in the
 forward pass) ends the worker's process: its requests get a typed error, health goes
-NOT_SERVING / 503, Ray restarts the actor, and the router pairs it and serves again."""
+NOT_SERVING / 503, Ray restarts the actor, and the router pairs it and serves again.
+A frozen worker (SIGSTOP) is reported stalled and given nothing until it reports."""
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import time
 
 import grpc
 import httpx
@@ -115,5 +119,53 @@ def test_an_unpinned_step_error_restarts_the_worker_and_service_resumes(cluster)
     assert cluster.router.worker_states() == {"prefill-0": "serving", "decode-0": "serving"}
     new_pid = ray.get(decode.actor.__ray_call__.remote(lambda actor: __import__("os").getpid()))
     assert new_pid != old_pid
+    assert [out.token_ids for out in asyncio.run(complete_all(cluster, PROMPTS))] == expected
+    wait_all_blocks_free(cluster)
+
+
+def test_a_frozen_worker_is_reported_stalled_and_given_nothing_until_it_reports(cluster):
+    """SIGSTOP the decode worker's process: once nothing came from it for
+    telemetry_stale_s, health says so (gRPC NOT_SERVING; /health 503 naming it
+    stalled, /ready 503), a new request is refused at once (429, nothing placed on
+    it), and its requests do not fail; SIGCONT: it serves again, exactly."""
+    expected = [out.token_ids for out in asyncio.run(complete_all(cluster, PROMPTS))]
+    handle = next(iter(cluster.router.pool.decode.values()))
+    pid = ray.get(handle.client.actor.__ray_call__.remote(
+        lambda actor: __import__("os").getpid()))
+    stale_s = cluster.router.config.telemetry_stale_s
+
+    async def scenario():
+        channel = grpc.aio.insecure_channel(cluster.grpc_target)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+        statuses = [(await watch.read()).status]  # SERVING
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            statuses.append((await watch.read()).status)  # NOT_SERVING: it went silent
+            noticed_s = time.monotonic() - stopped
+            async with httpx.AsyncClient(base_url=cluster.http_url, timeout=60) as http:
+                health, ready = await http.get("/health"), await http.get("/ready")
+                asked = time.monotonic()
+                refused = await http.post("/v1/completions", json={
+                    "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "ignore_eos": True})
+                refused_s = time.monotonic() - asked
+                placed = handle.state.inflight
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        statuses.append((await watch.read()).status)  # SERVING: it reports again
+        watch.cancel()
+        await channel.close()
+        return statuses, noticed_s, health, ready, refused, refused_s, placed
+
+    statuses, noticed_s, health, ready, refused, refused_s, placed = asyncio.run(scenario())
+    serving, not_serving = (health_pb2.HealthCheckResponse.SERVING,
+                            health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert statuses == [serving, not_serving, serving]
+    assert noticed_s < stale_s + 1.0
+    assert health.status_code == 503 and health.json()["workers"]["decode-0"] == "stalled"
+    assert ready.status_code == 503
+    assert refused.status_code == 429 and "retry-after" in refused.headers, refused.text
+    assert refused_s < 1.0 and placed == 0
+    assert cluster.router.worker_states() == {"prefill-0": "serving", "decode-0": "serving"}
     assert [out.token_ids for out in asyncio.run(complete_all(cluster, PROMPTS))] == expected
     wait_all_blocks_free(cluster)
