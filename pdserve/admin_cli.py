@@ -63,8 +63,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve admin: {err.code}: {message}{hint}", file=sys.stderr)
         return 1
     except (urllib.error.URLError, TimeoutError) as err:
-        print(f"pdserve admin: cannot reach {args.url}: {getattr(err, 'reason', err)}",
-              file=sys.stderr)
+        reason = getattr(err, "reason", err)
+        if isinstance(reason, TimeoutError):  # it answered nothing in time: not unreachable
+            print(f"pdserve admin: {args.url} gave no answer within {args.timeout:g}s "
+                  "(the operation may still be under way: see `pdserve admin list`)",
+                  file=sys.stderr)
+        else:
+            print(f"pdserve admin: cannot reach {args.url}: {reason}", file=sys.stderr)
         return 1
 
 
