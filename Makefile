@@ -44,6 +44,7 @@ bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/serving_overhead.py
 	$(BIN)/python benchmarks/router_responsiveness.py
 	$(BIN)/python benchmarks/decide.py
+	$(BIN)/python benchmarks/routing.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -93,7 +93,8 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys(),
                   description="OpenAI-compatible completions served by pdserve.")
     app.add_middleware(_BodyLimit, limit=router.config.max_request_bytes)
     app.state.body_parser = parser = BodyParser(router.limits)
-    openapi.install(app, bodies=(CompletionRequest, ChatRequest), model=router.model.name, vocab_size=router.model.vocab_size,
+    openapi.install(app, bodies=(CompletionRequest, ChatRequest), model=router.model.name,
+                    vocab_size=router.model.vocab_size,
                     max_model_len=router.model.max_model_len,
                     max_prompt_chars=router.limits.max_prompt_chars, requires_key=keys.enabled)
 

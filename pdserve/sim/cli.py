@@ -35,7 +35,7 @@ def add_sim_parser(sub) -> None:
         "plan", help="the pool shape with the most goodput per worker for a budget",
         description="For a profile, a workload, SLOs and a worker budget: every P:D split, "
         "colocated and adaptive, each searched (rate doubled, then bisected) for the "
-        "highest request rate with >= 90%% SLO attainment; the table, best first.")
+        "highest request rate with >= 90% SLO attainment; the table, best first.")
     plan.add_argument("--budget", type=int, default=16, help="workers (default: %(default)s)")
     plan.add_argument("--first-rate", type=float, default=1.0,
                       help="the search's first request rate, req/s (default: %(default)s)")
