@@ -1,6 +1,7 @@
 """The CLI as users run it: real subprocesses, real Ray, real servers on port 0."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -34,8 +35,9 @@ def test_cluster_demo_goes_through_grpc_and_http(llama_dir):
 
 def test_sigterm_stops_both_front_ends_at_once_and_drains_what_is_in_flight(llama_dir):
     """On SIGTERM no new request of either API is admitted, an admin operation under
-    way is answered 503 (it must not hold the drain), the stream in flight completes,
-    and the process exits well within --drain-timeout with no traceback."""
+    way is answered 503 (it must not hold the drain), the streams in flight (gRPC and
+    HTTP SSE) complete, and the process exits well within --drain-timeout with no
+    traceback."""
     drain_timeout = 30
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve", "serve", "--model", str(llama_dir),
@@ -53,9 +55,23 @@ def test_sigterm_stops_both_front_ends_at_once_and_drains_what_is_in_flight(llam
         target, url = match.groups()
         workers = httpx.get(f"{url}/admin/workers", headers=admin_headers).json()["workers"]
         decode = next(w["worker_id"] for w in workers if w["role"] == "decode")
+        sse: list[str] = []
+        sse_began = threading.Event()
+
+        def stream_over_http() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                    "prompt": [8, 9, 10], "max_tokens": 150, "ignore_eos": True,
+                    "stream": True}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        sse.append(line[len("data: "):])
+                        sse_began.set()
+        over_http = threading.Thread(target=stream_over_http)
+        over_http.start()
         with Client(target) as client:
             stream = client.generate_stream([5, 6, 7], max_tokens=200, ignore_eos=True)
             first = next(stream)
+            assert sse_began.wait(60)
             # An admin operation under way: the drain waits for the stream to end.
             drained: list[httpx.Response] = []
             drain = threading.Thread(target=lambda: drained.append(httpx.post(
@@ -74,10 +90,13 @@ def test_sigterm_stops_both_front_ends_at_once_and_drains_what_is_in_flight(llam
                 late.generate([1, 2], max_tokens=2)
             with pytest.raises(httpx.ConnectError):
                 httpx.get(f"{url}/health")
-            rest = list(stream)  # the stream in flight completes during the drain
+            rest = list(stream)  # the streams in flight complete during the drain
+        over_http.join(60)
         chunks = [first] + rest
         assert sum(len(c.token_ids) for c in chunks) == 200
         assert chunks[-1].finish_reason == "length"
+        assert sse[-1] == "[DONE]" and not any('"error"' in event for event in sse)
+        assert json.loads(sse[-2])["choices"][0]["finish_reason"] == "length"
         assert process.wait(timeout=drain_timeout + 15) == 0
         assert time.monotonic() - signaled < drain_timeout
         assert any("stopped" in line for line in lines)
@@ -88,7 +107,6 @@ def test_sigterm_stops_both_front_ends_at_once_and_drains_what_is_in_flight(llam
 
 
 def test_bench_compare_runs_both_modes_and_reports_the_ratio(llama_dir, tmp_path):
-    import json
     done = subprocess.run(
         [sys.executable, "-m", "pdserve", "bench", "compare", "--model", str(llama_dir),
          "--workload", "azure-conv", "--scale", "0.02", "--num-prompts", "6", "--sweep", "20",
