@@ -65,7 +65,13 @@ class WorkerSpawner:
     async def __call__(self, role: str) -> WorkerHandle:
         """A loaded worker of `role`, not yet paired or subscribed (Pool.join does
         that). Raises PlacementError if Ray does not place it within the startup
-        bound; the pending actor is ended then."""
+        bound; the pending actor is ended then, and at once if no node could ever
+        hold it (the check launch makes, against each node's whole capacity)."""
+        nodes = await asyncio.to_thread(ray.nodes)
+        problem = unplaceable({f"a new {role} worker": self.demand(role)},
+                              [n["Resources"] for n in nodes if n["Alive"]])
+        if problem is not None:
+            raise PlacementError(problem)
         worker_id, actor = self.create(role)
         try:
             stats = await asyncio.wait_for(actor.stats.remote(),

@@ -19,6 +19,11 @@ def unplaceable(workers: dict[str, dict[str, float]], nodes: list[dict[str, floa
     for name, demand in order:
         node = next((n for n in free if all(n.get(k, 0.0) >= v for k, v in demand.items())),
                     None)
+        if node is None and len(workers) == 1:
+            return (f"Ray cannot place {name} ({_fmt(demand)}): no node has that much; the "
+                    f"cluster's {len(nodes)} node(s) have "
+                    + "; ".join(_fmt({k: v for k, v in n.items() if k in demand})
+                                for n in nodes) + ".")
         if node is None:
             return (f"Ray cannot place {name} ({_fmt(demand)}) beside the other workers: "
                     f"{len(workers)} workers need {_fmt(_total(workers.values()))}, and the "

@@ -6,6 +6,7 @@ error (UNAVAILABLE) at once, the rest keep serving, and it is evicted and replac
 Per-worker telemetry is on /metrics."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -20,7 +21,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.auth import ApiKeys
 from pdserve.router.config import PoolSpec, RouterConfig
-from pdserve.router.launch import launch
+from pdserve.router.launch import WorkerSpawner, launch
+from pdserve.router.placement import PlacementError
 from pdserve.router.server import RouterServer
 from tests.cluster.conftest import stop_cluster
 from tests.engine.test_hf_oracle import Oracle
@@ -246,3 +248,16 @@ def test_a_sigkilled_worker_fails_its_requests_at_once_and_is_replaced(cluster, 
         assert changed.wait_for(replaced, 120), router.worker_states()
     health = httpx.get(f"{cluster.http_url}/health").json()
     assert victim.worker_id not in health["workers"]
+
+
+def test_a_worker_no_node_could_ever_hold_is_refused_at_once(ray_local, llama_dir):
+    """`admin add` of a worker whose resources no node has is refused at once, by
+    launch's own check, not after Ray leaves it pending for the startup bound."""
+    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=16 << 20,
+                                      max_model_len=512)
+    spawner = WorkerSpawner(config, PoolSpec(1, 1, decode_resources='{"decode_node": 1}'),
+                            TransferConfig(), RouterConfig(startup_timeout_s=10))
+    began = time.monotonic()
+    with pytest.raises(PlacementError, match="a new decode worker .*no node has that much"):
+        asyncio.run(spawner("decode"))
+    assert time.monotonic() - began < 5
