@@ -33,18 +33,12 @@ def _job(request_id: str, prompt=PROMPT, params=PARAMS) -> Job:
                arrival_time=time.time())
 
 
-async def _until_free(client, total: int) -> None:
-    async def poll() -> None:  # no event carries a worker's stats: they are asked for
-        while (await client.stats()).free_blocks != total:
-            await asyncio.sleep(0.05)
-    await asyncio.wait_for(poll(), 30)
-
-
 async def contract(prefill, decode) -> dict:
     """The router's sequence through the seam, and the refusals it relies on."""
     seen: dict[str, list[int]] = {}
     done: dict[str, str] = {}
-    finished = asyncio.Event()
+    free: list[int] = []  # the free blocks each telemetry report said
+    arrived = asyncio.Event()  # a batch came
 
     async def read() -> None:
         async for batch in decode.steps(30.0, "contract"):
@@ -52,17 +46,24 @@ async def contract(prefill, decode) -> dict:
                 seen.setdefault(d.request_id, []).extend(d.token_ids)
                 if d.finished:
                     done[d.request_id] = d.finish_reason
-                    finished.set()
+            if batch.telemetry is not None:
+                free.append(batch.telemetry.free_blocks)
+            arrived.set()
     reader = asyncio.ensure_future(read())
+
+    async def until(condition) -> None:  # on the worker's own reports (idle: every 0.5 s)
+        async def wait() -> None:
+            while not condition():
+                arrived.clear()
+                await arrived.wait()
+        await asyncio.wait_for(wait(), 30)
     await prefill.connect([await decode.address()])
     total = (await decode.stats()).num_blocks
     reservation = await decode.reserve(_job("r1"), "contract")
     result = await prefill.prefill(PrefillJob(job=_job("r1"), target=reservation))
     await decode.start("r1", result.first_token)
-    while "r1" not in done:
-        finished.clear()
-        await finished.wait()
-    await _until_free(decode, total)
+    await until(lambda: "r1" in done)
+    await until(lambda: free and free[-1] == total)
     out = {"tokens": [result.first_token] + seen["r1"][1:], "reason": done["r1"]}
     with pytest.raises(WrongRoleError):
         await prefill.reserve(_job("wrong"), "contract")
@@ -71,18 +72,15 @@ async def contract(prefill, decode) -> dict:
     with pytest.raises(WorkerBusyError):
         await decode.set_role("both")
     await decode.abort("held", "contract")
-    await _until_free(decode, total)
+    free.clear()
+    await until(lambda: free and free[-1] == total)
     await decode.set_role("both")
     await decode.set_role("decode")
-    reader.cancel()
     decode.kill()
-
-    async def gone() -> None:  # a kill takes effect once the process is gone
-        while True:
-            await decode.stats()
-            await asyncio.sleep(0.05)
+    with pytest.raises(WorkerDied):  # its step stream ends with the death
+        await asyncio.wait_for(reader, 30)
     with pytest.raises(WorkerDied):
-        await asyncio.wait_for(gone(), 30)
+        await decode.stats()
     return out
 
 
