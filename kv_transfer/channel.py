@@ -74,10 +74,17 @@ class PairChannel:
         return self.pg.recv([buffer], self.peer, tag)
 
     def close(self) -> None:
+        """Ends the pair: its process groups shut down and are let go here, so their
+        threads and sockets end now, not when a collector finds the transfers that
+        still point at this channel. Any later call on it raises."""
         data = getattr(self, "data", None)
         if data is not None:
             data.close()
-        try:
-            self.pg.shutdown()
-        except Exception:  # already broken by a lost peer
-            pass
+            self.data = None
+        pg = getattr(self, "pg", None)
+        self.pg = None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception:  # already broken by a lost peer
+                pass

@@ -58,8 +58,10 @@ class GlooData:
             work.wait(datetime.timedelta(seconds=max(timeout_s, 0.001)))
 
     def close(self) -> None:
+        pg, self._pg = self._pg, None  # let go: its threads and socket end with it
         try:
-            self._pg.shutdown()
+            if pg is not None:
+                pg.shutdown()
         except Exception:  # already broken by a lost peer
             pass
 

@@ -478,8 +478,11 @@ class KVSender:
 
     def _close(self, handle: SendHandle) -> None:
         # Only after the sends settled, or once the pair is dropped (nothing in flight).
+        # Its step's members point back at it: the edge goes, so a step and its
+        # transfers are freed (their Works with them) without waiting for a collection.
         handle.closed = True
         handle.inflight.clear()
+        handle.step = None
 
     def connect(self, address: str) -> None:
         """Open the pair ahead of the first transfer (the rendezvous takes about a
@@ -488,6 +491,22 @@ class KVSender:
 
     def is_connected(self, address: str) -> bool:
         return address in self._peers
+
+    @property
+    def receivers(self) -> list[str]:
+        """The addresses of the receivers it holds a pair with."""
+        return list(self._peers)
+
+    def disconnect(self, address: str) -> bool:
+        """Closes the pair with that receiver (it left, or stopped receiving): its
+        connections, process groups and their threads go, and the receiver's side,
+        seeing the connection close, ends its own. A transfer still on it fails as a
+        lost peer. False if no pair with it was open."""
+        peer = self._peers.get(address)
+        if peer is None:
+            return False
+        self._drop_peer(peer)
+        return True
 
     def _peer(self, address: str) -> _Peer:
         peer = self._peers.get(address)
@@ -537,6 +556,9 @@ class KVSender:
             if known is peer:
                 del self._peers[address]
                 peer.channel.close()
+                # Its last step points back at it through its members: a cycle that
+                # would keep their Works, and gloo's threads and sockets with them.
+                peer.step, peer.loose = None, []
 
 
 def _remaining(deadline: float) -> datetime.timedelta:

@@ -12,6 +12,7 @@ delays only its own requests.
 """
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -47,6 +48,7 @@ class PrefillRole:
         self._lanes: dict[str, _Lane] = {}  # receiver address -> its thread
         self._pairing: dict[str, Future] = {}  # receiver address -> its pair being opened
         self._lanes_lock = threading.Lock()
+        self._lane_names = itertools.count()
 
     @property
     def busy(self) -> bool:
@@ -85,6 +87,24 @@ class PrefillRole:
         for future in [self._pair(address) for address in receiver_addresses]:
             future.result()
 
+    def disconnect(self, receiver_addresses: list[str] | None = None) -> None:
+        """Closes the pairs with these decode workers (None: with every one) and ends
+        their lanes, once the calls queued on each lane ran: a decode worker that left
+        or stopped decoding leaves no connection or thread behind here."""
+        with self._lanes_lock:
+            if receiver_addresses is None:
+                receiver_addresses = [*self.sender.receivers, *self._lanes]
+            lanes = []
+            for address in dict.fromkeys(receiver_addresses):
+                self._pairing.pop(address, None)
+                lanes.append((address, self._lanes.pop(address, None)))
+        for address, lane in lanes:
+            if lane is None:
+                self.sender.disconnect(address)
+            else:
+                lane.submit(self.sender.disconnect, address)
+                lane.close(join=True)
+
     def abort(self, request_id: str) -> bool:
         """False when no prefill job of that id is here."""
         entry = self._jobs.get(request_id)
@@ -108,7 +128,7 @@ class PrefillRole:
         with self._lanes_lock:
             lane = self._lanes.get(address)
             if lane is None:
-                lane = self._lanes[address] = _Lane(f"kv-peer-{len(self._lanes)}")
+                lane = self._lanes[address] = _Lane(f"kv-peer-{next(self._lane_names)}")
             return lane
 
     def _pair(self, address: str) -> Future:
@@ -210,15 +230,19 @@ class _Lane:
 
     def __init__(self, name: str):
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     def submit(self, fn, *args) -> Future:
         future: Future = Future()
         self._calls.put((fn, args, future))
         return future
 
-    def close(self) -> None:
+    def close(self, join: bool = False) -> None:
+        """Its thread ends once the calls queued before this ran (join: wait for it)."""
         self._calls.put(None)
+        if join and threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _run(self) -> None:
         while (call := self._calls.get()) is not None:
@@ -227,3 +251,4 @@ class _Lane:
                 future.set_result(fn(*args))
             except Exception as exc:
                 future.set_exception(exc)
+            del call, fn, args, future  # nothing of it outlives the call while idle

@@ -6,7 +6,8 @@ worker whose process died is out of service at once and back once its restart
 answers; one silent past the stall bound is out of service until it reports again;
 one not back within revive_timeout_s is evicted and, when the pool can spawn
 workers, replaced. Prefill-capable workers are paired with every decode-capable one
-ahead of traffic. Every call to a worker goes through its WorkerClient."""
+ahead of traffic, and close those pairs when it leaves, restarts or stops decoding.
+Every call to a worker goes through its WorkerClient."""
 from __future__ import annotations
 
 import asyncio
@@ -169,7 +170,10 @@ class Pool:
         except Exception as exc:
             raise MembershipError(f"worker {worker_id} could not change role: "
                                   f"{short_reason(exc)}") from None
+        stopped_decoding = worker.state.decodes
         worker.update(role=role)
+        if stopped_decoding and not worker.state.decodes:
+            await self._unpair(worker, worker.address)
         await self._pair_with_cluster(worker)
         self.resume(worker_id)
         log.warning("worker %s is now in role %s", worker_id, role)
@@ -180,7 +184,9 @@ class Pool:
         worker = self.member(worker_id)
         if worker.state.alive:
             await self.drain(worker_id, timeout_s)
-        self._leave(worker, kill)
+        unpaired = self._leave(worker, kill)
+        if unpaired is not None:
+            await unpaired  # it has left already; its pairs are closed by the time this returns
 
     def member(self, worker_id: str) -> WorkerHandle:
         worker = self.workers.get(worker_id)
@@ -195,17 +201,21 @@ class Pool:
     def _reported(self, worker: WorkerHandle, telemetry) -> None:
         self.on_report(worker, telemetry)  # looked up per report: a hook may be replaced
 
-    def _leave(self, worker: WorkerHandle, kill: bool) -> None:
+    def _leave(self, worker: WorkerHandle, kill: bool) -> asyncio.Task | None:
+        """Returns the closing of the pairs with it, which goes on in the background."""
         worker.stop_pump()
         revival = self._reviving.pop(worker.worker_id, None)
         if revival is not None:
             revival.cancel()
         self.workers.pop(worker.worker_id, None)
+        unpaired = (self._in_background(self._unpair(worker, worker.address))
+                    if worker.address else None)
         self.on_leave(worker)
         if kill:
             worker.client.kill()
         log.warning("worker %s left", worker.worker_id)
         self._changed()
+        return unpaired
 
     # ---- workers leaving and rejoining service ---------------------------------------
 
@@ -285,7 +295,9 @@ class Pool:
     async def _rejoin(self, worker: WorkerHandle) -> None:
         stats = await asyncio.wait_for(worker.client.stats(), self.config.control_timeout_s)
         # A new process, maybe on another node, listening on a new rendezvous: what
-        # was learned of the old one (steps, transfers, calibration, prefixes) goes.
+        # was learned of the old one (steps, transfers, calibration, prefixes) goes,
+        # and so do the pairs with its old rendezvous.
+        await self._unpair(worker, worker.address)
         worker.address = ""
         worker.update(num_blocks=stats.num_blocks)
         self.on_restart(worker)
@@ -296,7 +308,8 @@ class Pool:
         """Pairs the worker, ahead of traffic, with every worker it may send KV to or
         receive KV from: role prefill (and in adaptive mode role both) sends to every
         decode-capable worker. Outside adaptive mode, workers in role both run whole
-        requests only and send nothing."""
+        requests only and send nothing. Pairs with a rendezvous that left are closed
+        (_unpair)."""
         timeout_s, adaptive = self.config.control_timeout_s, self.config.adaptive
         if worker.state.decodes and not worker.address:
             worker.address = await asyncio.wait_for(worker.client.address(), timeout_s)
@@ -323,10 +336,29 @@ class Pool:
                 if isinstance(result, WorkerDied):
                     self.died(prefill)
 
-    def _in_background(self, coro) -> None:
+    async def _unpair(self, worker: WorkerHandle, address: str) -> None:
+        """Every other live worker closes its pair with `address`, a decode rendezvous
+        that left (its worker removed, evicted, restarted or no longer decoding): no
+        connection, process group or thread stays behind for it. Best effort: a pair
+        not closed now fails, and is dropped, on its next use."""
+        others = [w for w in self.workers.values()
+                  if w is not worker and w.state.alive and w.state.role != "decode"]
+        if not address or not others:
+            return
+        timeout_s = self.config.control_timeout_s
+        results = await asyncio.gather(*[
+            asyncio.wait_for(w.client.disconnect([address]), timeout_s) for w in others],
+            return_exceptions=True)
+        for other, result in zip(others, results):
+            if isinstance(result, Exception):
+                log.warning("%s could not close its pair with %s: %s", other.worker_id,
+                            address, short_reason(result))
+
+    def _in_background(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def _changed(self) -> None:
         for listener in self.on_change:

@@ -34,6 +34,9 @@ class RayWorkerClient:
     async def connect(self, receiver_addresses: list[str]) -> None:
         await _answer(self.actor.connect.remote(receiver_addresses))
 
+    async def disconnect(self, receiver_addresses: list[str]) -> None:
+        await _answer(self.actor.disconnect.remote(receiver_addresses))
+
     async def reserve(self, job: Job, subscriber: str) -> Reservation | None:
         return await _answer(self.actor.reserve.remote(job, subscriber))
 

@@ -30,6 +30,10 @@ class WorkerClient(Protocol):
         """Pairs it (a worker that prefills for others) with these decode workers now,
         rather than on their first request."""
 
+    async def disconnect(self, receiver_addresses: list[str]) -> None:
+        """Closes its pairs with these decode workers (they left, restarted or stopped
+        decoding): connections, process groups and threads, on both sides."""
+
     async def reserve(self, job: Job, subscriber: str) -> Reservation | None:
         """Decode side: KV blocks held for the prompt, which a prefill worker sends;
         None when it has no room. The request belongs to `subscriber` (a router)."""

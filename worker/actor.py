@@ -115,6 +115,9 @@ class WorkerActor:
     async def connect(self, receiver_addresses: list[str]) -> None:
         await asyncio.to_thread(self.worker.connect, receiver_addresses)
 
+    async def disconnect(self, receiver_addresses: list[str]) -> None:
+        await asyncio.to_thread(self.worker.disconnect, receiver_addresses)
+
     async def reserve(self, job: Job, subscriber: str = "") -> Reservation | None:
         reservation = await self._owned(job.request_id, subscriber, lambda: asyncio.wrap_future(
             self.worker.reserve(job)))

@@ -73,6 +73,10 @@ class Worker:
     def connect(self, receiver_addresses: list[str]) -> None:
         self.prefill_role.connect(receiver_addresses)
 
+    def disconnect(self, receiver_addresses: list[str]) -> None:
+        """Closes its pairs with decode workers that left or stopped decoding."""
+        self.prefill_role.disconnect(receiver_addresses)
+
     def reserve(self, job: Job) -> Future:
         self._require("reserve", "decode", "both")
         return self.decode_role.reserve(job)
@@ -90,7 +94,9 @@ class Worker:
             self.decode_role.abort(request_id)
 
     def set_role(self, role: str) -> None:
-        """Changes the role; refused (WorkerBusyError) while any request is here."""
+        """Changes the role; refused (WorkerBusyError) while any request is here. In
+        role decode it sends no KV: its pairs as a sender close (the receivers' sides
+        end with them)."""
         check_role(role)
 
         def flip(engine: LLMEngine) -> None:
@@ -100,6 +106,8 @@ class Worker:
                     f"request(s); drain it first")
             self.role = role
         self.loop.call_concurrent(flip)
+        if role == "decode":
+            self.prefill_role.disconnect()
 
     # ---- what it reports --------------------------------------------------------
 

@@ -109,6 +109,7 @@ class SimWorker:
         self.tokens = tokens or SyntheticTokens(profile.vocab_size)
         self.peers = {} if peers is None else peers
         self.peers[worker_id] = self  # its address is its id
+        self.paired: set[str] = set()  # the receivers it holds a pair with, as a sender
         self.alive = True
         self._eos = eos_token_ids
         self._noise = np.random.default_rng(seed)
@@ -339,7 +340,12 @@ class SimWorker:
         return self.worker_id
 
     async def connect(self, receiver_addresses: list[str]) -> None:
-        self._check("connect")  # peers find each other through `peers`
+        self._check("connect")  # a transfer finds its target through `peers`
+        self.paired.update(receiver_addresses)
+
+    async def disconnect(self, receiver_addresses: list[str]) -> None:
+        self._check("disconnect")
+        self.paired.difference_update(receiver_addresses)
 
     async def reserve(self, job: Job, subscriber: str) -> Reservation | None:
         self._check("reserve", "decode", "both")
@@ -364,6 +370,7 @@ class SimWorker:
         prompt = job.job
         request = self._request(job.request_id, prompt.prompt_token_ids, job.params,
                                 prompt.arrival_time)
+        self.paired.add(job.target.receiver_address)  # opened on first use, as a real one
         entry = self._prefills[job.request_id] = _Prefill(
             job, asyncio.get_running_loop().create_future())
         self._at_boundary(lambda: self.scheduler.add_request(request)
@@ -444,6 +451,8 @@ class SimWorker:
             raise WorkerBusyError(f"worker {self.worker_id} still holds "
                                   f"{self.scheduler.num_unfinished} request(s); drain it first")
         self.role = role
+        if role == "decode":  # it sends no KV: its pairs close, as a real worker's do
+            self.paired.clear()
 
     async def stats(self) -> WorkerStats:
         self._check("stats")

@@ -1,9 +1,10 @@
 """The WorkerClient seam's contract, held by both of its implementations: the Ray one
 (RayWorkerClient over worker actors) and the simulated one (SimWorker running the
 same model), each driven through the seam alone, as the router drives it. Same
-greedy tokens; a reservation aborted frees its blocks; a call of the wrong role
-raises the worker's own error; a role change is refused while the worker holds a
-request and taken once it does not; a killed worker's calls raise WorkerDied."""
+greedy tokens, before and after a pair is closed; a reservation aborted frees its
+blocks; a call of the wrong role raises the worker's own error; a role change is
+refused while the worker holds a request and taken once it does not; a killed
+worker's calls raise WorkerDied."""
 from __future__ import annotations
 
 import asyncio
@@ -65,6 +66,13 @@ async def contract(prefill, decode) -> dict:
     await until(lambda: "r1" in done)
     await until(lambda: free and free[-1] == total)
     out = {"tokens": [result.first_token] + seen["r1"][1:], "reason": done["r1"]}
+    # A pair closed (its receiver left, as far as the sender knows) opens again on use.
+    await prefill.disconnect([await decode.address()])
+    reservation = await decode.reserve(_job("r2"), "contract")
+    result = await prefill.prefill(PrefillJob(job=_job("r2"), target=reservation))
+    await decode.start("r2", result.first_token)
+    await until(lambda: "r2" in done)
+    out["tokens after a disconnect"] = [result.first_token] + seen["r2"][1:]
     with pytest.raises(WrongRoleError):
         await prefill.reserve(_job("wrong"), "contract")
     held = await decode.reserve(_job("held"), "contract")
@@ -106,6 +114,7 @@ def test_the_ray_client_holds_the_contract(ray_local, llama_dir, expected):
         prefill.kill()
         decode.kill()
     assert out["tokens"] == expected and out["reason"] == "length"
+    assert out["tokens after a disconnect"] == expected
     assert out["held_blocks"] == -(-len(PROMPT) // 16)
 
 
@@ -121,4 +130,5 @@ def test_the_simulated_worker_holds_the_contract(llama_dir, expected):
         return await contract(prefill, decode)
     out = virtual_time.run(scenario())
     assert out["tokens"] == expected and out["reason"] == "length"
+    assert out["tokens after a disconnect"] == expected
     assert out["held_blocks"] == -(-len(PROMPT) // 16)

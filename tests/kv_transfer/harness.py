@@ -125,6 +125,16 @@ def _blocks(receiver: KVReceiver, caches, released, block_ids):
     return [c[:, block_ids].cpu() for c in caches]
 
 
+def _pairs_ended(receiver: KVReceiver, caches, released, timeout):
+    """Waits for every pair's landing thread to end (its pair ended: the thread ends
+    after the pair is forgotten); returns the pairs still open."""
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread.name.startswith("kv-land-"):
+            thread.join(max(deadline - time.monotonic(), 0))
+    return len(receiver._pairs)
+
+
 _COMMANDS = {
     "transfer": _transfer,
     "expect": lambda r, c, rel, *a: r.expect(*a),
@@ -137,6 +147,7 @@ _COMMANDS = {
     "lease_expiries": lambda r, c, rel: dict(r.lease_expiries),
     "bytes_received": lambda r, c, rel: r.bytes_received,
     "pending": lambda r, c, rel: r.num_pending,
+    "pairs_ended": _pairs_ended,
 }
 
 

@@ -123,3 +123,51 @@ def test_a_hung_decode_worker_delays_only_its_own_requests(llama_dir):
         worker.shutdown()
         hung.stop()
         live.stop()
+
+
+def _threads_and_fds(expected: tuple[int, int] | None = None,
+                     timeout_s: float = 5.0) -> tuple[int, int]:
+    """This process's (threads, open fds); given `expected`, read until they equal it
+    or timeout_s passed (a closed pair's gloo threads exit on their own, just after
+    the close returns; /proc offers no event to wait on)."""
+    import os
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+        if expected is None or now == expected or time.monotonic() > deadline:
+            return now
+        time.sleep(0.01)
+
+
+def test_closing_a_pair_leaves_no_thread_or_fd_behind_and_the_receiver_ends_its_side(
+        llama_dir):
+    # Issue 32: a prefill worker kept every pair it ever opened (its two gloo groups'
+    # threads and sockets, their device's loop, its lane thread), about 6 threads per
+    # decode worker it ever served. Here it serves a receiver, closes the pair, and
+    # again, five times: its own counts come back each time, the receiver's side of
+    # each pair ends (it saw the connection close), and a pair opened again works.
+    receiver = Worker("receiver", "r", SPEC)
+    worker = EngineWorker("p", EngineConfig.from_kwargs(
+        str(llama_dir), kv_cache_memory_bytes=16 << 20), TransferConfig(timeout_s=10), "prefill")
+    params = SamplingParams(max_tokens=5, temperature=0)
+    blocks = list(range(2))
+
+    def serve_then_close(i: int) -> None:
+        receiver.call("expect", f"r{i}", blocks)
+        served = worker.prefill(job(f"r{i}", list(range(10 + i, 30 + i)), params,
+                                    receiver.address, blocks)).result(timeout=30)
+        receiver.call("wait", f"r{i}")
+        assert served.kv_bytes_sent > 0
+        assert worker.sender.receivers == [receiver.address]
+        worker.disconnect([receiver.address])
+        assert worker.sender.receivers == []
+    try:
+        serve_then_close(0)  # warms the buffer pools and the executor threads
+        start = _threads_and_fds()
+        for i in range(1, 6):
+            serve_then_close(i)
+            assert _threads_and_fds(start) == start, (i, start)
+        assert receiver.call("pairs_ended", 10) == 0  # each ended on its own thread
+    finally:
+        worker.shutdown()
+        receiver.stop()

@@ -44,6 +44,9 @@ class FakeWorker:
     async def connect(self, receiver_addresses):
         return await self._call("connect", receiver_addresses)
 
+    async def disconnect(self, receiver_addresses):
+        return await self._call("disconnect", receiver_addresses)
+
     async def reserve(self, job, subscriber):
         return await self._call("reserve", job, subscriber)
 

@@ -146,3 +146,39 @@ def test_requests_waiting_for_capacity_are_placed_in_deadline_order():
     assert metrics.registry.get_sample_value(
         "pdserve:router_placement_waiters_total",
         {"model_name": "test", "outcome": "placed"}) == 3
+
+
+def test_pairs_follow_membership_and_close_when_a_receiver_leaves_or_flips():
+    """Pool bookkeeping of the KV pairs, on the simulated workers (each keeps the set
+    of receivers it holds a pair with, as a real worker's KVSender does): a decode
+    worker that joins is paired with every prefill worker; once it flips to prefill
+    or leaves, none keeps a pair with it, and a worker that flips to decode keeps no
+    pair as a sender. The same pairs on Ray, counted in threads and fds:
+    tests/cluster/test_membership.py."""
+    async def scenario():
+        cluster = SimCluster(small_profile(), PoolSpec(2, 1))
+        router = await cluster.start()
+        pool, params = router.pool, SamplingParams(max_tokens=4, temperature=0)
+        senders = lambda: [w for w in cluster.workers.values() if w.role == "prefill"]  # noqa: E731
+        await asyncio.gather(*[_tokens(router, list(range(10, 60)), params) for _ in range(4)])
+        seen = {"served": {w.worker_id: set(w.paired) for w in senders()}}
+        new = await pool.add("decode")
+        seen["joined"] = {w.worker_id: set(w.paired) for w in senders()}
+        await pool.set_role(new, "prefill")
+        seen["flipped"] = {w.worker_id: set(w.paired) for w in senders()}
+        await pool.set_role(new, "decode")
+        seen["back"] = {w.worker_id: set(w.paired) for w in senders()}
+        seen["new back"] = set(cluster.workers[new].paired)
+        await pool.remove(new)
+        seen["removed"] = {w.worker_id: set(w.paired) for w in senders()}
+        await cluster.stop()
+        return new, seen
+    new, seen = virtual_time.run(scenario())
+    assert set(seen["served"]) == {"prefill-0", "prefill-1"}
+    assert all(paired == {"decode-0"} for paired in seen["served"].values()), seen
+    assert all(paired == {"decode-0", new} for paired in seen["joined"].values()), seen
+    assert seen["flipped"] == {"prefill-0": {"decode-0"}, "prefill-1": {"decode-0"},
+                               new: {"decode-0"}}, seen
+    assert all(paired == {"decode-0", new} for paired in seen["back"].values()), seen
+    assert seen["new back"] == set()
+    assert all(paired == {"decode-0"} for paired in seen["removed"].values()), seen
