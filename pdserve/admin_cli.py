@@ -27,8 +27,13 @@ def add_admin_parser(sub) -> None:
     admin.add_argument("--cafile", default=None, help="CA bundle for an https --url")
     actions = admin.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="every worker, its role, state and telemetry")
-    add = actions.add_parser("add", help="start a worker of a role")
+    add = actions.add_parser("add", help="start a worker of a role (answers at once, "
+                             "the worker pending; see `list` or `show`)")
     add.add_argument("role", choices=ROLES)
+    add.add_argument("--wait", action="store_true",
+                     help="answer once the worker is in service")
+    show = actions.add_parser("show", help="one worker, or one being added")
+    show.add_argument("worker_id")
     for name, text in (("drain", "stop new work on a worker and wait for its requests"),
                        ("resume", "a drained worker takes requests again"),
                        ("remove", "drain a worker, then end it")):
@@ -76,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
 def _request(args: argparse.Namespace) -> tuple[str, str, dict | None]:
     worker = f"/admin/workers/{getattr(args, 'worker_id', '')}"
     return {"list": ("GET", "/admin/workers", None),
-            "add": ("POST", "/admin/workers", {"role": getattr(args, "role", None)}),
+            "add": ("POST", "/admin/workers", {"role": getattr(args, "role", None),
+                                               "wait": getattr(args, "wait", False)}),
+            "show": ("GET", worker, None),
             "drain": ("POST", f"{worker}/drain", None),
             "resume": ("POST", f"{worker}/resume", None),
             "role": ("POST", f"{worker}/role", {"role": getattr(args, "role", None)}),

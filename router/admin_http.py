@@ -9,7 +9,7 @@ import asyncio
 from dataclasses import asdict
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
@@ -25,6 +25,8 @@ Role = Literal[ROLES]  # the one list, engine.worker_messages.ROLES
 class AddWorker(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Role
+    wait: bool = Field(False, description="answer once the worker is in service (201) "
+                       "rather than at once, with it pending (202)")
 
 
 class ChangeRole(BaseModel):
@@ -50,14 +52,31 @@ def admin_routes(router: Router, keys: ApiKeys) -> APIRouter:
 
     @api.get("/workers")
     async def list_workers():
-        """Every worker: role, state, this router's load on it, its last telemetry."""
-        return {"workers": [describe(router, w) for w in router.workers]}
+        """Every worker: role, state, this router's load on it, its last telemetry;
+        then the workers being added (pending: not yet placed by Ray; starting:
+        loading) and the last few that failed to start, with why."""
+        return {"workers": [*(describe(router, w) for w in router.workers),
+                            *(describe(router, w) for w in list(pool.joining))]}
 
-    @api.post("/workers", status_code=201)
-    async def add_worker(body: AddWorker):
+    @api.get("/workers/{worker_id}")
+    async def show_worker(worker_id: str):
+        if worker_id not in router.workers and worker_id not in pool.joining:
+            raise HTTPException(404, f"no worker {worker_id!r}")
+        return describe(router, worker_id)
+
+    @api.post("/workers", status_code=202)
+    async def add_worker(body: AddWorker, response: Response):
         """Starts a worker of the role; it is paired and subscribed before it gets
-        traffic. Answers once it is in service."""
-        worker_id = await _carried_out(pool, pool.add(body.role))
+        traffic. Answers at once (202) with the new worker's id and state, "pending"
+        until Ray places it, then "starting" (GET /admin/workers/{id} follows it);
+        with "wait": true, once it is in service (201). A worker no node could ever
+        hold is refused at once (503), one Ray does not place within the placement
+        bound is abandoned, its reason shown."""
+        worker_id = await _carried_out(pool, pool.add(body.role, wait=body.wait))
+        if body.wait:
+            response.status_code = 201
+        else:
+            response.headers["Location"] = f"/admin/workers/{worker_id}"
         return describe(router, worker_id)
 
     @api.post("/workers/{worker_id}/drain")
@@ -89,6 +108,14 @@ def admin_routes(router: Router, keys: ApiKeys) -> APIRouter:
 
 
 def describe(router: Router, worker_id: str) -> dict:
+    if worker_id not in router.workers:  # being added, or failed to be
+        joining = router.pool.joining.get(worker_id)
+        if joining is None:  # its failure aged out of the few kept
+            raise HTTPException(404, f"no worker {worker_id!r}")
+        age_s = asyncio.get_running_loop().time() - joining.since
+        return {"worker_id": worker_id, "role": joining.role, "state": joining.state,
+                "age_s": round(age_s, 3), **({"error": joining.error} if joining.error
+                                             else {})}
     w = router.workers[worker_id].state
     report = None
     if w.telemetry is not None:

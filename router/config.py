@@ -69,6 +69,10 @@ class RouterConfig:
     start_timeout_s: float = 30.0
     control_timeout_s: float = 5.0  # abort and stats calls to a worker
     startup_timeout_s: float = 600.0  # workers placed, loaded and paired at launch
+    # A worker added at run time that Ray has not placed within this long is
+    # abandoned, its reason shown (admin list) and logged; an autoscaler may need
+    # minutes for a node. Once placed, it has startup_timeout_s to load.
+    placement_timeout_s: float = 300.0
     # A worker whose process died is waited for this long while Ray restarts it
     # (model loading included), then given up.
     revive_timeout_s: float = 600.0
@@ -96,7 +100,8 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         for name in ("reserve_timeout_s", "prefill_timeout_s", "start_timeout_s",
-                     "control_timeout_s", "startup_timeout_s", "revive_timeout_s",
+                     "control_timeout_s", "startup_timeout_s", "placement_timeout_s",
+                     "revive_timeout_s",
                      "stall_timeout_s", "retry_after_s", "telemetry_stale_s",
                      "drain_timeout_s"):
             if not getattr(self, name) > 0:

@@ -20,7 +20,8 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec, RouterConfig
 from pdserve.router.model_info import ModelInfo
-from pdserve.router.placement import PlacementError, unplaceable
+from pdserve.router.placement import PlacementError, fmt_resources, unplaceable
+from pdserve.router.pool import Progress
 from pdserve.router.ray_worker_client import RayWorkerClient
 from pdserve.router.router import Router
 from pdserve.router.workers import WorkerHandle
@@ -62,27 +63,64 @@ class WorkerSpawner:
                                                       self.transfer, role)
         return worker_id, actor
 
-    async def __call__(self, role: str) -> WorkerHandle:
+    async def __call__(self, role: str, progress: Progress = lambda worker_id, state: None
+                       ) -> WorkerHandle:
         """A loaded worker of `role`, not yet paired or subscribed (Pool.join does
-        that). Raises PlacementError if Ray does not place it within the startup
-        bound; the pending actor is ended then, and at once if no node could ever
-        hold it (the check launch makes, against each node's whole capacity)."""
+        that). progress(worker_id, state) hears "pending" once the actor exists and
+        "starting" once Ray placed it. Raises PlacementError at once if no node could
+        ever hold it (the check launch makes, against each node's whole capacity),
+        and, the actor ended, if Ray does not place it within placement_timeout_s or
+        it does not load within startup_timeout_s after that."""
         nodes = await asyncio.to_thread(ray.nodes)
         problem = unplaceable({f"a new {role} worker": self.demand(role)},
                               [n["Resources"] for n in nodes if n["Alive"]])
         if problem is not None:
             raise PlacementError(problem)
         worker_id, actor = self.create(role)
+        config = self.router_config
         try:
-            stats = await asyncio.wait_for(actor.stats.remote(),
-                                           self.router_config.startup_timeout_s)
+            progress(worker_id, "pending")
+            await self._until_placed(worker_id, actor, role)
+            progress(worker_id, "starting")
+            stats = await asyncio.wait_for(actor.stats.remote(), config.startup_timeout_s)
         except asyncio.TimeoutError:
             ray.kill(actor, no_restart=True)
-            raise PlacementError(f"worker {worker_id} was not placed and loaded within "
-                                 f"{self.router_config.startup_timeout_s:g}s: Ray may "
-                                 f"lack the resources ({self.demand(role)})") from None
+            raise PlacementError(f"worker {worker_id} was placed but did not load within "
+                                 f"{config.startup_timeout_s:g}s") from None
+        except BaseException:  # abandoned, cancelled (shutdown), or it died loading
+            ray.kill(actor, no_restart=True)
+            raise
         return WorkerHandle.of(worker_id, RayWorkerClient(actor), role,
                                num_blocks=stats["num_blocks"])
+
+    async def _until_placed(self, worker_id: str, actor, role: str) -> None:
+        """Returns once Ray started the actor's process; PlacementError after
+        placement_timeout_s. Ray sends no event when it places an actor: its entry
+        in Ray's actor table is read every half second."""
+        loop = asyncio.get_running_loop()
+        timeout_s = self.router_config.placement_timeout_s
+        deadline = loop.time() + timeout_s
+        while not await asyncio.to_thread(placed, actor):
+            if loop.time() > deadline:
+                free = await asyncio.to_thread(ray.available_resources)
+                demand = self.demand(role)
+                raise PlacementError(
+                    f"Ray did not place worker {worker_id} within {timeout_s:g}s: it needs "
+                    f"{fmt_resources(demand)} on one node, and the cluster has "
+                    f"{fmt_resources({k: free.get(k, 0.0) for k in demand})} free in all")
+            await asyncio.sleep(0.5)
+
+
+def placed(actor) -> bool:
+    """Whether Ray has started the actor's process (its actor-table entry names one).
+    Read through Ray's private state API, the one that needs no dashboard; a Ray that
+    cannot say counts as placed, so an unknown answer never abandons a worker (its
+    load is still bounded)."""
+    try:
+        from ray._private import state
+        return bool(state.actors(actor_id=actor._actor_id.hex()).get("Pid"))
+    except Exception:
+        return True
 
 
 def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),

@@ -20,15 +20,17 @@ def unplaceable(workers: dict[str, dict[str, float]], nodes: list[dict[str, floa
         node = next((n for n in free if all(n.get(k, 0.0) >= v for k, v in demand.items())),
                     None)
         if node is None and len(workers) == 1:
-            return (f"Ray cannot place {name} ({_fmt(demand)}): no node has that much; the "
-                    f"cluster's {len(nodes)} node(s) have "
-                    + "; ".join(_fmt({k: v for k, v in n.items() if k in demand})
+            return (f"Ray cannot place {name} ({fmt_resources(demand)}): no node has that "
+                    f"much; the cluster's {len(nodes)} node(s) have "
+                    + "; ".join(fmt_resources({k: v for k, v in n.items() if k in demand})
                                 for n in nodes) + ".")
         if node is None:
-            return (f"Ray cannot place {name} ({_fmt(demand)}) beside the other workers: "
-                    f"{len(workers)} workers need {_fmt(_total(workers.values()))}, and the "
-                    f"cluster's {len(nodes)} node(s) have "
-                    + "; ".join(_fmt({k: v for k, v in n.items() if k in _keys(workers)})
+            wanted = _keys(workers)
+            return (f"Ray cannot place {name} ({fmt_resources(demand)}) beside the other "
+                    f"workers: {len(workers)} workers need "
+                    f"{fmt_resources(_total(workers.values()))}, and the cluster's "
+                    f"{len(nodes)} node(s) have "
+                    + "; ".join(fmt_resources({k: v for k, v in n.items() if k in wanted})
                                 for n in nodes)
                     + ". Lower --num-cpus-per-worker / --num-gpus-per-worker, ask for fewer "
                     "workers, or add nodes.")
@@ -49,5 +51,6 @@ def _keys(workers: dict[str, dict[str, float]]) -> set[str]:
     return {key for demand in workers.values() for key in demand}
 
 
-def _fmt(resources: dict[str, float]) -> str:
+def fmt_resources(resources: dict[str, float]) -> str:
+    """{"CPU": 1, "GPU": 0.5} -> "1 CPU, 0.5 GPU"."""
     return ", ".join(f"{v:g} {k}" for k, v in sorted(resources.items())) or "nothing"

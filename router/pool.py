@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from pdserve.engine.worker_messages import check_role
@@ -21,10 +22,26 @@ from pdserve.router.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
 
+# progress(worker_id, state): a worker being started is "pending" (not yet placed)
+# or "starting" (placed, loading).
+Progress = Callable[[str, str], None]
 # Spawns a fresh worker of a role, loaded and ready, not yet paired or subscribed
-# (launch.WorkerSpawner on Ray).
-Spawner = Callable[[str], Awaitable[WorkerHandle]]
+# (launch.WorkerSpawner on Ray), telling its progress.
+Spawner = Callable[[str, Progress], Awaitable[WorkerHandle]]
 Hook = Callable[[WorkerHandle], None]
+# Workers that failed to start, kept to be shown (admin list) with their reason.
+KEPT_FAILURES = 16
+
+
+@dataclass
+class Joining:
+    """A worker being added, not yet a member: "pending" (Ray has not placed it),
+    "starting" (loading, then pairing) or "failed" (abandoned; `error` says why)."""
+    worker_id: str
+    role: str
+    state: str
+    since: float  # monotonic, when it was asked for
+    error: str = ""
 
 
 class MembershipError(RuntimeError):
@@ -51,6 +68,7 @@ class Pool:
         self.on_leave = on_leave or (lambda worker: None)
         self.on_restart = on_restart or (lambda worker: None)
         self.workers: dict[str, WorkerHandle] = {}
+        self.joining: dict[str, Joining] = {}  # being added, or failed to be (the last few)
         self.on_change: list[Callable[[], None]] = []  # a worker left or rejoined service
         self._reviving: dict[str, asyncio.Task] = {}  # worker id -> its revival
         # Eviction timers of silent workers and fresh workers for evicted ones.
@@ -114,15 +132,66 @@ class Pool:
 
     # ---- membership -----------------------------------------------------------------
 
-    async def add(self, role: str) -> str:
+    async def add(self, role: str, wait: bool = True) -> str:
         """Spawns a worker of `role`, pairs it and subscribes to it, then gives it
-        traffic. Returns its id."""
+        traffic. Returns its id once it is in service, or (wait=False) as soon as it
+        is named: `joining` shows it meanwhile, and why, if it is abandoned. A
+        refusal the spawner makes at once (no node could ever hold it) raises
+        either way."""
         check_role(role)
         if self.spawner is None:
             raise MembershipError("this router cannot spawn workers", 501)
-        worker = await self.spawner(role)
-        await self.join(worker)
+        named: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def progress(worker_id: str, state: str) -> None:
+            entry = self.joining.get(worker_id)
+            if entry is None:
+                self.joining[worker_id] = Joining(worker_id=worker_id, role=role,
+                                                  state=state, since=self._now())
+            else:
+                entry.state = state
+            if not named.done():
+                named.set_result(worker_id)
+        spawn = self._in_background(self._spawn(role, progress))
+        if wait:
+            return await spawn
+        spawn.add_done_callback(lambda t: t.cancelled() or t.exception())  # logged there
+        await asyncio.wait({named, spawn}, return_when=asyncio.FIRST_COMPLETED)
+        return named.result() if named.done() else spawn.result()
+
+    async def _spawn(self, role: str, progress: Progress) -> str:
+        names: list[str] = []
+
+        def named(worker_id: str, state: str) -> None:
+            names.append(worker_id)
+            progress(worker_id, state)
+        try:
+            worker = await self.spawner(role, named)
+            await self.join(worker)
+        except asyncio.CancelledError:
+            for worker_id in names:
+                self.joining.pop(worker_id, None)
+            raise
+        except Exception as exc:
+            for worker_id in dict.fromkeys(names):
+                log.error("worker %s (%s) was not added: %s", worker_id, role,
+                          short_reason(exc))
+                self._failed(worker_id, short_reason(exc))
+            raise
+        self.joining.pop(worker.worker_id, None)
         return worker.worker_id
+
+    def _failed(self, worker_id: str, reason: str) -> None:
+        entry = self.joining.get(worker_id)
+        if entry is not None:
+            entry.state, entry.error = "failed", reason
+        failed = [k for k, e in self.joining.items() if e.state == "failed"]
+        for stale in failed[:-KEPT_FAILURES]:
+            del self.joining[stale]
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
 
     async def join(self, worker: WorkerHandle) -> None:
         """Puts a loaded worker into service: paired with every worker of the other

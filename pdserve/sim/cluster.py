@@ -15,6 +15,7 @@ from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.config import PoolSpec, RouterConfig
 from pdserve.router.model_info import ModelInfo
+from pdserve.router.pool import Progress
 from pdserve.router.router import Router
 from pdserve.router.workers import WorkerHandle
 from pdserve.sim.itl import ItlHistogram
@@ -58,10 +59,13 @@ class SimCluster:
         await self.router.start()
         return self.router
 
-    async def spawn(self, role: str) -> WorkerHandle:
+    async def spawn(self, role: str, progress: Progress = lambda worker_id, state: None
+                    ) -> WorkerHandle:
         """A fresh worker of `role`, booted, not yet paired or subscribed (the Pool's
-        spawner: admin add, replacement of an evicted worker, the planner)."""
+        spawner: admin add, replacement of an evicted worker, the planner). It is
+        placed at once: "starting" while it boots."""
         worker = self._create(role)
+        progress(worker.worker_id, "starting")
         await worker.boot()
         return _handle(worker)
 

@@ -123,10 +123,10 @@ def test_workers_join_drain_flip_and_leave_under_load(cluster, expected):
     load = Load(cluster, expected)
     try:
         load.wait_for(3)
-        added = admin(cluster, "POST", "/workers", json={"role": "decode"})
+        added = admin(cluster, "POST", "/workers", json={"role": "decode", "wait": True})
         assert added.status_code == 201, added.text
         new_decode = added.json()["worker_id"]
-        added = admin(cluster, "POST", "/workers", json={"role": "prefill"})
+        added = admin(cluster, "POST", "/workers", json={"role": "prefill", "wait": True})
         assert added.status_code == 201, added.text
         new_prefill = added.json()["worker_id"]
         load.wait_for(6)
@@ -287,7 +287,7 @@ def test_churn_leaves_no_threads_or_fds_behind_on_the_workers_that_stay(cluster,
     load = Load(cluster, expected, clients=2)
 
     def churn_round() -> None:
-        added = admin(cluster, "POST", "/workers", json={"role": "decode"})
+        added = admin(cluster, "POST", "/workers", json={"role": "decode", "wait": True})
         assert added.status_code == 201, added.text
         worker_id = added.json()["worker_id"]
         load.wait_for(2)
@@ -312,3 +312,61 @@ def test_churn_leaves_no_threads_or_fds_behind_on_the_workers_that_stay(cluster,
     for worker_id in stay:
         (threads_0, fds_0), (threads_1, fds_1) = before[worker_id], after[worker_id]
         assert threads_1 - threads_0 <= 8 and fds_1 - fds_0 <= 8, (worker_id, before, after)
+
+
+def _until_state(srv: RouterServer, worker_id: str, states: set[str], timeout_s: float) -> dict:
+    """GET /admin/workers/{id} until its state is one of `states` (the admin API has
+    no push; its answer is the condition waited on)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        shown = admin(srv, "GET", f"/workers/{worker_id}").json()
+        if shown.get("state") in states or time.monotonic() > deadline:
+            return shown
+        time.sleep(0.1)
+
+
+def test_admin_add_answers_at_once_and_lists_the_worker_until_it_serves_or_is_abandoned(
+        cluster, llama_dir):
+    """Issue 32: `admin add` used to answer only once the worker served (or after the
+    600 s startup bound when Ray had no room), and `admin list` did not show it."""
+    pool = cluster.router.pool
+    # Ray has room: pending or starting at once, then a member in service.
+    began = time.monotonic()
+    added = admin(cluster, "POST", "/workers", json={"role": "decode"})
+    assert added.status_code == 202, added.text
+    assert time.monotonic() - began < 5
+    worker_id = added.json()["worker_id"]
+    assert added.json()["state"] in ("pending", "starting")
+    assert added.headers["location"] == f"/admin/workers/{worker_id}"
+    listed = {w["worker_id"]: w["state"] for w in admin(cluster, "GET", "/workers").json()[
+        "workers"]}
+    assert listed[worker_id] in ("pending", "starting", "serving")
+    assert _until_state(cluster, worker_id, {"serving", "failed"}, 120)["state"] == "serving"
+    assert admin(cluster, "DELETE", f"/workers/{worker_id}").status_code == 200
+    # A worker that fits a node but not what is free now: pending, then abandoned at
+    # the placement bound, with why; the actor Ray kept pending is ended.
+    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=16 << 20,
+                                      max_model_len=512)
+    whole_node = ray.cluster_resources()["CPU"]  # the cluster's own workers hold some
+    spawner = pool.spawner
+    pool.spawner = WorkerSpawner(config, PoolSpec(1, 1, num_cpus_per_worker=whole_node),
+                                 TransferConfig(), RouterConfig(placement_timeout_s=2))
+    try:
+        added = admin(cluster, "POST", "/workers", json={"role": "decode"})
+        assert added.status_code == 202, added.text
+        worker_id = added.json()["worker_id"]
+        assert added.json()["state"] == "pending"
+        assert any(w["worker_id"] == worker_id and w["state"] == "pending"
+                   for w in admin(cluster, "GET", "/workers").json()["workers"])
+        shown = _until_state(cluster, worker_id, {"failed"}, 30)
+        assert shown["state"] == "failed", shown
+        assert f"Ray did not place worker {worker_id} within 2s" in shown["error"]
+        assert f"{whole_node:g} CPU on one node" in shown["error"]
+        # No room ever (more than any node has): refused at once, not listed.
+        pool.spawner = WorkerSpawner(config, PoolSpec(1, 1, num_cpus_per_worker=2 * whole_node),
+                                     TransferConfig(), RouterConfig())
+        refused = admin(cluster, "POST", "/workers", json={"role": "decode"})
+        assert refused.status_code == 503 and "no node has that much" in refused.text
+    finally:
+        pool.spawner = spawner
+    assert worker_id not in cluster.router.workers

@@ -182,3 +182,22 @@ def test_pairs_follow_membership_and_close_when_a_receiver_leaves_or_flips():
     assert all(paired == {"decode-0", new} for paired in seen["back"].values()), seen
     assert seen["new back"] == set()
     assert all(paired == {"decode-0"} for paired in seen["removed"].values()), seen
+
+
+def test_an_add_that_does_not_wait_names_the_worker_at_once_and_shows_it_starting():
+    async def scenario():
+        cluster = SimCluster(small_profile(), PoolSpec(1, 1))
+        router = await cluster.start()
+        pool = router.pool
+        worker_id = await pool.add("decode", wait=False)
+        at_once = (pool.joining[worker_id].state, worker_id in pool.workers)
+        joined = asyncio.Event()
+        pool.on_change.append(joined.set)
+        await asyncio.wait_for(joined.wait(), 60)
+        after = (worker_id in pool.joining, pool.states().get(worker_id))
+        await cluster.stop()
+        return worker_id, at_once, after
+    worker_id, at_once, after = virtual_time.run(scenario())
+    assert worker_id == "decode-1"
+    assert at_once == ("starting", False)  # booting: not a member yet
+    assert after == (False, "serving")
