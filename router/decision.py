@@ -34,7 +34,9 @@ class Reject:
     """429 / RESOURCE_EXHAUSTED with Retry-After."""
     reason: str
     retry_after_s: float
-    kind: str = "overloaded"  # for metrics: overloaded | ttft | tpot | harm | kv
+    # for metrics: overloaded | ttft | tpot | harm | kv | unattainable (its TTFT SLO
+    # could not be met on idle workers: the router answers 400, not 429)
+    kind: str = "overloaded"
     # The best placement's forecast TTFT (from the request's arrival), were it placed
     # now (None: unknown): whether waiting for capacity could still meet its TTFT SLO.
     ttft_s: float | None = field(default=None, compare=False)

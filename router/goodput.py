@@ -23,7 +23,9 @@ or disaggregating is decided by comparing forecasts, with no length threshold.
 When none fits: admission "slo" refuses (429) with the predicted time until one
 would (the router waits instead while capacity may still free in time for the
 request's TTFT), admission "always" (and a best-effort request) takes the least
-bad. Pure."""
+bad. A TTFT SLO that no candidate could meet were its workers idle is refused as
+"unattainable" (the router answers 400 naming slo_ttft_ms: a retry cannot help;
+docs/goodput.md). Pure."""
 from __future__ import annotations
 
 import heapq
@@ -35,6 +37,7 @@ from operator import attrgetter
 import numpy as np
 
 from pdserve.engine.latency_forecast import (
+    WorkerLoad,
     decode_step_seconds,
     joining_slowdown,
     prompt_compute_seconds,
@@ -49,6 +52,7 @@ from pdserve.router.least_loaded import has_room
 _REFERENCE_TTFT_S = 1.0
 _REFERENCE_TPOT_S = 0.05
 _MAX_RETRY_AFTER_S = 60.0
+_IDLE = WorkerLoad()  # nothing queued, nothing running
 _MIN_RETRY_AFTER_S = 0.05
 
 
@@ -60,6 +64,9 @@ class Forecast:
     cost: float  # SLO shares: its own latencies plus what it takes from the others
     miss: str = ""  # "" fits; else ttft | tpot | harm | kv
     retry_after_s: float = 0.0  # when missing: the predicted time until it would fit
+    # Its TTFT were its workers idle: the prompt alone (and the KV transfer), from
+    # placement, calibrated as ttft_s is.
+    idle_ttft_s: float = 0.0
 
 
 def decide(request: RequestView, state: ClusterState) -> Decision:
@@ -72,6 +79,12 @@ def decide(request: RequestView, state: ClusterState) -> Decision:
     placeable = [f for f in forecasts if f.miss != "kv"] or forecasts
     if state.admission == "always" or request.slo.best_effort:
         return min(placeable, key=_rank).decision
+    slo = request.slo
+    idle_best = min(f.idle_ttft_s for f in placeable)
+    if not slo.ttft_met(idle_best):
+        return Reject(f"slo_ttft_ms {slo.ttft_s * 1e3:g} cannot be met here: even on an "
+                      f"idle worker this prompt's first token is forecast at "
+                      f"{idle_best * 1e3:.0f} ms", 0.0, "unattainable", idle_best)
     best = min(placeable, key=lambda f: (f.retry_after_s, f.cost))
     return Reject(_REASONS[best.miss].format(ttft=best.ttft_s * 1e3, tpot=best.tpot_s * 1e3),
                   min(max(best.retry_after_s, _MIN_RETRY_AFTER_S), _MAX_RETRY_AFTER_S),
@@ -147,6 +160,7 @@ class _Side:
         n = request.num_prompt_tokens
         self.cached = request.cached_tokens.get(w.worker_id, 0)
         self.ttft = ttft_seconds(cost, load, n, self.cached)  # computing the prompt here
+        self.idle_ttft = ttft_seconds(cost, _IDLE, n, self.cached)  # ... with nothing else
         self.tpot = tpot_seconds(cost, load, n, request.max_tokens)
         self.step = decode_step_seconds(cost, load)  # its decode batch's step now
         self.join_s = joining_slowdown(cost, n)  # per step, when the request decodes here
@@ -171,7 +185,8 @@ def _colocate(request: RequestView, state: ClusterState, w: _Side) -> Forecast:
     return _forecast(partial(Colocate, w.w.worker_id, ttft_scale=ttft_scale,
                              tpot_scale=tpot_scale), request, state,
                      w.ttft * ttft_scale, w.tpot * tpot_scale,
-                     [w.harm(request, joins=True, computes=True)], w.w, w.decode_seqs)
+                     [w.harm(request, joins=True, computes=True)], w.w, w.decode_seqs,
+                     w.idle_ttft * ttft_scale)
 
 
 def _pair(request: RequestView, state: ClusterState, p: _Side, d: _Side) -> Forecast:
@@ -187,7 +202,7 @@ def _pair(request: RequestView, state: ClusterState, p: _Side, d: _Side) -> Fore
     return _forecast(partial(Disaggregate, p.w.worker_id, d.w.worker_id,
                              ttft_scale=ttft_scale, tpot_scale=tpot_scale), request,
                      state, (p.ttft + transfer) * ttft_scale, d.tpot * tpot_scale, harms,
-                     d.w, d.decode_seqs)
+                     d.w, d.decode_seqs, (p.idle_ttft + transfer) * ttft_scale)
 
 
 class _Harm:
@@ -217,7 +232,8 @@ class _Harm:
 
 
 def _forecast(make, request: RequestView, state: ClusterState, ttft: float, tpot: float,
-              harms: list[_Harm], decode: WorkerState, decode_seqs: int) -> Forecast:
+              harms: list[_Harm], decode: WorkerState, decode_seqs: int,
+              idle_ttft: float) -> Forecast:
     """ttft: from now; the forecast's, and the decision's make(ttft, tpot), count from
     the request's arrival."""
     slo = request.slo
@@ -227,21 +243,21 @@ def _forecast(make, request: RequestView, state: ClusterState, ttft: float, tpot
             + sum(h.cost for h in harms))
     breaks_until = max((h.breaks_until for h in harms if h.breaks_until is not None),
                        default=None)
+    made = partial(Forecast, decision, ttft, tpot, cost, idle_ttft_s=idle_ttft)
     free = state.free_blocks(decode)
     if free is not None and free < request.blocks_needed:
-        return Forecast(decision, ttft, tpot, cost, "kv", state.retry_after_s)
+        return made("kv", state.retry_after_s)
     if not slo.ttft_met(ttft):
         # a retry arrives afresh: when the queue ahead will have drained that much
-        return Forecast(decision, ttft, tpot, cost, "ttft", max(from_now - slo.ttft_s, 0.0))
+        return made("ttft", max(from_now - slo.ttft_s, 0.0))
     # A one-token request has no TPOT. And one that would decode alone is not refused
     # on its TPOT forecast: nothing could serve it faster, and only measuring it can
     # correct a model that overestimates (an idle worker reports no steps).
     if request.max_tokens > 1 and not slo.tpot_met(tpot) and decode_seqs > 0:
-        return Forecast(decision, ttft, tpot, cost, "tpot",
-                        _shrunk_enough(state, decode, (tpot - slo.tpot_s) / tpot))
+        return made("tpot", _shrunk_enough(state, decode, (tpot - slo.tpot_s) / tpot))
     if breaks_until is not None:  # until every request it would break has finished
-        return Forecast(decision, ttft, tpot, cost, "harm", breaks_until)
-    return Forecast(decision, ttft, tpot, cost)
+        return made("harm", breaks_until)
+    return made()
 
 
 def _shrunk_enough(state: ClusterState, w: WorkerState, excess: float) -> float:

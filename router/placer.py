@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import weakref
 
+from pdserve.engine.errors import InvalidRequestError
 from pdserve.router.capacity_queue import CapacityQueue
 from pdserve.router.clock import Clock
 from pdserve.router.cluster_models import ClusterModels
@@ -37,11 +38,15 @@ class Placer:
 
     async def place(self, flight: Flight, refused: frozenset[str]) -> Decision:
         """The request's placement, after a wait for capacity if it may wait; raises
-        OverloadedError (429) when refused, lifecycle.Cancelled when aborted."""
+        OverloadedError (429) when refused, InvalidRequestError (400) when its TTFT
+        SLO is unattainable, lifecycle.Cancelled when aborted."""
         decision = self.decide(flight.req, refused)
         if not isinstance(decision, Reject):
             self.metrics.decided(decision)
             return decision
+        if decision.kind == "unattainable":  # not even an idle cluster could: 400
+            self.metrics.decided(decision)
+            raise InvalidRequestError("slo_ttft_ms", decision.reason)
         now = self.clock.monotonic()
         waited_s = 0.0 if flight.waited_since is None else now - flight.waited_since
         wait_s = min(self.may_wait(flight.req, decision),

@@ -9,11 +9,10 @@ import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import httpx
 import pytest
 
-from pdserve.client import Client, OverloadedError
+from pdserve.client import Client
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router import placer as placer_module
@@ -94,18 +93,24 @@ def test_requests_with_slos_are_placed_with_a_forecast_and_stay_exact(adaptive, 
     assert "pdserve:router_prediction_relative_error_bucket" in metrics
 
 
-def test_an_impossible_slo_is_refused_at_once_with_retry_after(adaptive):
-    refused = decisions(adaptive, "reject", "ttft")
-    with Client(adaptive.grpc_target, max_retries=0) as client:
-        with pytest.raises(OverloadedError) as err:
+def test_an_unattainable_slo_is_a_400_naming_it_and_the_sdk_does_not_retry_it(adaptive):
+    """Issue 32: `x-slo-ttft-ms: 1` got 429 with Retry-After, and the SDK retried a
+    request that no placement could ever serve, three times. An SLO no idle worker
+    could meet is now the request's fault: 400 / INVALID_ARGUMENT naming
+    slo_ttft_ms, decided once (no retry). Transient refusals keep 429 with
+    Retry-After (tests/router/test_goodput.py, tests/sim)."""
+    from pdserve.client import InvalidArgumentError
+    refused = decisions(adaptive, "reject", "unattainable")
+    with Client(adaptive.grpc_target) as client:  # the default retries
+        with pytest.raises(InvalidArgumentError, match="slo_ttft_ms 0.001 cannot be met"):
             client.generate([5, 6, 7, 8], max_tokens=4, slo_ttft_ms=0.001)
-    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert err.value.retry_after_s > 0 and "TTFT SLO" in str(err.value)
-    r = httpx.post(f"{adaptive.http_url}/v1/completions",
-                   headers={"x-slo-ttft-ms": "0.001"},
+    assert decisions(adaptive, "reject", "unattainable") == refused + 1
+    r = httpx.post(f"{adaptive.http_url}/v1/completions", headers={"x-slo-ttft-ms": "1"},
                    json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=60)
-    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
-    assert decisions(adaptive, "reject", "ttft") == refused + 2
+    assert r.status_code == 400 and "retry-after" not in r.headers, r.text
+    assert r.json()["error"]["param"] == "slo_ttft_ms"
+    assert "even on an idle worker" in r.json()["error"]["message"]
+    assert decisions(adaptive, "reject", "unattainable") == refused + 2
     assert adaptive.router.num_inflight == 0
 
 

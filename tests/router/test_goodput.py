@@ -163,6 +163,22 @@ def test_an_impossible_ttft_is_rejected_with_the_predicted_wait():
     assert decision.retry_after_s == pytest.approx(0.34)
 
 
+def test_a_ttft_slo_no_idle_worker_could_meet_is_unattainable_not_a_wait():
+    # Idle, 100 tokens: 1 step (10 ms) + 10 ms = 20 ms. An SLO of 15 ms cannot be met
+    # by any placement however long the client retries; one of 25 ms can, once the
+    # 4,100-token queue ahead drains (the transient refusal above, with its wait).
+    idle, queued = worker("a", "both"), worker("e", "both", waiting_tokens=4000, waiting=2)
+    never = decide(request(100, slo=Slo(ttft_s=0.015)), state(idle, queued))
+    assert isinstance(never, Reject) and never.kind == "unattainable"
+    assert never.ttft_s == pytest.approx(20 * MS)
+    assert "slo_ttft_ms 15 cannot be met" in never.reason and "20 ms" in never.reason
+    later = decide(request(100, slo=Slo(ttft_s=0.025)), state(queued))
+    assert isinstance(later, Reject) and later.kind == "ttft" and later.retry_after_s > 0
+    # Admission "always" takes the least bad, as for any miss.
+    assert decide(request(100, slo=Slo(ttft_s=0.015)),
+                  state(idle, queued, admission="always")) == Colocate("a")
+
+
 def test_an_impossible_tpot_is_rejected():
     e = worker("e", "both", running=60)  # a step of 71 ms with it
     decision = decide(request(10, slo=Slo(tpot_s=0.02)), state(e))

@@ -335,7 +335,9 @@ def test_a_worker_silent_past_the_bound_is_evicted_and_one_that_speaks_again_is_
 def test_a_request_waits_for_kv_while_its_ttft_slo_allows_and_is_refused_when_not(tok):
     # The decode worker reports no free KV. A request whose TTFT SLO leaves time
     # waits (no 429), and is placed when the worker's next report frees blocks; one
-    # whose SLO leaves no time gets 429 at once. Nothing is left held either way.
+    # whose SLO not even an idle worker could meet is refused at once, as 400 (the
+    # wait's own bound: test_a_refusal_waits_only_while_capacity_is_predicted_to_
+    # free_in_time). Nothing is left held either way.
     async def scenario():
         decode = FakeWorker(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
         prefill = FakeWorker(prefill=prefill_ok(7), abort=resolve(None))
@@ -346,7 +348,7 @@ def test_a_request_waits_for_kv_while_its_ttft_slo_allows_and_is_refused_when_no
         first = asyncio.ensure_future(patient.__anext__())
         await asyncio.wait({first}, timeout=0.3)  # a bound: it must still be waiting
         waiting = not first.done() and not decode.calls["reserve"]
-        with pytest.raises(OverloadedError, match="KV"):
+        with pytest.raises(InvalidRequestError, match="slo_ttft_ms 0.1 cannot be met"):
             await _drain(router.generate(await router.accept([5, 6, 8], PARAMS,
                                                               slo=Slo(ttft_s=1e-4))))
         await decode.batches.put(reported_batch("d0", "decode", 100))
