@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/router_responsiveness.py
 	$(BIN)/python benchmarks/decide.py
 	$(BIN)/python benchmarks/routing.py
+
+# one hour of steady load: RSS, threads and fds of every process, and their slopes
+soak: $(VENV)/.dev
+	$(BIN)/python benchmarks/soak.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
