@@ -1,0 +1,364 @@
+"""The SLO planner: how many workers each pool needs, decided every interval from
+what the workers report and what the latency model forecasts. Pure: an Observation
+(time included) and the planner's own state in, actions with their reasons out; the
+caller gathers the observation and carries the actions out through the Pool.
+
+Pools are roles: prefill (its SLO: TTFT), decode (TPOT and KV) and both (colocated:
+either). For each pool, from its serving workers past their cold start:
+
+    short  every one of them forecasts a miss (prefill: a typical prompt's TTFT behind
+           its queue; decode: the TPOT of a request joining its batch, or its KV
+           nearly full), or the demand below needs more workers than the pool has
+    spare  the pool's load spread over one worker fewer still forecasts within
+           margin x SLO on every term (the consolidation check that ends 2 <-> 1
+           oscillation), and the demand fits one worker fewer
+    demand the arrival rate, extrapolated over a new worker's start-up time, sized
+           at margin x SLO with the pool's step cost: a floor that scales ahead of
+           a rising load (ISL: prompt tokens not cached; decode context ISL + OSL/2)
+
+A signal acts once it held for `sustain` ticks in a row (shrinking: `down_sustain`).
+A short pool takes a worker flipped from a pool that can spare one (its weights stay
+loaded) before a new one is added, and gets nothing while a worker of its own is
+still coming (starting, or serving for less than cold_start_s: capacity on its way).
+A pool that grew is not shrunk for reversal_guard_s; one that shrinks gives up a
+worker still starting first, so a worker stuck starting never blocks scale-down.
+Bounds hold at every tick: a pool below its minimum gets a worker at once, the pools
+never exceed their maxima, and all together never the budget (max_workers).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from pdserve.engine.latency_forecast import (
+    WorkerLoad,
+    prompt_compute_seconds,
+    tpot_seconds,
+    ttft_seconds,
+)
+from pdserve.engine.latency_model import StepCost
+from pdserve.router.slo import Slo
+
+KV_FULL = 0.95  # a decode worker this full cannot take the next request's KV
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    roles: tuple[str, ...] = ("prefill", "decode")  # the pools it sizes; ("both",) colocated
+    min_workers: tuple[tuple[str, int], ...] = (("prefill", 1), ("decode", 1), ("both", 1))
+    max_workers_per_pool: tuple[tuple[str, int], ...] = (("prefill", 8), ("decode", 8),
+                                                         ("both", 8))
+    max_workers: int = 8  # the budget, every pool together
+    interval_s: float = 5.0
+    sustain: int = 2  # ticks a short pool must stay short
+    down_sustain: int = 6  # ticks a pool must stay able to spare one
+    margin: float = 0.8  # consolidation and demand are sized at this share of the SLO
+    cold_start_s: float = 10.0  # a new worker's first reports are not read
+    startup_s: float = 30.0  # how long a new worker takes to serve: demand looks this far
+    reversal_guard_s: float = 60.0  # a pool that grew is not shrunk sooner
+
+    def __post_init__(self) -> None:
+        if not self.roles or any(r not in ("prefill", "decode", "both") for r in self.roles):
+            raise ValueError(f"roles must be prefill / decode / both, not {self.roles!r}")
+        for role in self.roles:
+            if not 0 <= self.minimum(role) <= self.maximum(role):
+                raise ValueError(f"the {role} pool needs 0 <= min <= max")
+        if sum(self.minimum(r) for r in self.roles) > self.max_workers:
+            raise ValueError("the pools' minima exceed max_workers")
+        if not (self.sustain >= 1 and self.down_sustain >= 1 and 0 < self.margin <= 1):
+            raise ValueError("sustain and down_sustain must be >= 1, margin in (0, 1]")
+        for name in ("interval_s", "cold_start_s", "startup_s", "reversal_guard_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+
+    def minimum(self, role: str) -> int:
+        return dict(self.min_workers).get(role, 0)
+
+    def maximum(self, role: str) -> int:
+        return dict(self.max_workers_per_pool).get(role, self.max_workers)
+
+
+# ---- what it observes --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    role: str
+    state: str  # serving | starting (pending placement included) | draining | stalled
+    age_s: float  # serving: since it joined; starting: since it was asked for
+    cost: StepCost | None = None  # its fitted step cost (None: nothing fitted)
+    load: WorkerLoad = WorkerLoad()
+    kv_used: float = 0.0  # share of its KV blocks held (decoding roles)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Over the recent window."""
+    rate: float = 0.0  # requests per second
+    rate_slope: float = 0.0  # its trend, requests per second per second
+    isl: float = 0.0  # mean prompt tokens not cached
+    osl: float = 0.0  # mean output tokens
+
+
+@dataclass(frozen=True)
+class Observation:
+    now_s: float
+    workers: tuple[WorkerView, ...]
+    traffic: Traffic
+    slo: Slo  # what the server routes with (unset parts: that pool is sized on demand)
+
+
+# ---- what it decides ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # add | remove | flip
+    role: str  # add: the pool grown; remove: the pool shrunk; flip: the pool it joins
+    reason: str
+    worker_id: str = ""  # remove, flip: which worker
+
+
+@dataclass(frozen=True)
+class PoolSignal:
+    """One pool's reading at one tick, kept for diagnostics (admin planner)."""
+    members: int  # serving, starting and stalled (not draining)
+    coming: int  # starting, or serving for less than cold_start_s
+    short: str  # why it is short ("" if it is not)
+    spare: str  # why it could lose one ("" if it cannot)
+    demand: int  # workers the demand needs (0: unknown)
+
+
+@dataclass(frozen=True)
+class PlannerState:
+    short_ticks: dict = field(default_factory=dict)  # role -> ticks in a row short
+    spare_ticks: dict = field(default_factory=dict)  # role -> ticks in a row able to spare
+    grew_at: dict = field(default_factory=dict)  # role -> when it last gained a worker
+
+
+@dataclass(frozen=True)
+class Plan:
+    actions: tuple[Action, ...]
+    state: PlannerState
+    signals: dict  # role -> PoolSignal
+
+
+def plan(obs: Observation, state: PlannerState, config: PlannerConfig) -> Plan:
+    signals = {role: _signal(role, obs, config) for role in config.roles}
+    # While a worker of a pool is coming, its shortness does not count: the capacity
+    # on its way must show in the reports before more is asked for.
+    short_ticks = {r: state.short_ticks.get(r, 0) + 1
+                   if signals[r].short and not signals[r].coming else 0
+                   for r in config.roles}
+    spare_ticks = {r: state.spare_ticks.get(r, 0) + 1 if signals[r].spare else 0
+                   for r in config.roles}
+    counts = {r: signals[r].members for r in config.roles}
+    grew_at = dict(state.grew_at)
+    actions: list[Action] = []
+    taken: set[str] = set()  # workers an action already names
+
+    def total() -> int:
+        return sum(counts.values())
+
+    def gain(role: str, action: Action) -> None:
+        actions.append(action)
+        counts[role] += 1
+        grew_at[role] = obs.now_s
+        short_ticks[role] = 0
+
+    def lose(role: str, worker_id: str) -> None:
+        counts[role] -= 1
+        taken.add(worker_id)
+        spare_ticks[role] = 0
+
+    for role in config.roles:  # bounds first, at once
+        while counts[role] < config.minimum(role) and total() < config.max_workers:
+            gain(role, Action("add", role, f"below its minimum of {config.minimum(role)}"))
+        while counts[role] > config.maximum(role):
+            victim = _victim(obs, role, taken)
+            if victim is None:
+                break
+            lose(role, victim)
+            actions.append(Action("remove", role, f"above its maximum of "
+                                  f"{config.maximum(role)}", victim))
+    for role in config.roles:
+        signal = signals[role]
+        if short_ticks[role] < config.sustain or counts[role] >= config.maximum(role):
+            continue
+        why = f"{signal.short} for {short_ticks[role]} ticks"
+        donor = _donor(role, obs, config, signals, spare_ticks, counts, taken)
+        if donor is not None:
+            donor_role, worker_id = donor
+            lose(donor_role, worker_id)
+            gain(role, Action("flip", role, f"{why}; the {donor_role} pool can spare one "
+                              f"({signals[donor_role].spare})", worker_id))
+        elif total() < config.max_workers:
+            gain(role, Action("add", role, why))
+    for role in config.roles:
+        signal = signals[role]
+        if spare_ticks[role] < config.down_sustain or counts[role] <= config.minimum(role) \
+                or obs.now_s - grew_at.get(role, -math.inf) < config.reversal_guard_s \
+                or any(a.role == role for a in actions):
+            continue
+        victim = _victim(obs, role, taken)
+        if victim is not None:
+            lose(role, victim)
+            actions.append(Action("remove", role, f"{signal.spare} for "
+                                  f"{config.down_sustain} ticks", victim))
+    return Plan(tuple(actions), replace(state, short_ticks=short_ticks,
+                                        spare_ticks=spare_ticks, grew_at=grew_at), signals)
+
+
+# ---- one pool's signals ------------------------------------------------------------
+
+def _signal(role: str, obs: Observation, config: PlannerConfig) -> PoolSignal:
+    members = [w for w in obs.workers if w.role == role and w.state != "draining"]
+    coming = [w for w in members if w.state == "starting"
+              or (w.state == "serving" and w.age_s < config.cold_start_s)]
+    warm = [w for w in members if w.state == "serving" and w.age_s >= config.cold_start_s
+            and w.cost is not None]
+    demand = _demand(role, warm, obs, config)
+    short = _short(role, warm, obs, config)
+    if not short and demand > len(members):
+        short = f"the demand needs {demand} workers, it has {len(members)}"
+    spare = _spare(role, warm, members, obs, config) if demand < len(members) else ""
+    return PoolSignal(len(members), len(coming), short, spare, demand)
+
+
+def _short(role: str, warm: list[WorkerView], obs: Observation, config: PlannerConfig) -> str:
+    """Why every warm worker of the pool forecasts a miss ("" if one does not)."""
+    if not warm:
+        return ""
+    t, slo = obs.traffic, obs.slo
+    isl, osl = max(int(t.isl), 1), max(int(t.osl), 1)
+    reasons = []
+    for w in warm:
+        why = ""
+        if role in ("prefill", "both") and slo.ttft_s is not None:
+            ttft = ttft_seconds(w.cost, w.load, isl)
+            if ttft > slo.ttft_s:
+                why = f"TTFT forecast {ttft * 1e3:.0f} ms > SLO {slo.ttft_s * 1e3:g} ms"
+        if not why and role in ("decode", "both"):
+            tpot = tpot_seconds(w.cost, w.load, isl, osl)
+            if slo.tpot_s is not None and tpot > slo.tpot_s:
+                why = f"TPOT forecast {tpot * 1e3:.1f} ms > SLO {slo.tpot_s * 1e3:g} ms"
+            elif w.kv_used >= KV_FULL:
+                why = f"KV {w.kv_used:.0%} full"
+        if not why:
+            return ""
+        reasons.append(why)
+    return f"every {role} worker misses (e.g. {reasons[0]})"
+
+
+def _spare(role: str, warm: list[WorkerView], members: list[WorkerView], obs: Observation,
+           config: PlannerConfig) -> str:
+    """Why the pool's load fits one worker fewer within margin x SLO ("" if it does
+    not, or nothing can be said of it: a serving worker still cold, or stalled). The
+    one given up is a starting worker if there is one (it carries nothing)."""
+    starting = sum(w.state == "starting" for w in members)
+    serving = len(members) - starting
+    if not members or len(warm) < serving:
+        return ""
+    left = serving if starting else serving - 1  # serving workers after giving one up
+    load = _total_load(warm) if warm else WorkerLoad()
+    if left == 0:
+        idle = not (load.queued_tokens or load.decode_seqs) and obs.traffic.rate == 0
+        return "no traffic and nothing running" if idle else ""
+    spread = _spread(load, left)
+    t, slo, m = obs.traffic, obs.slo, config.margin
+    isl, osl = max(int(t.isl), 1), max(int(t.osl), 1)
+    cost = _worst_cost(warm)
+    terms = []
+    if role in ("prefill", "both") and slo.ttft_s is not None:
+        ttft = ttft_seconds(cost, spread, isl)
+        if ttft > m * slo.ttft_s:
+            return ""
+        terms.append(f"TTFT {ttft * 1e3:.0f} ms")
+    if role in ("decode", "both"):
+        tpot = tpot_seconds(cost, spread, isl, osl)
+        if slo.tpot_s is not None and tpot > m * slo.tpot_s:
+            return ""
+        kv = sum(w.kv_used for w in warm) / left
+        if kv > m:
+            return ""
+        terms.append(f"TPOT {tpot * 1e3:.1f} ms, KV {kv:.0%}")
+    return f"at {left} serving worker(s) it forecasts {', '.join(terms)} " \
+           f"(within {m:g} x SLO)"
+
+
+def _demand(role: str, warm: list[WorkerView], obs: Observation, config: PlannerConfig) -> int:
+    """Workers the arrival rate, as it will be one start-up time from now, needs at
+    margin x SLO; 0 when unknown (no measured worker, no traffic figures)."""
+    t = obs.traffic
+    if not warm or t.isl <= 0 or t.osl <= 0:
+        return 0
+    rate = max(t.rate + t.rate_slope * config.startup_s, 0.0)
+    if rate == 0:
+        return 0
+    cost, m = _worst_cost(warm), config.margin
+    load = WorkerLoad()
+    isl, osl = t.isl, t.osl
+    # A worker's share of time per prompt: its compute, plus the steps it spans.
+    per_prompt_s = (prompt_compute_seconds(cost, int(isl))
+                    + cost.base_s * math.ceil(isl / load.token_budget))
+    prefill = rate * per_prompt_s / m
+    decode = 0.0
+    if role in ("decode", "both") and obs.slo.tpot_s is not None:
+        step_budget = m * obs.slo.tpot_s
+        per_seq = cost.decode_seq_s + cost.decode_context_s * (isl + osl / 2)
+        if per_seq > 0 and step_budget > cost.base_s:
+            seqs_per_worker = max((step_budget - cost.base_s) / per_seq, 1.0)
+            # Little: requests decoding at once = rate x their time decoding.
+            decode = rate * osl * step_budget / seqs_per_worker
+    need = {"prefill": prefill, "decode": decode, "both": prefill + decode}[role]
+    return math.ceil(need - 1e-9)
+
+
+def _victim(obs: Observation, role: str, taken: set[str]) -> str | None:
+    """Which worker a shrinking pool gives up: one still starting (it carries
+    nothing, and may never start), else the least loaded serving one."""
+    members = [w for w in obs.workers if w.role == role and w.worker_id not in taken
+               and w.state in ("starting", "serving", "stalled")]
+    if not members:
+        return None
+    order = {"starting": 0, "stalled": 1, "serving": 2}
+    return min(members, key=lambda w: (order[w.state], w.load.decode_seqs + w.load.queued_requests,
+                                       w.load.queued_tokens, w.worker_id)).worker_id
+
+
+def _donor(role: str, obs: Observation, config: PlannerConfig, signals: dict,
+           spare_ticks: dict, counts: dict, taken: set[str]) -> tuple[str, str] | None:
+    """A pool that can spare a worker to the short one, and which worker: flipping
+    keeps the weights loaded, so it comes before adding one."""
+    for other in config.roles:
+        if other == role or not signals[other].spare or signals[other].short \
+                or counts[other] <= config.minimum(other):
+            continue
+        serving = [w for w in obs.workers if w.role == other and w.state == "serving"
+                   and w.worker_id not in taken]
+        if serving:
+            best = min(serving, key=lambda w: (w.load.decode_seqs + w.load.queued_requests,
+                                               w.load.queued_tokens, w.worker_id))
+            return other, best.worker_id
+    return None
+
+
+def _total_load(workers: list[WorkerView]) -> WorkerLoad:
+    return WorkerLoad(queued_tokens=sum(w.load.queued_tokens for w in workers),
+                      queued_requests=sum(w.load.queued_requests for w in workers),
+                      decode_seqs=sum(w.load.decode_seqs for w in workers),
+                      decode_context=sum(w.load.decode_context for w in workers),
+                      token_budget=min(w.load.token_budget for w in workers),
+                      prompt_share=max(w.load.prompt_share for w in workers))
+
+
+def _spread(load: WorkerLoad, n: int) -> WorkerLoad:
+    return replace(load, queued_tokens=math.ceil(load.queued_tokens / n),
+                   queued_requests=math.ceil(load.queued_requests / n),
+                   decode_seqs=math.ceil(load.decode_seqs / n),
+                   decode_context=math.ceil(load.decode_context / n))
+
+
+def _worst_cost(workers: list[WorkerView]) -> StepCost:
+    """The slowest measured step among them (its base plus a mid-sized prompt)."""
+    return max((w.cost for w in workers),
+               key=lambda c: c.base_s + 512 * c.prefill_token_s + 32 * c.decode_seq_s)

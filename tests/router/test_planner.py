@@ -1,0 +1,230 @@
+"""The SLO planner on hand-set observations, without Ray, torch or a clock.
+
+Every worker has the same step cost:
+    step = 10 ms + 0.1 ms per prefill token + 1 ms per decode sequence
+so with a 100-token prompt and 100 output tokens at SLOs TTFT 500 ms / TPOT 50 ms:
+    TTFT behind Q queued tokens ~ 10 ms per 2,048-token step + 0.1 ms x (Q + 100)
+    TPOT beside S running decodes = 10 ms + (S + 1) ms
+    demand: prefill 20 ms of a worker per request at 0.8 -> rate / 40 workers;
+            decode 30 sequences per worker at 40 ms a step -> rate x 100 x 0.04 / 30"""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from pdserve.engine.latency_forecast import WorkerLoad
+from pdserve.engine.latency_model import StepCost
+from pdserve.router.planner import (
+    Observation,
+    PlannerConfig,
+    PlannerState,
+    Traffic,
+    WorkerView,
+    plan,
+)
+from pdserve.router.slo import Slo
+
+COST = StepCost(base_s=0.010, prefill_token_s=1e-4, prefill_pair_s=0.0, decode_seq_s=0.001,
+                decode_context_s=0.0)
+SLO = Slo(ttft_s=0.5, tpot_s=0.05)
+QUIET = Traffic(rate=0.5, isl=100, osl=100)
+
+
+def view(wid, role, state="serving", age=100.0, queued_tokens=0, seqs=0, kv=0.0):
+    return WorkerView(wid, role, state, age, COST,
+                      WorkerLoad(queued_tokens=queued_tokens, queued_requests=queued_tokens // 100,
+                                 decode_seqs=seqs, decode_context=seqs * 150),
+                      kv_used=kv)
+
+
+def config(**changes) -> PlannerConfig:
+    return replace(PlannerConfig(max_workers=8, sustain=3, down_sustain=4,
+                                 reversal_guard_s=0.0, cold_start_s=10.0), **changes)
+
+
+def ticks(workers, traffic=QUIET, n=1, cfg=None, state=PlannerState(), start=0.0):
+    """n ticks on the same observation; every plan's actions, and the last state."""
+    cfg = cfg or config()
+    seen = []
+    for i in range(n):
+        out = plan(Observation(start + 5.0 * i, tuple(workers), traffic, SLO), state, cfg)
+        state = out.state
+        seen.append(out.actions)
+    return seen, state, out
+
+
+def test_a_transient_miss_does_nothing_and_a_sustained_one_adds():
+    busy = [view("p0", "prefill", queued_tokens=8000), view("d0", "decode")]  # TTFT ~ 850 ms
+    calm = [view("p0", "prefill"), view("d0", "decode")]
+    seen, state, _ = ticks(busy, n=2)
+    assert seen == [(), ()]
+    seen, state, _ = ticks(calm, state=state)  # the signal breaks: the count starts over
+    seen, state, _ = ticks(busy, n=2, state=state)
+    assert seen == [(), ()]
+    seen, _, out = ticks(busy, state=state)
+    add, = seen[0]
+    assert (add.kind, add.role) == ("add", "prefill")
+    assert "every prefill worker misses" in add.reason and "TTFT forecast" in add.reason
+    assert "for 3 ticks" in add.reason
+
+
+def test_a_pool_shrinks_only_when_its_load_fits_one_worker_fewer():
+    # 2 x 20 decodes: at 1 worker 40 -> TPOT 51 ms > 0.8 x 50. Never removed.
+    loaded = [view("p0", "prefill"), view("d0", "decode", seqs=20), view("d1", "decode", seqs=20)]
+    seen, _, out = ticks(loaded, traffic=Traffic(), n=20)
+    assert not any(seen) and out.signals["decode"].spare == ""
+    # 2 x 5: at 1 worker 10 -> 21 ms. Removed after 4 ticks, the less loaded one.
+    light = [view("p0", "prefill"), view("d0", "decode", seqs=5), view("d1", "decode", seqs=4)]
+    seen, _, _ = ticks(light, traffic=Traffic(), n=4)
+    assert seen[:3] == [(), (), ()]
+    remove, = seen[3]
+    assert (remove.kind, remove.role, remove.worker_id) == ("remove", "decode", "d1")
+    assert "at 1 serving worker(s) it forecasts TPOT 20.0 ms" in remove.reason
+
+
+def test_a_new_workers_cold_start_samples_are_not_read_and_it_holds_more_adds():
+    # d1 joined 2 s ago and reports a huge batch (its warm-up): not short.
+    cold = [view("p0", "prefill"), view("d0", "decode", seqs=5),
+            view("d1", "decode", age=2.0, seqs=60)]
+    seen, _, out = ticks(cold, n=10)
+    assert not any(seen) and out.signals["decode"].short == ""
+    # The warm one misses, but d1 is capacity on its way: nothing more is added.
+    missing = [view("p0", "prefill"), view("d0", "decode", seqs=60),
+               view("d1", "decode", state="starting", age=20.0)]
+    seen, _, out = ticks(missing, n=10)
+    assert not any(seen) and out.signals["decode"].short and out.signals["decode"].coming == 1
+
+
+def _apply(workers: list[WorkerView], actions, now: float) -> list[WorkerView]:
+    out = [w for w in workers if w.worker_id not in {a.worker_id for a in actions
+                                                     if a.kind == "remove"}]
+    for a in actions:
+        if a.kind == "add":
+            out.append(view(f"{a.role}-new{now:g}", a.role, state="starting", age=0.0))
+        elif a.kind == "flip":
+            out = [replace(w, role=a.role, age_s=0.0) if w.worker_id == a.worker_id else w
+                   for w in out]
+    return out
+
+
+def test_with_no_traffic_every_pool_returns_to_its_minimum_one_worker_at_a_time():
+    workers = [view(f"p{i}", "prefill") for i in range(3)] + \
+              [view(f"d{i}", "decode") for i in range(3)]
+    state, removals = PlannerState(), []
+    for i in range(60):
+        out = plan(Observation(5.0 * i, tuple(workers), Traffic(), SLO), state, config())
+        state = out.state
+        assert all(a.kind == "remove" for a in out.actions)
+        assert len({a.role for a in out.actions}) == len(out.actions)  # one per pool a tick
+        removals += [(i, a.role) for a in out.actions]
+        workers = _apply(workers, out.actions, 5.0 * i)
+    assert sorted(w.role for w in workers) == ["decode", "prefill"]
+    assert [tick for tick, role in removals if role == "decode"] == [3, 7]  # 4 ticks apart
+
+
+def test_a_full_budget_rebalances_by_flipping_an_idle_pools_worker():
+    cfg = config(max_workers=4)
+    workers = [view("p0", "prefill"), view("p1", "prefill", queued_tokens=100),
+               view("d0", "decode", seqs=60), view("d1", "decode", seqs=60)]
+    seen, _, _ = ticks(workers, n=3, cfg=cfg)
+    flip, = seen[2]
+    assert (flip.kind, flip.role, flip.worker_id) == ("flip", "decode", "p0")
+    assert "every decode worker misses" in flip.reason and "the prefill pool can spare" \
+        in flip.reason
+    # Room in the budget, but a pool that can spare one still gives it: no weights load.
+    seen, _, _ = ticks(workers, n=3, cfg=config(max_workers=8))
+    assert seen[2][0].kind == "flip"
+    # Nothing to spare and no budget: it holds.
+    busy = [replace(w, load=WorkerLoad(queued_tokens=6000, queued_requests=60))
+            if w.role == "prefill" else w for w in workers]
+    seen, _, out = ticks(busy, n=5, cfg=cfg)
+    assert not any(seen) and out.signals["decode"].short
+
+
+def test_a_rising_rate_adds_ahead_of_the_miss():
+    # Now 50 req/s, rising 1 req/s each second: 80 in the 30 s a worker takes to start
+    # -> prefill 80 / 40 = 2 workers although the one there misses nothing yet.
+    rising = Traffic(rate=50.0, rate_slope=1.0, isl=100, osl=1)
+    workers = [view("p0", "prefill"), view("d0", "decode")]
+    seen, _, out = ticks(workers, traffic=rising, n=3, cfg=config(roles=("prefill",)))
+    assert out.signals["prefill"].demand == 2
+    add, = seen[2]
+    assert add.role == "prefill" and "the demand needs 2 workers, it has 1" in add.reason
+
+
+def test_a_steady_load_settles_without_oscillating():
+    """A fluid model: 45 decodes in all, spread over the decode workers that serve;
+    a new worker serves 30 s after it is asked for. At 1 worker TPOT is 56 ms (a
+    miss); at 2, 34 ms, and 1 fewer again would forecast 56 > 40: it stays at 2."""
+    cfg = config(roles=("decode",), min_workers=(("decode", 1),), startup_s=30.0)
+    workers, state, actions = [view("d0", "decode")], PlannerState(), []
+    for i in range(400):
+        now = 5.0 * i
+        serving = [w for w in workers if w.state == "serving"]
+        workers = [replace(w, state="serving" if w.state == "serving" or w.age_s >= 30 else
+                           "starting", age_s=w.age_s + 5.0,
+                           load=WorkerLoad(decode_seqs=45 // len(serving),
+                                           decode_context=45 // len(serving) * 150))
+                   for w in workers]
+        out = plan(Observation(now, tuple(workers), Traffic(rate=0.0, isl=100, osl=100), SLO),
+                   state, cfg)
+        state = out.state
+        actions += out.actions
+        workers = _apply(workers, out.actions, now)
+    assert [(a.kind, a.role) for a in actions] == [("add", "decode")], actions
+    assert len(workers) == 2
+
+
+def test_a_worker_that_never_finishes_starting_does_not_block_scale_down():
+    workers = [view("d0", "decode"), view("d1", "decode"),
+               view("d2", "decode", state="starting", age=1000.0), view("p0", "prefill")]
+    seen, _, _ = ticks(workers, traffic=Traffic(), n=4)
+    remove, = seen[3]
+    assert (remove.kind, remove.worker_id) == ("remove", "d2")  # the stuck one first
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bounds_hold_at_every_tick_whatever_it_observes(seed):
+    rng = random.Random(seed)
+    cfg = config(max_workers=6, min_workers=(("prefill", 1), ("decode", 2)),
+                 max_workers_per_pool=(("prefill", 3), ("decode", 4)), sustain=1,
+                 down_sustain=1)
+    workers = [view("p0", "prefill"), view("d0", "decode"), view("d1", "decode")]
+    state = PlannerState()
+    for i in range(300):
+        workers = [replace(w, state=rng.choice(["serving", "serving", "starting", "stalled"]),
+                           age_s=rng.choice([1.0, 100.0]),
+                           load=WorkerLoad(queued_tokens=rng.choice([0, 100, 20000]),
+                                           decode_seqs=rng.choice([0, 5, 80])),
+                           kv_used=rng.random()) for w in workers]
+        traffic = Traffic(rate=rng.choice([0.0, 5.0, 500.0]), rate_slope=rng.uniform(-2, 2),
+                          isl=rng.choice([0, 100, 3000]), osl=rng.choice([0, 100]))
+        out = plan(Observation(5.0 * i, tuple(workers), traffic, SLO), state, cfg)
+        state = out.state
+        workers = _apply(workers, out.actions, 5.0 * i)
+        counts = {r: sum(w.role == r for w in workers) for r in ("prefill", "decode")}
+        assert 1 <= counts["prefill"] <= 3 and 2 <= counts["decode"] <= 4, (i, counts)
+        assert len(workers) <= 6
+        named = [a.worker_id for a in out.actions if a.worker_id]
+        assert len(named) == len(set(named))  # no worker acted on twice
+
+
+def test_a_config_that_cannot_hold_is_refused():
+    with pytest.raises(ValueError, match="minima exceed max_workers"):
+        PlannerConfig(max_workers=1)
+    with pytest.raises(ValueError, match="min <= max"):
+        PlannerConfig(min_workers=(("prefill", 3),), max_workers_per_pool=(("prefill", 2),))
+    with pytest.raises(ValueError, match="roles"):
+        PlannerConfig(roles=("janitor",))
+
+
+def test_a_colocated_pool_grows_on_either_miss():
+    cfg = config(roles=("both",))
+    on_ttft = [view("e0", "both", queued_tokens=8000)]
+    on_tpot = [view("e0", "both", seqs=60)]
+    for workers, why in ((on_ttft, "TTFT forecast"), (on_tpot, "TPOT forecast")):
+        seen, _, _ = ticks(workers, n=3, cfg=cfg)
+        add, = seen[2]
+        assert (add.kind, add.role) == ("add", "both") and why in add.reason
