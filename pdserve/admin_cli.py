@@ -39,6 +39,10 @@ def add_admin_parser(sub) -> None:
                        ("remove", "drain a worker, then end it")):
         action = actions.add_parser(name, help=text)
         action.add_argument("worker_id")
+    planner = actions.add_parser("planner", help="the SLO planner's signals and recent "
+                                 "decisions (serve --autoscale); pause or resume it")
+    planner.add_argument("verb", nargs="?", choices=("show", "pause", "resume"),
+                         default="show")
     role = actions.add_parser("role", help="drain a worker and switch its role")
     role.add_argument("worker_id")
     role.add_argument("role", choices=ROLES)
@@ -87,4 +91,7 @@ def _request(args: argparse.Namespace) -> tuple[str, str, dict | None]:
             "drain": ("POST", f"{worker}/drain", None),
             "resume": ("POST", f"{worker}/resume", None),
             "role": ("POST", f"{worker}/role", {"role": getattr(args, "role", None)}),
-            "remove": ("DELETE", worker, None)}[args.action]
+            "remove": ("DELETE", worker, None),
+            "planner": (("GET", "/admin/planner", None) if getattr(args, "verb", "show")
+                        == "show" else ("POST", f"/admin/planner/{args.verb}", None))
+            }[args.action]

@@ -15,7 +15,7 @@ import threading
 from pdserve import cli_flags, env
 from pdserve.admin_cli import add_admin_parser
 from pdserve.bench.cli import add_bench_parser
-from pdserve.router.config import PoolSpec, RouterConfig, RoutingSpec
+from pdserve.router.config import AutoscaleSpec, PoolSpec, RouterConfig, RoutingSpec
 from pdserve.sim.cli import add_sim_parser
 from pdserve.sim.measure import add_profile_parser
 
@@ -55,7 +55,19 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     pools.add_argument("--transfer-timeout", type=float, default=30.0,
                        help="seconds a KV transfer may take (default: %(default)s)")
     cli_flags.add_flags(p.add_argument_group("routing"), RoutingSpec)
+    cli_flags.add_flags(p.add_argument_group("autoscaling (the SLO planner)"), AutoscaleSpec)
     cli_flags.add_engine_flags(p)
+
+
+def cluster_specs(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
+    """The pools' and the router's settings from the flags; a bad combination exits
+    with what is wrong, before anything starts."""
+    try:
+        return (PoolSpec(**cli_flags.values(args, PoolSpec)),
+                RouterConfig(routing=RoutingSpec(**cli_flags.values(args, RoutingSpec)),
+                             autoscale=AutoscaleSpec(**cli_flags.values(args, AutoscaleSpec))))
+    except ValueError as err:
+        raise SystemExit(f"pdserve {args.command}: {err}") from None
 
 
 def launch_cluster(args: argparse.Namespace, **engine_overrides):
@@ -64,10 +76,9 @@ def launch_cluster(args: argparse.Namespace, **engine_overrides):
     from pdserve.router.launch import launch
 
     config = cli_flags.engine_config(args, args.model, **engine_overrides)
-    pools = PoolSpec(**cli_flags.values(args, PoolSpec))
-    routing = RoutingSpec(**cli_flags.values(args, RoutingSpec))
+    pools, router_config = cluster_specs(args)
     return launch(config, pools, TransferConfig(timeout_s=args.transfer_timeout),
-                  RouterConfig(routing=routing),
+                  router_config,
                   served_model_name=getattr(args, "served_model_name", None) or args.model)
 
 
@@ -121,6 +132,7 @@ def _serve(args) -> int:
 
     from pdserve.router.server import RouterServer
 
+    cluster_specs(args)  # checked before Ray starts
     ray.init(address=args.ray_address, include_dashboard=False,
              log_to_driver=args.ray_address is None)
     from pdserve.router.auth import ApiKeys

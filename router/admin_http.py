@@ -104,7 +104,30 @@ def admin_routes(router: Router, keys: ApiKeys) -> APIRouter:
         await _carried_out(pool, pool.remove(worker_id, body.timeout_s if body else None))
         return {"worker_id": worker_id, "removed": True}
 
+    @api.get("/planner")
+    async def planner():
+        """The SLO planner: paused or not, its bounds, each pool's last signals and its
+        recent decisions with their reasons and outcomes."""
+        return _planner(router).describe()
+
+    @api.post("/planner/pause")
+    async def pause_planner():
+        """It decides nothing until resumed (what it started goes on)."""
+        _planner(router).paused = True
+        return _planner(router).describe()
+
+    @api.post("/planner/resume")
+    async def resume_planner():
+        _planner(router).paused = False
+        return _planner(router).describe()
+
     return api
+
+
+def _planner(router: Router):
+    if router.planner is None:
+        raise HTTPException(409, "this router runs no planner (pdserve serve --autoscale)")
+    return router.planner
 
 
 def describe(router: Router, worker_id: str) -> dict:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.options import option
+from pdserve.router.planner import PlannerConfig
 from pdserve.router.slo import Slo
 
 MODES = ("disaggregated", "colocated", "adaptive")
@@ -59,6 +60,51 @@ class RoutingSpec:
             return Slo.from_ms(self.slo_ttft_ms, self.slo_tpot_ms)
         except InvalidRequestError as err:
             raise ValueError(str(err)) from None
+
+
+@dataclass(frozen=True)
+class AutoscaleSpec:
+    """The SLO planner (`pdserve serve --autoscale` flags): each pool sized against
+    the SLOs the server routes with (router/planner.py)."""
+    autoscale: bool = option(False, "run the SLO planner: it adds, drains, removes and "
+                             "flips workers to keep TTFT and TPOT within the SLOs "
+                             "(--slo-ttft-ms, --slo-tpot-ms) at the fewest workers")
+    min_prefill_workers: int = option(1, "--autoscale: the prefill pool's floor", ge=0)
+    max_prefill_workers: int = option(4, "--autoscale: the prefill pool's ceiling", ge=0)
+    min_decode_workers: int = option(1, "--autoscale: the decode pool's floor (colocated "
+                                     "mode: the pool of role both)", ge=0)
+    max_decode_workers: int = option(4, "--autoscale: the decode pool's ceiling "
+                                     "(colocated mode: the pool of role both)", ge=0)
+    max_workers: int = option(8, "--autoscale: the budget, every pool together", ge=1)
+    planner_interval_s: float = option(5.0, "--autoscale: seconds between the planner's "
+                                       "decisions", gt=0)
+
+    def __post_init__(self) -> None:
+        for role in ("prefill", "decode"):
+            low, high = getattr(self, f"min_{role}_workers"), getattr(self, f"max_{role}_workers")
+            if not 0 <= low <= high:
+                raise ValueError(f"--min-{role}-workers {low} and --max-{role}-workers {high}: "
+                                 "need 0 <= min <= max")
+        if self.min_prefill_workers + self.min_decode_workers > self.max_workers:
+            raise ValueError(f"--max-workers {self.max_workers} is below the pools' minima "
+                             f"({self.min_prefill_workers} + {self.min_decode_workers})")
+        if not self.planner_interval_s > 0:
+            raise ValueError("--planner-interval-s must be > 0")
+        for roles in (("prefill", "decode"), ("both",)):
+            self.planner_config(roles)  # and the planner's own checks
+
+    def planner_config(self, roles: tuple[str, ...]) -> PlannerConfig:
+        """For the pools of these roles: prefill and decode, or both (colocated)."""
+        colocated = roles == ("both",)
+        minima = (("both", self.min_decode_workers),) if colocated else (
+            ("prefill", self.min_prefill_workers), ("decode", self.min_decode_workers))
+        maxima = (("both", self.max_decode_workers),) if colocated else (
+            ("prefill", self.max_prefill_workers), ("decode", self.max_decode_workers))
+        return PlannerConfig(roles=roles, min_workers=minima, max_workers_per_pool=maxima,
+                             max_workers=self.max_workers,
+                             interval_s=self.planner_interval_s)
+
+
 STRATEGIES = ("default", "spread")  # Ray's scheduling strategies, as for actors
 
 
@@ -94,6 +140,7 @@ class RouterConfig:
     # before it is parsed.
     max_request_bytes: int = 4 << 20  # a 128k-token prompt is about 1 MiB as JSON
     routing: RoutingSpec = RoutingSpec()
+    autoscale: AutoscaleSpec = AutoscaleSpec()
     # Workers in role both may also be paired, prefill on one and decode on another
     # (the adaptive mode; launch sets it).
     adaptive: bool = False

@@ -95,7 +95,18 @@ class RouterMetrics:
                                     "Finished requests with an SLO, by whether they met it "
                                     "and the placement's kind (colocate | disaggregate)",
                                     labels + ["slo", "met", "kind"], registry=r)
-        self._model = model
+        self.planner_decisions = Counter(
+            "pdserve:planner_decisions", "The SLO planner's actions: add, remove, flip (to "
+            "the role named), by cause (minimum, maximum, miss, demand, spare)",
+            labels + ["action", "role", "reason"], registry=r)
+        self.planner_desired = Gauge("pdserve:planner_desired_workers",
+                                     "Workers the SLO planner wants in each pool",
+                                     labels + ["role"], registry=r)
+        self.pool_workers = Gauge("pdserve:pool_workers",
+                                  "Workers by role and state (serving, draining, stalled, "
+                                  "restarting, dead, pending, starting)",
+                                  labels + ["role", "state"], registry=r)
+        self._model = self.model_name = model
 
     def observe_worker(self, t) -> None:
         """One WorkerTelemetry report."""

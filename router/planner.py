@@ -110,11 +110,15 @@ class Observation:
 
 # ---- what it decides ---------------------------------------------------------------
 
+CAUSES = ("minimum", "maximum", "miss", "demand", "spare")
+
+
 @dataclass(frozen=True)
 class Action:
     kind: str  # add | remove | flip
     role: str  # add: the pool grown; remove: the pool shrunk; flip: the pool it joins
-    reason: str
+    cause: str  # CAUSES: a bound, a forecast miss, the demand, a pool that can spare one
+    reason: str  # the figures behind it, for people
     worker_id: str = ""  # remove, flip: which worker
 
 
@@ -124,6 +128,7 @@ class PoolSignal:
     members: int  # serving, starting and stalled (not draining)
     coming: int  # starting, or serving for less than cold_start_s
     short: str  # why it is short ("" if it is not)
+    short_cause: str  # miss | demand ("" if it is not short)
     spare: str  # why it could lose one ("" if it cannot)
     demand: int  # workers the demand needs (0: unknown)
 
@@ -172,13 +177,14 @@ def plan(obs: Observation, state: PlannerState, config: PlannerConfig) -> Plan:
 
     for role in config.roles:  # bounds first, at once
         while counts[role] < config.minimum(role) and total() < config.max_workers:
-            gain(role, Action("add", role, f"below its minimum of {config.minimum(role)}"))
+            gain(role, Action("add", role, "minimum",
+                              f"below its minimum of {config.minimum(role)}"))
         while counts[role] > config.maximum(role):
             victim = _victim(obs, role, taken)
             if victim is None:
                 break
             lose(role, victim)
-            actions.append(Action("remove", role, f"above its maximum of "
+            actions.append(Action("remove", role, "maximum", f"above its maximum of "
                                   f"{config.maximum(role)}", victim))
     for role in config.roles:
         signal = signals[role]
@@ -189,10 +195,11 @@ def plan(obs: Observation, state: PlannerState, config: PlannerConfig) -> Plan:
         if donor is not None:
             donor_role, worker_id = donor
             lose(donor_role, worker_id)
-            gain(role, Action("flip", role, f"{why}; the {donor_role} pool can spare one "
+            gain(role, Action("flip", role, signal.short_cause, f"{why}; the {donor_role} "
+                              f"pool can spare one "
                               f"({signals[donor_role].spare})", worker_id))
         elif total() < config.max_workers:
-            gain(role, Action("add", role, why))
+            gain(role, Action("add", role, signal.short_cause, why))
     for role in config.roles:
         signal = signals[role]
         if spare_ticks[role] < config.down_sustain or counts[role] <= config.minimum(role) \
@@ -202,7 +209,7 @@ def plan(obs: Observation, state: PlannerState, config: PlannerConfig) -> Plan:
         victim = _victim(obs, role, taken)
         if victim is not None:
             lose(role, victim)
-            actions.append(Action("remove", role, f"{signal.spare} for "
+            actions.append(Action("remove", role, "spare", f"{signal.spare} for "
                                   f"{config.down_sustain} ticks", victim))
     return Plan(tuple(actions), replace(state, short_ticks=short_ticks,
                                         spare_ticks=spare_ticks, grew_at=grew_at), signals)
@@ -217,11 +224,11 @@ def _signal(role: str, obs: Observation, config: PlannerConfig) -> PoolSignal:
     warm = [w for w in members if w.state == "serving" and w.age_s >= config.cold_start_s
             and w.cost is not None]
     demand = _demand(role, warm, obs, config)
-    short = _short(role, warm, obs, config)
+    short, cause = _short(role, warm, obs, config), "miss"
     if not short and demand > len(members):
-        short = f"the demand needs {demand} workers, it has {len(members)}"
+        short, cause = f"the demand needs {demand} workers, it has {len(members)}", "demand"
     spare = _spare(role, warm, members, obs, config) if demand < len(members) else ""
-    return PoolSignal(len(members), len(coming), short, spare, demand)
+    return PoolSignal(len(members), len(coming), short, cause if short else "", spare, demand)
 
 
 def _short(role: str, warm: list[WorkerView], obs: Observation, config: PlannerConfig) -> str:
@@ -330,8 +337,10 @@ def _donor(role: str, obs: Observation, config: PlannerConfig, signals: dict,
     """A pool that can spare a worker to the short one, and which worker: flipping
     keeps the weights loaded, so it comes before adding one."""
     for other in config.roles:
+        # Its spare check gives up a starting worker first: a flip takes a serving one,
+        # so only a pool with none coming can lend.
         if other == role or not signals[other].spare or signals[other].short \
-                or counts[other] <= config.minimum(other):
+                or signals[other].coming or counts[other] <= config.minimum(other):
             continue
         serving = [w for w in obs.workers if w.role == other and w.state == "serving"
                    and w.worker_id not in taken]

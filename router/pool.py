@@ -69,6 +69,7 @@ class Pool:
         self.on_restart = on_restart or (lambda worker: None)
         self.workers: dict[str, WorkerHandle] = {}
         self.joining: dict[str, Joining] = {}  # being added, or failed to be (the last few)
+        self._spawns: dict[str, asyncio.Task] = {}  # worker id -> its addition under way
         self.on_change: list[Callable[[], None]] = []  # a worker left or rejoined service
         self._reviving: dict[str, asyncio.Task] = {}  # worker id -> its revival
         # Eviction timers of silent workers and fresh workers for evicted ones.
@@ -148,6 +149,8 @@ class Pool:
             if entry is None:
                 self.joining[worker_id] = Joining(worker_id=worker_id, role=role,
                                                   state=state, since=self._now())
+                self._spawns[worker_id] = spawn
+                spawn.add_done_callback(lambda _: self._spawns.pop(worker_id, None))
             else:
                 entry.state = state
             if not named.done():
@@ -204,6 +207,7 @@ class Pool:
         if self._started:
             self._subscribe(worker)
         worker.update(draining=False)
+        worker.serving_since = self._now()
         log.warning("worker %s (%s) joined", worker.worker_id, worker.state.role)
         self._changed()
 
@@ -244,12 +248,19 @@ class Pool:
         if stopped_decoding and not worker.state.decodes:
             await self._unpair(worker, worker.address)
         await self._pair_with_cluster(worker)
+        worker.serving_since = self._now()
         self.resume(worker_id)
         log.warning("worker %s is now in role %s", worker_id, role)
 
     async def remove(self, worker_id: str, timeout_s: float | None = None,
                      kill: bool = True) -> None:
-        """Drains the worker, then it leaves: unsubscribed, forgotten and (kill) ended."""
+        """Drains the worker, then it leaves: unsubscribed, forgotten and (kill) ended.
+        One still being added is given up (its actor ended)."""
+        spawn = self._spawns.get(worker_id)
+        if worker_id not in self.workers and spawn is not None:
+            spawn.cancel()
+            await asyncio.wait({spawn})
+            return
         worker = self.member(worker_id)
         if worker.state.alive:
             await self.drain(worker_id, timeout_s)
@@ -371,6 +382,7 @@ class Pool:
         worker.update(num_blocks=stats.num_blocks)
         self.on_restart(worker)
         await self._pair_with_cluster(worker)
+        worker.serving_since = self._now()
         self._subscribe(worker)
 
     async def _pair_with_cluster(self, worker: WorkerHandle) -> None:

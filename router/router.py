@@ -4,6 +4,7 @@
     request_runner.py  a request's flight through its phases, released once
     placer.py          the policy's decision on a snapshot, the ordered wait for capacity
     pool.py            membership, supervision and pairing of the workers
+    planner_runner.py  the SLO planner (planner.py), with --autoscale
     cluster_models.py  what the router learns of the workers for the latency model
     worker_client.py   the one seam to the workers (Ray, or simulated)
 
@@ -25,8 +26,10 @@ from pdserve.router.lifecycle import Accepted, Flight
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_info import ModelInfo
 from pdserve.router.placer import Placer
+from pdserve.router.planner_runner import PlannerRunner
 from pdserve.router.pool import Pool, Spawner
 from pdserve.router.request_runner import RequestRunner
+from pdserve.router.traffic import TrafficWindow
 from pdserve.router.workers import WorkerHandle
 
 __all__ = ["Accepted", "Router"]
@@ -55,7 +58,13 @@ class Router:
                                       config, tokenizer, clock, self._measured)
         # A request's way through: accept (or accept_chat), then generate.
         self.accept, self.accept_chat = self.intake.accept, self.intake.accept_chat
-        self.generate = self.requests.generate
+        self.traffic = TrafficWindow()  # what the planner reads of the load
+        self.planner: PlannerRunner | None = None  # started by start() with --autoscale
+
+    def generate(self, req: Accepted):
+        """Streams the request's deltas (request_runner.RequestRunner.generate)."""
+        self.traffic.arrived(self.clock.monotonic(), len(req.prompt_token_ids))
+        return self.requests.generate(req)
 
     async def abort(self, request_id: str, owner: str = "") -> bool:
         """Ends an in-flight request of this owner (its stream ends with finish_reason
@@ -101,8 +110,18 @@ class Router:
 
     async def start(self) -> None:
         await self.pool.start()
+        spec = self.config.autoscale
+        if spec.autoscale:
+            roles = {w.state.role for w in self.pool.workers.values()}
+            pools = ("both",) if roles <= {"both"} else ("prefill", "decode")
+            self.planner = PlannerRunner(self.pool, spec.planner_config(pools),
+                                         self.config.routing.default_slo, self.traffic,
+                                         self.metrics)
+            self.planner.start()
 
     async def stop(self) -> None:
+        if self.planner is not None:
+            await self.planner.stop()
         await self.pool.stop()
         await self.requests.stop()
 
@@ -134,6 +153,7 @@ class Router:
             self.placer.queue.freed()  # not on every step: waiters would be asked in vain
 
     def _measured(self, flight: Flight, ttft_s: float, tpot_s: float | None) -> None:
+        self.traffic.finished(self.clock.monotonic(), flight.num_output_tokens)
         decision = flight.predicted
         if not self.config.routing.calibrate or decision is None:
             return

@@ -27,6 +27,9 @@ class WorkerHandle:
     # its flight (lifecycle.Flight), whose queue the pump feeds.
     flights: dict[str, object] = field(default_factory=dict)
     version: int = 0  # changes whenever a flight here joins, leaves or is sent tokens
+    # When it last began serving in its role (joined, came back, changed role), on
+    # the loop's clock: its first reports after it are a cold start.
+    serving_since: float = 0.0
     pump: asyncio.Task | None = None
     _drained: asyncio.Event | None = field(default=None, repr=False)
 

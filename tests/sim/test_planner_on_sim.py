@@ -1,0 +1,70 @@
+"""The SLO planner in the loop, on simulated workers in virtual time: the real Router,
+Pool and PlannerRunner, with `--autoscale`. A load step grows the pools it needs;
+when the load stops they return to their minima; no request is lost to scaling."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+from pdserve import SamplingParams
+from pdserve.router.config import AutoscaleSpec, PoolSpec, RouterConfig, RoutingSpec
+from pdserve.sim import virtual_time
+from pdserve.sim.cluster import SimCluster
+from tests.sim.sims import small_profile
+
+MAX_TOKENS = 64
+
+
+def test_a_load_step_grows_the_pools_and_they_shrink_back_when_it_stops():
+    # 40 req/s of 1,000-token prompts: a prefill worker computes one in ~54 ms, so the
+    # demand is ~2.7 prefill workers at 0.8; ~41 decodes at once at 16 ms a step need
+    # 2 decode workers. Bounds: 1..3 each, 6 in all.
+    config = RouterConfig(
+        max_queued_prefill_tokens=0,  # every request is placed: none refused, none lost
+        routing=RoutingSpec(admission="always", slo_ttft_ms=500, slo_tpot_ms=20),
+        autoscale=AutoscaleSpec(autoscale=True, min_prefill_workers=1, max_prefill_workers=3,
+                                min_decode_workers=1, max_decode_workers=3, max_workers=6,
+                                planner_interval_s=1.0))
+
+    async def scenario():
+        cluster = SimCluster(small_profile(num_kv_blocks=16384, max_model_len=2048),
+                             PoolSpec(1, 1), config)
+        router = await cluster.start()
+        rng, params = random.Random(0), SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                       ignore_eos=True)
+        loop = asyncio.get_running_loop()
+        sizes: list[tuple[float, int, int]] = []  # (time, prefill, decode) serving
+
+        def serving(role: str) -> int:
+            states = router.worker_states()
+            return sum(w.state.role == role and states[k] == "serving"
+                       for k, w in router.workers.items())
+
+        async def one(i: int):
+            prompt = [rng.randrange(4, 2000) for _ in range(1000)]
+            accepted = await router.accept(prompt, params, f"r{i}")
+            return [d async for d in router.generate(accepted)][-1]
+
+        requests, start = [], loop.time()
+        while loop.time() - start < 60.0:
+            requests.append(asyncio.ensure_future(one(len(requests))))
+            sizes.append((loop.time() - start, serving("prefill"), serving("decode")))
+            await asyncio.sleep(rng.expovariate(40.0))
+        finished = await asyncio.gather(*requests)
+        while loop.time() - start < 300.0:  # idle: the planner takes the pools back
+            sizes.append((loop.time() - start, serving("prefill"), serving("decode")))
+            await asyncio.sleep(1.0)
+        decisions = list(router.planner.decisions)
+        await cluster.stop()
+        return finished, sizes, decisions
+
+    finished, sizes, decisions = virtual_time.run(scenario())
+    assert {d.finish_reason for d in finished} == {"length"}  # none lost to scaling
+    grown = [(d["action"], d["role"]) for d in decisions if d["action"] in ("add", "flip")]
+    assert ("add", "prefill") in grown and ("add", "decode") in grown, decisions
+    assert all(d["outcome"] in ("started", "done") for d in decisions), decisions
+    peak = max(p for _, p, _ in sizes), max(d for _, _, d in sizes)
+    assert peak[0] >= 2 and peak[1] >= 2 and peak[0] <= 3 and peak[1] <= 3
+    assert sizes[-1][1:] == (1, 1), sizes[-5:]  # back to the minimum
+    shrunk = [d for d in decisions if d["action"] == "remove"]
+    assert shrunk and all(d["cause"] == "spare" for d in shrunk)
