@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import secrets
 from collections import defaultdict
 from dataclasses import replace
@@ -27,6 +28,8 @@ from pdserve.router.router import Router
 from pdserve.router.workers import WorkerHandle
 from pdserve.worker.actor import WorkerActor
 
+log = logging.getLogger(__name__)
+
 
 class WorkerSpawner:
     """Creates worker actors of a role with the pool's resources, placement and
@@ -37,6 +40,20 @@ class WorkerSpawner:
         self.engine_config, self.pools = engine_config, pools
         self.transfer, self.router_config = transfer, router_config
         self._numbers: defaultdict[str, itertools.count] = defaultdict(itertools.count)
+        self._requested: list[dict[str, float]] | None = None  # the last autoscaler request
+
+    def wanted(self, workers: dict[str, int]) -> None:
+        """Asks Ray's autoscaler (request_resources) for room for every worker of the
+        pool, those being placed included, so a `ray up` or KubeRay cluster adds the
+        node a new worker waits for and lets go of one a removed worker left idle. The
+        request is the whole pool's, not an increment: Ray counts the resources in use
+        toward it. Without an autoscaler it is a note in Ray's state, and harmless."""
+        bundles = [self.demand(role) for role, n in sorted(workers.items())
+                   for _ in range(n)]
+        if bundles == self._requested:
+            return
+        self._requested = bundles
+        asyncio.get_running_loop().run_in_executor(None, _request_resources, bundles)
 
     def demand(self, role: str) -> dict[str, float]:
         pools = self.pools
@@ -109,6 +126,15 @@ class WorkerSpawner:
                     f"{fmt_resources(demand)} on one node, and the cluster has "
                     f"{fmt_resources({k: free.get(k, 0.0) for k in demand})} free in all")
             await asyncio.sleep(0.5)
+
+
+def _request_resources(bundles: list[dict[str, float]]) -> None:
+    from ray.autoscaler.sdk import request_resources
+    try:
+        request_resources(bundles=bundles)
+    except Exception as exc:  # a hint to the autoscaler: never worth failing for
+        log.warning("could not ask Ray's autoscaler for %d worker bundles: %s",
+                    len(bundles), exc)
 
 
 def placed(actor) -> bool:

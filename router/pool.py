@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Callable, Protocol
 
 from pdserve.engine.worker_messages import check_role
 from pdserve.router.config import RouterConfig
@@ -25,9 +25,20 @@ log = logging.getLogger(__name__)
 # progress(worker_id, state): a worker being started is "pending" (not yet placed)
 # or "starting" (placed, loading).
 Progress = Callable[[str, str], None]
-# Spawns a fresh worker of a role, loaded and ready, not yet paired or subscribed
-# (launch.WorkerSpawner on Ray), telling its progress.
-Spawner = Callable[[str, Progress], Awaitable[WorkerHandle]]
+
+
+class Spawner(Protocol):
+    """Starts workers: launch.WorkerSpawner on Ray, SimCluster in the simulator."""
+
+    async def __call__(self, role: str, progress: Progress) -> WorkerHandle:
+        """A fresh worker of `role`, loaded and ready, not yet paired or subscribed,
+        telling its progress."""
+
+    def wanted(self, workers: dict[str, int]) -> None:
+        """The pool's workers by role, those being added included, whenever that
+        changes: a cluster that adds nodes on demand keeps room for them."""
+
+
 Hook = Callable[[WorkerHandle], None]
 # Workers that failed to start, kept to be shown (admin list) with their reason.
 KEPT_FAILURES = 16
@@ -151,6 +162,7 @@ class Pool:
                                                   state=state, since=self._now())
                 self._spawns[worker_id] = spawn
                 spawn.add_done_callback(lambda _: self._spawns.pop(worker_id, None))
+                self._tell_wanted()
             else:
                 entry.state = state
             if not named.done():
@@ -174,12 +186,14 @@ class Pool:
         except asyncio.CancelledError:
             for worker_id in names:
                 self.joining.pop(worker_id, None)
+            self._tell_wanted()
             raise
         except Exception as exc:
             for worker_id in dict.fromkeys(names):
                 log.error("worker %s (%s) was not added: %s", worker_id, role,
                           short_reason(exc))
                 self._failed(worker_id, short_reason(exc))
+            self._tell_wanted()
             raise
         self.joining.pop(worker.worker_id, None)
         return worker.worker_id
@@ -442,5 +456,15 @@ class Pool:
         return task
 
     def _changed(self) -> None:
+        self._tell_wanted()
         for listener in self.on_change:
             listener()
+
+    def _tell_wanted(self) -> None:
+        if self.spawner is None:
+            return
+        wanted: dict[str, int] = {}
+        for role in [w.state.role for w in self.workers.values()] + [
+                j.role for j in self.joining.values() if j.state != "failed"]:
+            wanted[role] = wanted.get(role, 0) + 1
+        self.spawner.wanted(wanted)

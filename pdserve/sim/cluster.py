@@ -54,10 +54,16 @@ class SimCluster:
         workers = [self._create(role) for role in self.pools.roles]
         await asyncio.gather(*(w.boot() for w in workers))
         self.router = Router(self.tokenizer, self.model, [_handle(w) for w in workers],
-                             self.router_config, spawner=self.spawn,
+                             self.router_config, spawner=self,
                              clock=LoopClock(asyncio.get_running_loop()), router_id=ROUTER_ID)
         await self.router.start()
         return self.router
+
+    async def __call__(self, role: str, progress: Progress) -> WorkerHandle:
+        return await self.spawn(role, progress)
+
+    def wanted(self, workers: dict[str, int]) -> None:
+        """Every simulated worker is placed at once: nothing to ask for."""
 
     async def spawn(self, role: str, progress: Progress = lambda worker_id, state: None
                     ) -> WorkerHandle:
