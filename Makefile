@@ -32,7 +32,7 @@ demo: $(VENV)/.runtime
 # generator was used (the router's step streams are), and CI's pytest process aborted
 # (abseil mutex.cc, no traceback) in tests that ran after them. Nothing runs after
 # the last Ray session in a process this way, and no second Ray session follows one.
-RAY_TESTS := tests/cluster tests/multinode
+RAY_TESTS := tests/cluster tests/multinode tests/autoscaler
 
 test: $(VENV)/.dev
 	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(RAY_TESTS))

@@ -196,6 +196,7 @@ class Pool:
             self._tell_wanted()
             raise
         self.joining.pop(worker.worker_id, None)
+        self._tell_wanted()  # a member now, no longer also counted as joining
         return worker.worker_id
 
     def _failed(self, worker_id: str, reason: str) -> None:

@@ -52,7 +52,7 @@ def _torch_threads():
 # core worker's io thread running after ray.shutdown() once a streaming generator was
 # used; `make test` runs each Ray package in a process of its own, and a plain
 # `pytest` run at least puts nothing after them.
-_LAST = ("tests/bench/", "tests/cluster/", "tests/multinode/")
+_LAST = ("tests/bench/", "tests/cluster/", "tests/multinode/", "tests/autoscaler/")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -26,6 +26,7 @@ from pdserve.router.placement import PlacementError
 from pdserve.router.server import RouterServer
 from tests.cluster.conftest import stop_cluster
 from tests.engine.test_hf_oracle import Oracle
+from tests.polling import until
 
 ADMIN_KEY = "admin-secret"
 MAX_TOKENS = 10
@@ -58,8 +59,10 @@ class Load:
     """Clients sending greedy requests one after another until stopped; every
     answer is checked against HF's."""
 
-    def __init__(self, srv: RouterServer, expected, clients: int = 3):
+    def __init__(self, srv: RouterServer, expected, clients: int = 3, prompts=PROMPTS,
+                 max_tokens: int = MAX_TOKENS):
         self.srv, self.expected = srv, expected
+        self.prompts, self.max_tokens = prompts, max_tokens
         self.done, self.wrong, self.errors = 0, [], []
         self._stop = threading.Event()
         self._lock = threading.Condition()
@@ -72,10 +75,10 @@ class Load:
         with Client(self.srv.grpc_target) as client:
             i = offset
             while not self._stop.is_set():
-                k = i % len(PROMPTS)
+                k = i % len(self.prompts)
                 try:
-                    out = client.generate(PROMPTS[k], max_tokens=MAX_TOKENS, temperature=0,
-                                          ignore_eos=True, timeout=120)
+                    out = client.generate(self.prompts[k], max_tokens=self.max_tokens,
+                                          temperature=0, ignore_eos=True, timeout=120)
                 except Exception as exc:  # noqa: BLE001 - recorded and asserted on
                     with self._lock:
                         self.errors.append(exc)
@@ -315,14 +318,14 @@ def test_churn_leaves_no_threads_or_fds_behind_on_the_workers_that_stay(cluster,
 
 
 def _until_state(srv: RouterServer, worker_id: str, states: set[str], timeout_s: float) -> dict:
-    """GET /admin/workers/{id} until its state is one of `states` (the admin API has
-    no push; its answer is the condition waited on)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        shown = admin(srv, "GET", f"/workers/{worker_id}").json()
-        if shown.get("state") in states or time.monotonic() > deadline:
-            return shown
-        time.sleep(0.1)
+    """GET /admin/workers/{id} until its state is one of `states`."""
+    shown: dict = {}
+
+    def reached() -> bool:
+        shown.update(admin(srv, "GET", f"/workers/{worker_id}").json())
+        return shown.get("state") in states
+    until(reached, timeout_s)
+    return shown
 
 
 def test_admin_add_answers_at_once_and_lists_the_worker_until_it_serves_or_is_abandoned(
