@@ -5,9 +5,9 @@ weights stay loaded) and leaves once this router's requests on it are done. A
 worker whose process died is out of service at once and back once its restart
 answers; one silent past the stall bound is out of service until it reports again;
 one not back within revive_timeout_s is evicted and, when the pool can spawn
-workers, replaced. Prefill-capable workers are paired with every decode-capable one
-ahead of traffic, and close those pairs when it leaves, restarts or stops decoding.
-Every call to a worker goes through its WorkerClient."""
+workers, replaced. Workers are paired as they join, change role or come back, and
+their pairs closed as they leave (pairing.py). Every call to a worker goes through
+its WorkerClient."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +17,8 @@ from typing import Callable, Protocol
 
 from pdserve.engine.worker_messages import check_role
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import WorkerDied, short_reason
+from pdserve.router.errors import short_reason
+from pdserve.router.pairing import Pairing
 from pdserve.router.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class Pool:
         # Eviction timers of silent workers and fresh workers for evicted ones.
         self._background: set[asyncio.Task] = set()
         self._started = False
+        self.pairing = Pairing(self.workers, config, on_dead=self.died)
         self.closing = asyncio.Event()  # set by close(): the router is shutting down
 
     def admit(self, worker: WorkerHandle) -> None:
@@ -218,7 +220,7 @@ class Pool:
             raise MembershipError(f"worker {worker.worker_id} is already a member")
         worker.update(draining=True)  # no traffic until paired and subscribed
         self.admit(worker)
-        await self._pair_with_cluster(worker)
+        await self.pairing.join(worker)
         if self._started:
             self._subscribe(worker)
         worker.update(draining=False)
@@ -261,8 +263,8 @@ class Pool:
         stopped_decoding = worker.state.decodes
         worker.update(role=role)
         if stopped_decoding and not worker.state.decodes:
-            await self._unpair(worker, worker.address)
-        await self._pair_with_cluster(worker)
+            await self.pairing.leave(worker, worker.address)
+        await self.pairing.join(worker)
         worker.serving_since = self._now()
         self.resume(worker_id)
         log.warning("worker %s is now in role %s", worker_id, role)
@@ -303,7 +305,7 @@ class Pool:
         if revival is not None:
             revival.cancel()
         self.workers.pop(worker.worker_id, None)
-        unpaired = (self._in_background(self._unpair(worker, worker.address))
+        unpaired = (self._in_background(self.pairing.leave(worker, worker.address))
                     if worker.address else None)
         self.on_leave(worker)
         if kill:
@@ -392,63 +394,13 @@ class Pool:
         # A new process, maybe on another node, listening on a new rendezvous: what
         # was learned of the old one (steps, transfers, calibration, prefixes) goes,
         # and so do the pairs with its old rendezvous.
-        await self._unpair(worker, worker.address)
+        await self.pairing.leave(worker, worker.address)
         worker.address = ""
         worker.update(num_blocks=stats.num_blocks)
         self.on_restart(worker)
-        await self._pair_with_cluster(worker)
+        await self.pairing.join(worker)
         worker.serving_since = self._now()
         self._subscribe(worker)
-
-    async def _pair_with_cluster(self, worker: WorkerHandle) -> None:
-        """Pairs the worker, ahead of traffic, with every worker it may send KV to or
-        receive KV from: role prefill (and in adaptive mode role both) sends to every
-        decode-capable worker. Outside adaptive mode, workers in role both run whole
-        requests only and send nothing. Pairs with a rendezvous that left are closed
-        (_unpair)."""
-        timeout_s, adaptive = self.config.control_timeout_s, self.config.adaptive
-        if worker.state.decodes and not worker.address:
-            worker.address = await asyncio.wait_for(worker.client.address(), timeout_s)
-        live = [w for w in self.workers.values() if w.state.alive and w is not worker]
-        pairs = []
-        if worker.state.sends_kv(adaptive):
-            pairs += [(worker, d.address) for d in live if d.state.decodes and d.address]
-        if worker.state.decodes:
-            pairs += [(p, worker.address) for p in live if p.state.sends_kv(adaptive)]
-        await self._pair(pairs)
-
-    async def _pair(self, pairs: list[tuple[WorkerHandle, str]]) -> None:
-        """Pairs prefill workers with decode addresses ahead of traffic, best effort: a
-        pair that fails now opens on its first request instead, and a prefill worker
-        found dead on the way is taken out of service."""
-        timeout_s = self.config.control_timeout_s
-        results = await asyncio.gather(*[
-            asyncio.wait_for(p.client.connect([address]), timeout_s)
-            for p, address in pairs], return_exceptions=True)
-        for (prefill, address), result in zip(pairs, results):
-            if isinstance(result, Exception):
-                log.warning("pairing %s with %s failed: %s", prefill.worker_id, address,
-                            short_reason(result))
-                if isinstance(result, WorkerDied):
-                    self.died(prefill)
-
-    async def _unpair(self, worker: WorkerHandle, address: str) -> None:
-        """Every other live worker closes its pair with `address`, a decode rendezvous
-        that left (its worker removed, evicted, restarted or no longer decoding): no
-        connection, process group or thread stays behind for it. Best effort: a pair
-        not closed now fails, and is dropped, on its next use."""
-        others = [w for w in self.workers.values()
-                  if w is not worker and w.state.alive and w.state.role != "decode"]
-        if not address or not others:
-            return
-        timeout_s = self.config.control_timeout_s
-        results = await asyncio.gather(*[
-            asyncio.wait_for(w.client.disconnect([address]), timeout_s) for w in others],
-            return_exceptions=True)
-        for other, result in zip(others, results):
-            if isinstance(result, Exception):
-                log.warning("%s could not close its pair with %s: %s", other.worker_id,
-                            address, short_reason(result))
 
     def _in_background(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
