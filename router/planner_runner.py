@@ -61,8 +61,12 @@ class PlannerRunner:
     async def _run(self) -> None:
         while not self.pool.closing.is_set():
             await asyncio.sleep(self.config.interval_s)  # the planner's period
-            if not self.paused and not self.pool.closing.is_set():
+            if self.paused or self.pool.closing.is_set():
+                continue
+            try:
                 self.tick()
+            except Exception:  # a bug in one tick must not end the planner
+                log.exception("planner: the tick failed; the next one tries again")
 
     def tick(self) -> Plan:
         out = plan(self.observe(), self.state, self.config)
