@@ -50,6 +50,7 @@ class PlannerRunner:
 
     def start(self) -> None:
         self._ticking = asyncio.get_running_loop().create_task(self._run())
+        self.pool.on_change.append(self._count_workers)  # between ticks too
 
     async def stop(self) -> None:
         for task in [self._ticking, *self._tasks]:

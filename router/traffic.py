@@ -1,7 +1,9 @@
 """What the planner reads of the traffic: requests arriving (refused ones included:
 refused demand is demand) and the output of those finished, over a sliding window.
-The rate's trend is the least-squares slope of the per-bucket arrival rates, so a
-rising load is seen before the queue shows it. Pure: time is passed in."""
+The rate is the last `recent_s` seconds' (a load that stopped reads as none within
+them, where the window's mean would linger for its whole length); its trend is the
+least-squares slope of the window's per-bucket arrival rates, so a rising load is
+seen before the queue shows it. Pure: time is passed in."""
 from __future__ import annotations
 
 from collections import deque
@@ -12,10 +14,10 @@ from pdserve.router.planner import Traffic
 
 
 class TrafficWindow:
-    def __init__(self, window_s: float = 60.0, buckets: int = 12):
-        if window_s <= 0 or buckets < 2:
-            raise ValueError("window_s must be > 0 and buckets >= 2")
-        self.window_s, self.buckets = window_s, buckets
+    def __init__(self, window_s: float = 60.0, buckets: int = 12, recent_s: float = 10.0):
+        if window_s <= 0 or buckets < 2 or not 0 < recent_s <= window_s:
+            raise ValueError("window_s must be > 0, buckets >= 2, recent_s in (0, window_s]")
+        self.window_s, self.buckets, self.recent_s = window_s, buckets, recent_s
         self._arrivals: deque = deque()  # (time, prompt tokens)
         self._finished: deque = deque()  # (time, output tokens)
         self._since: float | None = None  # the first arrival: a young window is shorter
@@ -37,7 +39,8 @@ class TrafficWindow:
             return Traffic()
         span = min(self.window_s, max(now - self._since, self.window_s / self.buckets))
         times = np.array([t for t, _ in self._arrivals])
-        rate = len(times) / span
+        recent = min(self.recent_s, max(now - self._since, self.recent_s / self.buckets))
+        rate = int(np.sum(times >= now - recent)) / recent
         width = span / self.buckets
         counts = np.histogram(times, bins=self.buckets, range=(now - span, now))[0] \
             if len(times) else np.zeros(self.buckets)

@@ -120,6 +120,8 @@ def test_the_admin_api_needs_its_own_key(cluster):
     bad = admin(cluster, "POST", "/workers", json={"role": "janitor"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "role"
     assert admin(cluster, "POST", "/workers/nobody/drain").status_code == 404
+    no_planner = admin(cluster, "GET", "/planner")
+    assert no_planner.status_code == 409 and "--autoscale" in no_planner.text
 
 
 def test_workers_join_drain_flip_and_leave_under_load(cluster, expected):

@@ -6,12 +6,16 @@ planner's own logic is tests/router/test_planner.py; its judgment, in the
 simulator, benchmarks/planner.py)."""
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import replace
 
+import httpx
 import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
+from pdserve.router.auth import ApiKeys
 from pdserve.router.config import AutoscaleSpec, PoolSpec, RouterConfig, RoutingSpec
 from pdserve.router.launch import launch
 from pdserve.router.server import RouterServer
@@ -23,6 +27,7 @@ from tests.polling import until
 # is forecast at some 30-40 ms to its first token; six queued, several times that.
 PROMPTS = [list(range(10 + 3 * i, 410 + 3 * i)) for i in range(4)]
 MAX_TOKENS = 4
+ADMIN_KEY = "admin-secret"
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,7 @@ def autoscaled(ray_local, llama_dir):
                                 planner_interval_s=0.5))
     router = launch(config, PoolSpec(1, 1, num_cpus_per_worker=0.5), TransferConfig(timeout_s=30),
                     router_config, served_model_name="test-llama")
-    srv = RouterServer(router)
+    srv = RouterServer(router, admin_keys=ApiKeys((ADMIN_KEY,)))
     planner = srv.router.planner
     planner.config = replace(planner.config, sustain=2, down_sustain=4, cold_start_s=2.0,
                              reversal_guard_s=2.0, startup_s=5.0)
@@ -85,3 +90,23 @@ def test_a_load_step_grows_the_pool_that_misses_and_it_shrinks_back(autoscaled, 
     shrunk = [d for d in list(planner.decisions) if d["action"] == "remove"]
     assert shrunk and all(d["cause"] == "spare" and d["outcome"] == "done" for d in shrunk), \
         planner.describe()["decisions"]
+
+
+def test_the_planner_is_shown_paused_and_resumed_through_the_admin_api(autoscaled, capsys):
+    from pdserve.cli import main
+    url = autoscaled.http_url
+    assert main(["admin", "--url", url, "--admin-api-key", ADMIN_KEY, "planner"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["bounds"] == {"prefill": [1, 2], "decode": [1, 2]} and not shown["paused"]
+    assert set(shown["signals"]) == {"prefill", "decode"}
+    assert any(d["action"] == "add" for d in shown["decisions"])  # the test before
+    assert main(["admin", "--url", url, "--admin-api-key", ADMIN_KEY, "planner", "pause"]) == 0
+    assert json.loads(capsys.readouterr().out)["paused"] and autoscaled.router.planner.paused
+    assert main(["admin", "--url", url, "--admin-api-key", ADMIN_KEY, "planner",
+                 "resume"]) == 0
+    assert not json.loads(capsys.readouterr().out)["paused"]
+    metrics = httpx.get(f"{url}/metrics").text
+    assert re.search(r'pdserve:planner_decisions_total\{action="add",model_name="test-llama",'
+                     r'reason="(miss|demand)",role="prefill"\} 1\.0', metrics), metrics
+    assert 'pdserve:pool_workers{model_name="test-llama",role="prefill",state="serving"} 1.0' \
+        in metrics

@@ -26,7 +26,9 @@ def test_a_ramp_shows_its_slope_and_arrivals_age_out_of_the_window():
         t += 1.0 / rate
     traffic = window.traffic(60.0)
     assert traffic.rate_slope == pytest.approx(1.0, rel=0.1)
-    assert window.traffic(121.0).rate == 0.0  # nothing left in the last minute
+    assert traffic.rate == pytest.approx(55.0, rel=0.1)  # the last 10 s: 50 -> 60
+    assert window.traffic(71.0).rate == 0.0  # it stopped: none in the last 10 s
+    assert window.traffic(121.0).rate_slope == 0.0  # nothing left in the window
 
 
 def test_a_young_window_reads_its_rate_over_the_time_it_has_seen():
