@@ -126,7 +126,7 @@ class Load:
         try:
             self.counts[await one] += 1
         except Exception as exc:  # noqa: BLE001 - counted by kind and reported
-            kind = type(exc).__name__
+            kind = f"{type(exc).__name__}: {str(exc)[:120]}"
             self.failures[kind] = self.failures.get(kind, 0) + 1
 
     @staticmethod
