@@ -14,7 +14,8 @@ from pdserve.router.openai_protocol import ErrorResponse
 MEANING = {
     400: "Invalid input: `error.param` names the field. Besides what the schema states: "
          "prompt tokens plus max_tokens must fit the model's context and its KV cache, "
-         "and chat's top_logprobs needs logprobs: true.",
+         "chat's top_logprobs needs logprobs: true, and a TTFT SLO must be one that a "
+         "worker could meet when idle (slo_ttft_ms: a retry cannot help).",
     401: "A valid API key is required (Authorization: Bearer <key>).",
     404: "The requested model is not served here (code model_not_found).",
     413: "The request body exceeds the server's --max-request-bytes.",

@@ -13,8 +13,10 @@ either). For each pool, from its serving workers past their cold start:
            margin x SLO on every term (the consolidation check that ends 2 <-> 1
            oscillation), and the demand fits one worker fewer
     demand the arrival rate, extrapolated over a new worker's start-up time, sized
-           at margin x SLO with the pool's step cost: a floor that scales ahead of
-           a rising load (ISL: prompt tokens not cached; decode context ISL + OSL/2)
+           with the pool's step cost: prefill workers kept as busy as a queue of
+           random arrivals allows within margin x the TTFT SLO, decode workers at
+           steps of margin x the TPOT SLO; a floor that scales ahead of a rising
+           load (ISL: prompt tokens not cached; decode context ISL + OSL/2)
 
 A signal acts once it held for `sustain` ticks in a row (shrinking: `down_sustain`).
 A short pool takes a worker flipped from a pool that can spare one (its weights stay
@@ -54,7 +56,9 @@ class PlannerConfig:
     down_sustain: int = 6  # ticks a pool must stay able to spare one
     margin: float = 0.8  # consolidation and demand are sized at this share of the SLO
     cold_start_s: float = 10.0  # a new worker's first reports are not read
-    startup_s: float = 30.0  # how long a new worker takes to serve: demand looks this far
+    # How long a new worker takes to serve, until one was measured: demand looks
+    # this far ahead.
+    startup_s: float = 30.0
     reversal_guard_s: float = 60.0  # a pool that grew is not shrunk sooner
 
     def __post_init__(self) -> None:
@@ -106,6 +110,9 @@ class Observation:
     workers: tuple[WorkerView, ...]
     traffic: Traffic
     slo: Slo  # what the server routes with (unset parts: that pool is sized on demand)
+    # How long the last workers took from asked for to serving (None: not measured
+    # yet, config.startup_s stands in): how far ahead the demand looks.
+    startup_s: float | None = None
 
 
 # ---- what it decides ---------------------------------------------------------------
@@ -298,7 +305,8 @@ def _demand(role: str, warm: list[WorkerView], obs: Observation, config: Planner
     t = obs.traffic
     if not warm or t.isl <= 0 or t.osl <= 0:
         return 0
-    rate = max(t.rate + t.rate_slope * config.startup_s, 0.0)
+    ahead = config.startup_s if obs.startup_s is None else obs.startup_s
+    rate = max(t.rate + t.rate_slope * ahead, 0.0)
     if rate == 0:
         return 0
     cost, m = _worst_cost(warm), config.margin
@@ -307,7 +315,7 @@ def _demand(role: str, warm: list[WorkerView], obs: Observation, config: Planner
     # A worker's share of time per prompt: its compute, plus the steps it spans.
     per_prompt_s = (prompt_compute_seconds(cost, int(isl))
                     + cost.base_s * math.ceil(isl / load.token_budget))
-    prefill = rate * per_prompt_s / m
+    prefill = rate * per_prompt_s / _busy_share(per_prompt_s, obs.slo.ttft_s, m)
     decode = 0.0
     if role in ("decode", "both") and obs.slo.tpot_s is not None:
         step_budget = m * obs.slo.tpot_s
@@ -318,6 +326,19 @@ def _demand(role: str, warm: list[WorkerView], obs: Observation, config: Planner
             decode = rate * osl * step_budget / seqs_per_worker
     need = {"prefill": prefill, "decode": decode, "both": prefill + decode}[role]
     return math.ceil(need - 1e-9)
+
+
+def _busy_share(service_s: float, ttft_s: float | None, margin: float) -> float:
+    """How busy a prefill worker may be kept and still meet margin x the TTFT SLO:
+    arrivals at random, prompts of one length (M/D/1), a prompt waits on average
+    rho S / 2(1 - rho) before its own S; so rho <= 2B / (S + 2B), B = margin x SLO - S.
+    At most 0.95 (the queue grows without bound at 1); without a TTFT SLO, margin."""
+    if ttft_s is None:
+        return margin
+    slack = margin * ttft_s - service_s
+    if slack <= 0:
+        return 0.5  # the SLO barely fits one prompt alone: keep the queue short
+    return min(2 * slack / (service_s + 2 * slack), 0.95)
 
 
 def _victim(obs: Observation, role: str, taken: set[str]) -> str | None:

@@ -111,7 +111,9 @@ class PlannerRunner:
             if joining.state in ("pending", "starting") and worker_id not in self._acting:
                 views.append(WorkerView(worker_id, joining.role, "starting",
                                         now - joining.since))
-        return Observation(now, tuple(views), self.traffic.traffic(now), self.slo)
+        started = sorted(self.pool.startup_times)
+        return Observation(now, tuple(views), self.traffic.traffic(now), self.slo,
+                           started[len(started) // 2] if started else None)
 
     def describe(self) -> dict:
         signals = {} if self.last is None else {

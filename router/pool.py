@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -82,6 +83,8 @@ class Pool:
         self.workers: dict[str, WorkerHandle] = {}
         self.joining: dict[str, Joining] = {}  # being added, or failed to be (the last few)
         self._spawns: dict[str, asyncio.Task] = {}  # worker id -> its addition under way
+        # Seconds from asked for to serving, of the last workers added.
+        self.startup_times: deque[float] = deque(maxlen=8)
         self.on_change: list[Callable[[], None]] = []  # a worker left or rejoined service
         self._reviving: dict[str, asyncio.Task] = {}  # worker id -> its revival
         # Eviction timers of silent workers and fresh workers for evicted ones.
@@ -197,7 +200,9 @@ class Pool:
                 self._failed(worker_id, short_reason(exc))
             self._tell_wanted()
             raise
-        self.joining.pop(worker.worker_id, None)
+        entry = self.joining.pop(worker.worker_id, None)
+        if entry is not None:
+            self.startup_times.append(self._now() - entry.since)
         self._tell_wanted()  # a member now, no longer also counted as joining
         return worker.worker_id
 
