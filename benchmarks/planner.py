@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import random
 import statistics
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from pdserve.bench.metrics import SLO, summarize
+from pdserve.bench.report import save_json, show, spread
 from pdserve.bench.workloads import make_workload
 from pdserve.router.config import AutoscaleSpec, PoolSpec, RouterConfig, RoutingSpec
 from pdserve.sim import virtual_time
@@ -136,16 +135,8 @@ def reversals(sizes: list[tuple[float, dict]], roles) -> dict:
     return out
 
 
-def spread(values: list) -> dict:
-    vals = [v for v in values if v is not None]
-    return {"median": statistics.median(vals) if vals else None,
-            "min": min(vals) if vals else None, "max": max(vals) if vals else None}
 
 
-def show(s: dict, fmt: str = ".2f") -> str:
-    if s["median"] is None:
-        return "n/a"
-    return f"{s['median']:{fmt}} [{s['min']:{fmt}}, {s['max']:{fmt}}]"
 
 
 def planner_arm(args) -> tuple[str, PoolSpec, RouterConfig]:
@@ -231,8 +222,8 @@ def main() -> int:
         results["traces"][trace] = {"table": table, "runs": rows, "cheapest_static": cheapest}
         lines.append(f"{trace} ({len(args.seeds)} seeds): attainment | worker-seconds | failed")
         for name, t in table.items():
-            lines.append(f"  {name:12s} {show(t['attainment'], '.3f')} | "
-                         f"{show(t['worker_seconds'], '.0f')} | {t['failed']}"
+            lines.append(f"  {name:12s} {show(t['attainment'], 3)} | "
+                         f"{show(t['worker_seconds'], 0)} | {t['failed']}"
                          + (" | direction changes/period "
                             f"{show(t['reversals_per_period']['prefill'])} P, "
                             f"{show(t['reversals_per_period']['decode'])} D"
@@ -247,9 +238,7 @@ def main() -> int:
         else:
             lines.append(f"  no static arm of up to {args.budget} workers reached "
                          f"{TARGET:.0%}: no ratio")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    out = save_json(args.out, results)
     print(f"wrote {out} ({time.perf_counter() - began:.0f} s)")
     for line in lines:
         print(line)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -33,6 +32,7 @@ import ray
 from pdserve.bench import driver
 from pdserve.bench.compare import measure_isolated, slo_for
 from pdserve.bench.metrics import summarize
+from pdserve.bench.report import save_json, spread
 from pdserve.bench.sweep import sweep
 from pdserve.bench.workloads import make_workload, seen_block_share
 from pdserve.engine.config import EngineConfig
@@ -146,12 +146,6 @@ def run_fixed(config, mode, routing, requests, rate, slo, burstiness, seed) -> d
                 "decisions": decisions(server)}
 
 
-def spread(values: list) -> dict:
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return {"values": values, "median": None, "min": None, "max": None}
-    return {"values": values, "median": statistics.median(vals), "min": min(vals),
-            "max": max(vals)}
 
 
 def errors(rows: list[dict]) -> dict:
@@ -335,7 +329,7 @@ def main() -> int:
                           f"{reject[arm]['p99']['median']} ms (waits for capacity included)")
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+    save_json(args.out, results)
     print(f"wrote {args.out}")
     for line in ratios:
         print(line)

@@ -16,14 +16,12 @@ Prints each judgment's median and [min, max] over the seeds last; writes JSON.""
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import statistics
 import sys
 import time
-from pathlib import Path
 
 from pdserve.bench.metrics import SLO
+from pdserve.bench.report import save_json, show, spread
 from pdserve.bench.workloads import make_workload
 from pdserve.router.config import PoolSpec, RouterConfig, RoutingSpec
 from pdserve.sim.analytic import NAMED_CONFIGS, analytic_profile
@@ -31,18 +29,6 @@ from pdserve.sim.driver import Load
 from pdserve.sim.plan import max_rate
 from pdserve.sim.profile import Profile
 from pdserve.sim.run import Setup, simulate
-
-
-def spread(values: list) -> dict:
-    vals = [v for v in values if v is not None]
-    return {"values": values, "median": statistics.median(vals) if vals else None,
-            "min": min(vals) if vals else None, "max": max(vals) if vals else None}
-
-
-def show(s: dict, digits: int = 2) -> str:
-    if s["median"] is None:
-        return "n/a"
-    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
 
 
 class Judge:
@@ -217,9 +203,7 @@ def main() -> int:
             print(f"{name} ({time.perf_counter() - began:.0f} s)", flush=True)
             results["sections"][name], more = fn(judge, args)
             lines += more
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    out = save_json(args.out, results)
     print(f"wrote {out} ({time.perf_counter() - began:.0f} s)")
     for line in lines:
         print(line)

@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from pdserve.bench.report import save_json
 from pdserve.client import AsyncClient
 
 ADMIN_KEY = "soak-admin"
@@ -233,8 +234,7 @@ def main() -> int:
     result["wall_s"] = round(time.time() - began, 1)
     result["args"] = vars(args)
     result["slopes"] = slopes(result["samples"], list(result["pids"]), args.warmup_s)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    save_json(args.out, result)
     print(json.dumps({k: result[k] for k in ("counts", "failures", "kv_after",
                                              "serve_exit_code")}, indent=2))
     print(f"\nslopes per hour over {result['samples'][-1]['t_s']:.0f} s "

@@ -3,6 +3,7 @@ JSON, a Markdown table, and for sweeps a PNG plot."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from pdserve.bench import require_extra
@@ -121,3 +122,26 @@ def write(out_dir: str | Path, name: str, summary: dict, meta: dict) -> list[Pat
     json_path.write_text(json.dumps({**meta, **summary}, indent=2))
     md_path.write_text(markdown(summary))
     return [json_path, md_path]
+
+
+def spread(values: list) -> dict:
+    """Repeats of one figure (seeds, rounds): the values, their median, min and max
+    (None ones left out)."""
+    vals = [v for v in values if v is not None]
+    return {"values": values, "median": statistics.median(vals) if vals else None,
+            "min": min(vals) if vals else None, "max": max(vals) if vals else None}
+
+
+def show(s: dict, digits: int = 2) -> str:
+    """A spread as "median [min, max]"."""
+    if s["median"] is None:
+        return "n/a"
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
+
+
+def save_json(path: str | Path, data: dict) -> Path:
+    """A benchmark's results, its folder made if need be."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2, default=str))
+    return out
