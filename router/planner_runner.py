@@ -59,6 +59,10 @@ class PlannerRunner:
         await asyncio.gather(*[t for t in [self._ticking, *self._tasks] if t is not None],
                              return_exceptions=True)
 
+    async def settled(self) -> None:
+        """Returns once every action started so far has ended (its outcome recorded)."""
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
     async def _run(self) -> None:
         while not self.pool.closing.is_set():
             await asyncio.sleep(self.config.interval_s)  # the planner's period

@@ -33,12 +33,20 @@ def test_a_load_step_grows_the_pools_and_they_shrink_back_when_it_stops():
         rng, params = random.Random(0), SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
                                                        ignore_eos=True)
         loop = asyncio.get_running_loop()
-        sizes: list[tuple[float, int, int]] = []  # (time, prefill, decode) serving
+        sizes: list[tuple[int, int]] = []  # (prefill, decode) serving, at every change
+        back = asyncio.Event()  # both pools at their minima again
 
         def serving(role: str) -> int:
             states = router.worker_states()
             return sum(w.state.role == role and states[k] == "serving"
                        for k, w in router.workers.items())
+
+        def changed() -> None:
+            sizes.append((serving("prefill"), serving("decode")))
+            if sizes[-1] == (1, 1) and len(router.workers) == 2 and requests_done.is_set():
+                back.set()
+        router.on_change.append(changed)
+        requests_done = asyncio.Event()
 
         async def one(i: int):
             prompt = [rng.randrange(4, 2000) for _ in range(1000)]
@@ -46,14 +54,14 @@ def test_a_load_step_grows_the_pools_and_they_shrink_back_when_it_stops():
             return [d async for d in router.generate(accepted)][-1]
 
         requests, start = [], loop.time()
-        while loop.time() - start < 60.0:
+        while loop.time() - start < 60.0:  # the load: Poisson arrivals at 40 req/s
             requests.append(asyncio.ensure_future(one(len(requests))))
-            sizes.append((loop.time() - start, serving("prefill"), serving("decode")))
             await asyncio.sleep(rng.expovariate(40.0))
         finished = await asyncio.gather(*requests)
-        while loop.time() - start < 300.0:  # idle: the planner takes the pools back
-            sizes.append((loop.time() - start, serving("prefill"), serving("decode")))
-            await asyncio.sleep(1.0)
+        requests_done.set()
+        changed()
+        await asyncio.wait_for(back.wait(), 240.0)  # virtual seconds: the planner shrinks
+        await router.planner.settled()
         decisions = list(router.planner.decisions)
         await cluster.stop()
         return finished, sizes, decisions
@@ -63,8 +71,8 @@ def test_a_load_step_grows_the_pools_and_they_shrink_back_when_it_stops():
     grown = [(d["action"], d["role"]) for d in decisions if d["action"] in ("add", "flip")]
     assert ("add", "prefill") in grown and ("add", "decode") in grown, decisions
     assert all(d["outcome"] in ("started", "done") for d in decisions), decisions
-    peak = max(p for _, p, _ in sizes), max(d for _, _, d in sizes)
+    peak = max(p for p, _ in sizes), max(d for _, d in sizes)
     assert peak[0] >= 2 and peak[1] >= 2 and peak[0] <= 3 and peak[1] <= 3
-    assert sizes[-1][1:] == (1, 1), sizes[-5:]  # back to the minimum
+    assert sizes[-1] == (1, 1)  # back to the minimum
     shrunk = [d for d in decisions if d["action"] == "remove"]
     assert shrunk and all(d["cause"] == "spare" for d in shrunk)
