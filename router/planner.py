@@ -152,6 +152,7 @@ class Plan:
     actions: tuple[Action, ...]
     state: PlannerState
     signals: dict  # role -> PoolSignal
+    desired: dict  # role -> its workers once the actions are carried out
 
 
 def plan(obs: Observation, state: PlannerState, config: PlannerConfig) -> Plan:
@@ -198,7 +199,7 @@ def plan(obs: Observation, state: PlannerState, config: PlannerConfig) -> Plan:
         if short_ticks[role] < config.sustain or counts[role] >= config.maximum(role):
             continue
         why = f"{signal.short} for {short_ticks[role]} ticks"
-        donor = _donor(role, obs, config, signals, spare_ticks, counts, taken)
+        donor = _donor(role, obs, config, signals, counts, taken)
         if donor is not None:
             donor_role, worker_id = donor
             lose(donor_role, worker_id)
@@ -219,7 +220,8 @@ def plan(obs: Observation, state: PlannerState, config: PlannerConfig) -> Plan:
             actions.append(Action("remove", role, "spare", f"{signal.spare} for "
                                   f"{config.down_sustain} ticks", victim))
     return Plan(tuple(actions), replace(state, short_ticks=short_ticks,
-                                        spare_ticks=spare_ticks, grew_at=grew_at), signals)
+                                        spare_ticks=spare_ticks, grew_at=grew_at), signals,
+                dict(counts))
 
 
 # ---- one pool's signals ------------------------------------------------------------
@@ -244,7 +246,7 @@ def _short(role: str, warm: list[WorkerView], obs: Observation, config: PlannerC
         return ""
     t, slo = obs.traffic, obs.slo
     isl, osl = max(int(t.isl), 1), max(int(t.osl), 1)
-    reasons = []
+    first = ""
     for w in warm:
         why = ""
         if role in ("prefill", "both") and slo.ttft_s is not None:
@@ -259,8 +261,8 @@ def _short(role: str, warm: list[WorkerView], obs: Observation, config: PlannerC
                 why = f"KV {w.kv_used:.0%} full"
         if not why:
             return ""
-        reasons.append(why)
-    return f"every {role} worker misses (e.g. {reasons[0]})"
+        first = first or why
+    return f"every {role} worker misses (e.g. {first})"
 
 
 def _spare(role: str, warm: list[WorkerView], members: list[WorkerView], obs: Observation,
@@ -354,7 +356,7 @@ def _victim(obs: Observation, role: str, taken: set[str]) -> str | None:
 
 
 def _donor(role: str, obs: Observation, config: PlannerConfig, signals: dict,
-           spare_ticks: dict, counts: dict, taken: set[str]) -> tuple[str, str] | None:
+           counts: dict, taken: set[str]) -> tuple[str, str] | None:
     """A pool that can spare a worker to the short one, and which worker: flipping
     keeps the weights loaded, so it comes before adding one."""
     for other in config.roles:

@@ -78,18 +78,7 @@ class PlannerRunner:
         self.state, self.last = out.state, out
         for action in out.actions:
             self._carry_out(action)
-        desired = {role: signal.members for role, signal in out.signals.items()}
-        for action in out.actions:
-            if action.kind == "add":
-                desired[action.role] += 1
-            elif action.kind == "remove":
-                desired[action.role] -= 1
-        for action in out.actions:  # a flip's worker leaves its old pool
-            if action.kind == "flip":
-                desired[action.role] += 1
-                old = self.pool.workers[action.worker_id].state.role
-                desired[old] = desired.get(old, 1) - 1
-        for role, n in desired.items():
+        for role, n in out.desired.items():
             self.metrics.planner_desired.labels(self.metrics.model_name, role).set(n)
         self._count_workers()
         return out

@@ -128,9 +128,10 @@ def test_a_full_budget_rebalances_by_flipping_an_idle_pools_worker():
     cfg = config(max_workers=4)
     workers = [view("p0", "prefill"), view("p1", "prefill", queued_tokens=100),
                view("d0", "decode", seqs=60), view("d1", "decode", seqs=60)]
-    seen, _, _ = ticks(workers, n=3, cfg=cfg)
+    seen, _, out = ticks(workers, n=3, cfg=cfg)
     flip, = seen[2]
     assert (flip.kind, flip.role, flip.worker_id) == ("flip", "decode", "p0")
+    assert out.desired == {"prefill": 1, "decode": 3}
     assert "every decode worker misses" in flip.reason and "the prefill pool can spare" \
         in flip.reason
     # Room in the budget, but a pool that can spare one still gives it: no weights load.
