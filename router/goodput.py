@@ -31,7 +31,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from operator import attrgetter
 
 import numpy as np
@@ -56,7 +56,7 @@ _IDLE = WorkerLoad()  # nothing queued, nothing running
 _MIN_RETRY_AFTER_S = 0.05
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: dozens are made per decision, each field set once
 class Forecast:
     decision: Colocate | Disaggregate
     ttft_s: float
@@ -64,9 +64,17 @@ class Forecast:
     cost: float  # SLO shares: its own latencies plus what it takes from the others
     miss: str = ""  # "" fits; else ttft | tpot | harm | kv
     retry_after_s: float = 0.0  # when missing: the predicted time until it would fit
-    # Its TTFT were its workers idle: the prompt alone (and the KV transfer), from
-    # placement, calibrated as ttft_s is.
-    idle_ttft_s: float = 0.0
+    # What its TTFT would be were its workers idle, computed only when asked (when
+    # nothing fits): the computing side, the KV transfer's seconds, the calibration.
+    computes: "_Side | None" = None
+    transfer_s: float = 0.0
+    ttft_scale: float = 1.0
+
+    @property
+    def idle_ttft_s(self) -> float:
+        """The prompt alone (and the KV transfer), from placement, calibrated as
+        ttft_s is."""
+        return (self.computes.idle_ttft + self.transfer_s) * self.ttft_scale
 
 
 def decide(request: RequestView, state: ClusterState) -> Decision:
@@ -160,7 +168,7 @@ class _Side:
         n = request.num_prompt_tokens
         self.cached = request.cached_tokens.get(w.worker_id, 0)
         self.ttft = ttft_seconds(cost, load, n, self.cached)  # computing the prompt here
-        self.idle_ttft = ttft_seconds(cost, _IDLE, n, self.cached)  # ... with nothing else
+        self._cost, self._prompt_tokens = cost, n
         self.tpot = tpot_seconds(cost, load, n, request.max_tokens)
         self.step = decode_step_seconds(cost, load)  # its decode batch's step now
         self.join_s = joining_slowdown(cost, n)  # per step, when the request decodes here
@@ -168,6 +176,11 @@ class _Side:
         self.decode_seqs = load.decode_seqs
         self.budgets = state.budgets.get(w.worker_id, NO_BUDGETS)  # this router's timed ones here
         self._harms: dict[tuple[bool, bool], _Harm] = {}
+
+    @cached_property
+    def idle_ttft(self) -> float:
+        """Computing the prompt here with nothing queued or running."""
+        return ttft_seconds(self._cost, _IDLE, self._prompt_tokens, self.cached)
 
     def harm(self, request: RequestView, joins: bool, computes: bool) -> "_Harm":
         """What the placement takes from the requests running here (the same for every
@@ -186,7 +199,7 @@ def _colocate(request: RequestView, state: ClusterState, w: _Side) -> Forecast:
                              tpot_scale=tpot_scale), request, state,
                      w.ttft * ttft_scale, w.tpot * tpot_scale,
                      [w.harm(request, joins=True, computes=True)], w.w, w.decode_seqs,
-                     w.idle_ttft * ttft_scale)
+                     w, 0.0, ttft_scale)
 
 
 def _pair(request: RequestView, state: ClusterState, p: _Side, d: _Side) -> Forecast:
@@ -202,7 +215,7 @@ def _pair(request: RequestView, state: ClusterState, p: _Side, d: _Side) -> Fore
     return _forecast(partial(Disaggregate, p.w.worker_id, d.w.worker_id,
                              ttft_scale=ttft_scale, tpot_scale=tpot_scale), request,
                      state, (p.ttft + transfer) * ttft_scale, d.tpot * tpot_scale, harms,
-                     d.w, d.decode_seqs, (p.idle_ttft + transfer) * ttft_scale)
+                     d.w, d.decode_seqs, p, transfer, ttft_scale)
 
 
 class _Harm:
@@ -233,7 +246,7 @@ class _Harm:
 
 def _forecast(make, request: RequestView, state: ClusterState, ttft: float, tpot: float,
               harms: list[_Harm], decode: WorkerState, decode_seqs: int,
-              idle_ttft: float) -> Forecast:
+              computes: _Side, transfer_s: float, ttft_scale: float) -> Forecast:
     """ttft: from now; the forecast's, and the decision's make(ttft, tpot), count from
     the request's arrival."""
     slo = request.slo
@@ -243,21 +256,32 @@ def _forecast(make, request: RequestView, state: ClusterState, ttft: float, tpot
             + sum(h.cost for h in harms))
     breaks_until = max((h.breaks_until for h in harms if h.breaks_until is not None),
                        default=None)
-    made = partial(Forecast, decision, ttft, tpot, cost, idle_ttft_s=idle_ttft)
+    miss, retry_after = _miss(request, state, ttft, from_now, tpot, decode, decode_seqs,
+                              breaks_until)
+    return Forecast(decision, ttft, tpot, cost, miss, retry_after, computes, transfer_s,
+                    ttft_scale)
+
+
+def _miss(request: RequestView, state: ClusterState, ttft: float, from_now: float,
+          tpot: float, decode: WorkerState, decode_seqs: int,
+          breaks_until: float | None) -> tuple[str, float]:
+    """Why the placement does not fit ("" if it does), and the predicted time until
+    it would."""
+    slo = request.slo
     free = state.free_blocks(decode)
     if free is not None and free < request.blocks_needed:
-        return made("kv", state.retry_after_s)
+        return "kv", state.retry_after_s
     if not slo.ttft_met(ttft):
         # a retry arrives afresh: when the queue ahead will have drained that much
-        return made("ttft", max(from_now - slo.ttft_s, 0.0))
+        return "ttft", max(from_now - slo.ttft_s, 0.0)
     # A one-token request has no TPOT. And one that would decode alone is not refused
     # on its TPOT forecast: nothing could serve it faster, and only measuring it can
     # correct a model that overestimates (an idle worker reports no steps).
     if request.max_tokens > 1 and not slo.tpot_met(tpot) and decode_seqs > 0:
-        return made("tpot", _shrunk_enough(state, decode, (tpot - slo.tpot_s) / tpot))
+        return "tpot", _shrunk_enough(state, decode, (tpot - slo.tpot_s) / tpot)
     if breaks_until is not None:  # until every request it would break has finished
-        return made("harm", breaks_until)
-    return made()
+        return "harm", breaks_until
+    return "", 0.0
 
 
 def _shrunk_enough(state: ClusterState, w: WorkerState, excess: float) -> float:
