@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP front end (FastAPI): /v1/completions,
 /v1/chat/completions (when the tokenizer has a chat template), /v1/models, /health,
-/ready, /metrics. Errors are OpenAI-shaped JSON: bad input 400 naming the field,
+/ready, /live, /metrics. Errors are OpenAI-shaped JSON: bad input 400 naming the field,
 overload 429 with Retry-After, a failed worker 503."""
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ class _TooLarge(HTTPException):
 
 def create_app(router: Router, keys: ApiKeys = ApiKeys(),
                admin_keys: ApiKeys = ApiKeys()) -> FastAPI:
-    """/health and /ready stay open to probes; /v1/* and /metrics need a key when
+    """/health, /ready and /live stay open to probes; /v1/* and /metrics need a key when
     keys are set; /admin exists only with admin keys, and needs one."""
     app = FastAPI(title="pdserve", version=_version(),
                   description="OpenAI-compatible completions served by pdserve.")
@@ -156,6 +156,13 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys(),
         if not router.ready:
             return _error(503, "a worker pool has no live worker", kind="service_unavailable")
         return {"status": "ready"}
+
+    @app.get("/live")
+    async def live():
+        """200 while the router answers: a liveness probe's check. Unlike /health it
+        does not look at the workers, so a worker being restarted or replaced never
+        restarts the router (and, on KubeRay, the Ray head with it)."""
+        return {"status": "alive"}
 
     @app.get("/metrics", dependencies=[Depends(caller)], responses={
         200: {"description": "Prometheus text format",

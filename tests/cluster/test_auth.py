@@ -66,6 +66,7 @@ def test_https_needs_the_key_and_probes_do_not(locked, verify):
         assert http.get(f"{locked.http_url}/metrics").status_code == 401
         assert http.get(f"{locked.http_url}/health").status_code == 200
         assert http.get(f"{locked.http_url}/ready").status_code == 200
+        assert http.get(f"{locked.http_url}/live").status_code == 200
     with pytest.raises(httpx.ConnectError):  # a client that does not trust the CA
         httpx.get(f"{locked.http_url}/health", timeout=30)
     client = openai.OpenAI(base_url=f"{locked.http_url}/v1", api_key=KEY, max_retries=0,

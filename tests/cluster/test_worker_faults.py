@@ -126,8 +126,9 @@ def test_an_unpinned_step_error_restarts_the_worker_and_service_resumes(cluster)
 def test_a_frozen_worker_is_reported_stalled_and_given_nothing_until_it_reports(cluster):
     """SIGSTOP the decode worker's process: once nothing came from it for
     telemetry_stale_s, health says so (gRPC NOT_SERVING; /health 503 naming it
-    stalled, /ready 503), a new request is refused at once (429, nothing placed on
-    it), and its requests do not fail; SIGCONT: it serves again, exactly."""
+    stalled, /ready 503; /live, the liveness probe's, still 200), a new request is
+    refused at once (429, nothing placed on it), and its requests do not fail;
+    SIGCONT: it serves again, exactly."""
     expected = [out.token_ids for out in asyncio.run(complete_all(cluster, PROMPTS))]
     handle = next(iter(cluster.router.pool.decode.values()))
     pid = ray.get(handle.client.actor.__ray_call__.remote(
@@ -145,6 +146,7 @@ def test_a_frozen_worker_is_reported_stalled_and_given_nothing_until_it_reports(
             noticed_s = time.monotonic() - stopped
             async with httpx.AsyncClient(base_url=cluster.http_url, timeout=60) as http:
                 health, ready = await http.get("/health"), await http.get("/ready")
+                live = await http.get("/live")
                 asked = time.monotonic()
                 refused = await http.post("/v1/completions", json={
                     "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "ignore_eos": True})
@@ -155,15 +157,17 @@ def test_a_frozen_worker_is_reported_stalled_and_given_nothing_until_it_reports(
         statuses.append((await watch.read()).status)  # SERVING: it reports again
         watch.cancel()
         await channel.close()
-        return statuses, noticed_s, health, ready, refused, refused_s, placed
+        return statuses, noticed_s, health, ready, live, refused, refused_s, placed
 
-    statuses, noticed_s, health, ready, refused, refused_s, placed = asyncio.run(scenario())
+    statuses, noticed_s, health, ready, live, refused, refused_s, placed = asyncio.run(
+        scenario())
     serving, not_serving = (health_pb2.HealthCheckResponse.SERVING,
                             health_pb2.HealthCheckResponse.NOT_SERVING)
     assert statuses == [serving, not_serving, serving]
     assert noticed_s < stale_s + 1.0
     assert health.status_code == 503 and health.json()["workers"]["decode-0"] == "stalled"
     assert ready.status_code == 503
+    assert live.status_code == 200
     assert refused.status_code == 429 and "retry-after" in refused.headers, refused.text
     assert refused_s < 1.0 and placed == 0
     assert cluster.router.worker_states() == {"prefill-0": "serving", "decode-0": "serving"}
