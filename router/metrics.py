@@ -95,6 +95,10 @@ class RouterMetrics:
                                     "Finished requests with an SLO, by whether they met it "
                                     "and the placement's kind (colocate | disaggregate)",
                                     labels + ["slo", "met", "kind"], registry=r)
+        self.goodput = Counter("pdserve:router_goodput_requests",
+                               "Finished requests that set an SLO, by whether they met every "
+                               "SLO they set (met=true: goodput) and the placement's kind",
+                               labels + ["met", "kind"], registry=r)
         self.planner_decisions = Counter(
             "pdserve:planner_decisions", "The SLO planner's actions: add, remove, flip (to "
             "the role named), by cause (minimum, maximum, miss, demand, spare)",
@@ -172,6 +176,7 @@ class RouterMetrics:
         count from its arrival; the error is of the part from its placement, after
         it waited `waited_s` for capacity (a known wait is no forecast)."""
         kind = placement_kind(decision)
+        judged, met_all = False, True
         for name, target, measured, known in (("ttft", slo.ttft_s, ttft_s, waited_s),
                                               ("tpot", slo.tpot_s, tpot_s, 0.0)):
             predicted = getattr(decision, f"{name}_s", None)
@@ -182,8 +187,19 @@ class RouterMetrics:
                     self._model, name, kind, "under" if predicted < measured else "over",
                 ).observe(abs(predicted - measured) / (measured - known))
             if target is not None:
-                self.slo_requests.labels(self._model, name, str(measured <= target).lower(),
-                                         kind).inc()
+                met = measured <= target
+                judged, met_all = True, met_all and met
+                self.slo_requests.labels(self._model, name, str(met).lower(), kind).inc()
+        if judged:
+            self.goodput.labels(self._model, str(met_all).lower(), kind).inc()
+
+    def count_workers(self, census: dict[tuple[str, str], int]) -> None:
+        """The pools by (role, state), every pair shown (0 when none)."""
+        for role in ("prefill", "decode", "both"):
+            for state in ("serving", "draining", "stalled", "restarting", "dead", "pending",
+                          "starting"):
+                self.pool_workers.labels(self._model, role, state).set(
+                    census.get((role, state), 0))
 
     def finished(self, reason: str) -> None:
         self.requests.labels(self._model, reason).inc()

@@ -50,7 +50,6 @@ class PlannerRunner:
 
     def start(self) -> None:
         self._ticking = asyncio.get_running_loop().create_task(self._run())
-        self.pool.on_change.append(self._count_workers)  # between ticks too
 
     async def stop(self) -> None:
         for task in [self._ticking, *self._tasks]:
@@ -80,7 +79,6 @@ class PlannerRunner:
             self._carry_out(action)
         for role, n in out.desired.items():
             self.metrics.planner_desired.labels(self.metrics.model_name, role).set(n)
-        self._count_workers()
         return out
 
     def observe(self) -> Observation:
@@ -160,18 +158,3 @@ class PlannerRunner:
                 record["worker_id"] = result
         finally:
             self._acting.pop(action.worker_id, None)
-
-    def _count_workers(self) -> None:
-        counts: dict[tuple[str, str], int] = {}
-        for worker_id, state in self.pool.states().items():
-            key = (self.pool.workers[worker_id].state.role, state)
-            counts[key] = counts.get(key, 0) + 1
-        for joining in self.pool.joining.values():
-            if joining.state != "failed":
-                counts[joining.role, joining.state] = counts.get(
-                    (joining.role, joining.state), 0) + 1
-        gauge = self.metrics.pool_workers
-        for role in ("prefill", "decode", "both"):
-            for state in ("serving", "draining", "stalled", "restarting", "dead", "pending",
-                          "starting"):
-                gauge.labels(self.metrics.model_name, role, state).set(counts.get((role, state), 0))

@@ -115,6 +115,19 @@ class Pool:
         return any(w.role == "both" for w in live) or (
             any(w.role == "prefill" for w in live) and any(w.decodes for w in live))
 
+    def census(self) -> dict[tuple[str, str], int]:
+        """How many workers are in each (role, state): `states()`, and those being
+        added ("pending", "starting")."""
+        counts: dict[tuple[str, str], int] = {}
+        for worker_id, state in self.states().items():
+            key = (self.workers[worker_id].state.role, state)
+            counts[key] = counts.get(key, 0) + 1
+        for joining in self.joining.values():
+            if joining.state != "failed":
+                key = (joining.role, joining.state)
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
     def states(self) -> dict[str, str]:
         """Every worker's id -> "serving", "draining", "stalled" (no step or report
         for telemetry_stale_s: no new requests; past the stall bound its requests

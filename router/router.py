@@ -126,8 +126,10 @@ class Router:
         await self.requests.stop()
 
     async def refresh_stats(self) -> None:
-        """What telemetry does not carry, for /metrics: the decode side's KV lease
-        expiries. (Load figures arrive with every step: WorkerTelemetry.)"""
+        """What telemetry does not carry, for /metrics: the pools by role and state, and
+        the decode side's KV lease expiries. (Load figures arrive with every step:
+        WorkerTelemetry.)"""
+        self.metrics.count_workers(self.pool.census())
         workers = list(self.pool.decode.values())
         results = await asyncio.gather(*[
             asyncio.wait_for(w.client.stats(), self.config.control_timeout_s)

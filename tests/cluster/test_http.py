@@ -236,7 +236,12 @@ def test_health_ready_and_metrics(server, client):
                  "pdserve:e2e_request_latency_seconds_count", "pdserve:num_requests_running",
                  "pdserve:num_requests_waiting", "pdserve:kv_cache_usage_perc",
                  "pdserve:prompt_tokens_total", "pdserve:generation_tokens_total",
-                 "pdserve:num_preemptions"):
+                 "pdserve:num_preemptions",
+                 # the pools, on a router without the planner too
+                 'pdserve:pool_workers{model_name="test-llama",role="decode",'
+                 'state="serving"} 1.0',
+                 'pdserve:pool_workers{model_name="test-llama",role="prefill",'
+                 'state="pending"} 0.0'):
         assert name in text, name
     for lease in ("begin", "transfer", "start"):
         assert f'pdserve:kv_lease_expiries{{lease="{lease}",model_name="test-llama"}}' in text

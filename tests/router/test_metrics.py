@@ -43,6 +43,15 @@ def test_slo_attainment_is_counted_by_placement_kind():
         ("ttft", "true", "disaggregate"): 1, ("tpot", "false", "disaggregate"): 1}
 
 
+def test_goodput_counts_a_request_once_and_only_when_it_met_every_slo_it_set():
+    slo = Slo(ttft_s=0.25, tpot_s=0.015)
+    metrics = _judged(slo)  # colocated: both met; split: TTFT met, TPOT missed
+    metrics.judged(Slo(ttft_s=0.25), Colocate("a", ttft_s=0.1), ttft_s=0.3, tpot_s=0.5)
+    metrics.judged(Slo(), Colocate("a", ttft_s=0.1), ttft_s=0.3, tpot_s=0.5)  # none set
+    assert _samples(metrics, "pdserve:router_goodput_requests_total", "met", "kind") == {
+        ("true", "colocate"): 1, ("false", "colocate"): 1, ("false", "disaggregate"): 1}
+
+
 def test_the_ttft_error_is_of_the_part_after_a_wait_for_capacity():
     # Waited 400 ms, then forecast 100 ms more (500 ms from arrival), measured 600 ms:
     # the forecast was off by 100 ms of 200, not of 600.
