@@ -77,9 +77,13 @@ def launch_cluster(args: argparse.Namespace, **engine_overrides):
 
     config = cli_flags.engine_config(args, args.model, **engine_overrides)
     pools, router_config = cluster_specs(args)
+    # A cluster joined (--ray-address) may still be starting the nodes the workers need;
+    # one started here has all the nodes it will ever have.
+    joined = getattr(args, "ray_address", None) is not None
     return launch(config, pools, TransferConfig(timeout_s=args.transfer_timeout),
                   router_config,
-                  served_model_name=getattr(args, "served_model_name", None) or args.model)
+                  served_model_name=getattr(args, "served_model_name", None) or args.model,
+                  wait_for_nodes_s=router_config.placement_timeout_s if joined else 0.0)
 
 
 def _add_serve_parser(sub) -> None:

@@ -21,7 +21,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec, RouterConfig
 from pdserve.router.model_info import ModelInfo
-from pdserve.router.placement import PlacementError, fmt_resources, unplaceable
+from pdserve.router.placement import PlacementError, fmt_resources, unplaceable, until_placeable
 from pdserve.router.pool import Progress
 from pdserve.router.ray_worker_client import RayWorkerClient
 from pdserve.router.router import Router
@@ -152,9 +152,12 @@ def placed(actor) -> bool:
 def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
            transfer: TransferConfig = TransferConfig(),
            router_config: RouterConfig = RouterConfig(),
-           served_model_name: str | None = None) -> Router:
+           served_model_name: str | None = None, wait_for_nodes_s: float = 0.0) -> Router:
     """Blocking: actors are up, paired and have reported their KV capacity when it
-    returns. Call Router.start() on the event loop that will serve it."""
+    returns. Call Router.start() on the event loop that will serve it.
+    `wait_for_nodes_s`: how long nodes that could hold the workers may take to join
+    (a cluster being brought up, or scaled by Ray's autoscaler, which is asked for
+    them); 0: the nodes there now must hold them."""
     served = served_model_name or engine_config.model
     # One secret per cluster keys its KV rendezvous (kv_transfer/rendezvous.py).
     transfer = replace(transfer, secret=transfer.secret or secrets.token_hex(16))
@@ -162,8 +165,16 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     engine_config = replace(engine_config, model=str(model_dir))
     spawner = WorkerSpawner(engine_config, pools, transfer, router_config)
     roles = pools.roles
-    problem = unplaceable({f"{role}-{i}": spawner.demand(role) for i, role in enumerate(roles)},
-                          [n["Resources"] for n in ray.nodes() if n["Alive"]])
+    demands = {f"{role}-{i}": spawner.demand(role) for i, role in enumerate(roles)}
+
+    def nodes() -> list[dict[str, float]]:
+        return [n["Resources"] for n in ray.nodes() if n["Alive"]]
+
+    problem = until_placeable(demands, nodes, timeout_s=0)
+    if problem is not None and wait_for_nodes_s > 0:
+        log.warning("waiting up to %gs for nodes to join: %s", wait_for_nodes_s, problem)
+        _request_resources(list(demands.values()))
+        problem = until_placeable(demands, nodes, timeout_s=wait_for_nodes_s)
     if problem is not None:
         raise PlacementError(problem)
     created = [spawner.create(role) for role in roles]

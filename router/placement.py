@@ -1,7 +1,11 @@
 """Whether a cluster's nodes can hold the workers asked for, checked before any actor
 is created: Ray would otherwise leave an actor it cannot place pending forever, and
-`pdserve serve` would wait silently. Pure (node capacities in, a reason out)."""
+`pdserve serve` would wait silently. Pure (node capacities in, a reason out); the
+wait for nodes still joining takes its clock and its reads as arguments."""
 from __future__ import annotations
+
+import time
+from typing import Callable
 
 
 class PlacementError(RuntimeError):
@@ -37,6 +41,20 @@ def unplaceable(workers: dict[str, dict[str, float]], nodes: list[dict[str, floa
         for key, value in demand.items():
             node[key] = node.get(key, 0.0) - value
     return None
+
+
+def until_placeable(workers: dict[str, dict[str, float]],
+                    nodes: Callable[[], list[dict[str, float]]], timeout_s: float,
+                    every_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep) -> str | None:
+    """`unplaceable` over `nodes()`, read again every `every_s` until the workers fit or
+    `timeout_s` passed: a cluster joined at start (`ray up`, KubeRay) may have its head
+    up before the nodes its workers need, which are starting or being added by Ray's
+    autoscaler. Ray tells a driver nothing when a node joins. None, or the last reason."""
+    deadline = clock() + timeout_s
+    while (problem := unplaceable(workers, nodes())) is not None and clock() < deadline:
+        sleep(every_s)
+    return problem
 
 
 def _total(demands) -> dict[str, float]:

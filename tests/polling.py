@@ -3,13 +3,16 @@ decisions): read until the condition holds or the bound passes."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 
-def until(condition: Callable[[], bool], timeout_s: float, every_s: float = 0.1) -> bool:
+def until(condition: Callable[[], T], timeout_s: float, every_s: float = 0.1) -> T | bool:
+    """The condition's first truthy value, or False once `timeout_s` passed."""
     deadline = time.monotonic() + timeout_s
-    while not condition():
+    while not (value := condition()):
         if time.monotonic() > deadline:
             return False
         time.sleep(every_s)
-    return True
+    return value

@@ -1,6 +1,6 @@
 """Workers Ray could never place are refused before any actor exists, with what they
 need and what the nodes have (pure: no Ray)."""
-from pdserve.router.placement import unplaceable
+from pdserve.router.placement import unplaceable, until_placeable
 
 ONE_CPU = {"CPU": 1.0}
 
@@ -27,3 +27,23 @@ def test_a_total_that_suffices_is_not_enough_when_no_node_holds_one_worker():
 def test_a_custom_resource_no_node_has():
     reason = unplaceable({"d0": {"CPU": 1.0, "decode_node": 1.0}}, [{"CPU": 4.0}])
     assert reason is not None and "decode_node" in reason
+
+
+def test_nodes_still_joining_get_until_the_timeout_and_the_reason_is_the_last_one():
+    """A `ray up` or autoscaled cluster: the head is up before the nodes the workers
+    need. The check is read again until they join, or the time is out."""
+    joined = [[], [{"CPU": 4.0}], [{"CPU": 4.0}, {"CPU": 4.0, "decode": 1.0}]]
+    reads, now = iter(joined), [0.0]
+    workers = {"prefill-0": ONE_CPU, "decode-0": {"CPU": 1.0, "decode": 1.0}}
+
+    def sleep(seconds):
+        now[0] += seconds
+
+    assert until_placeable(workers, lambda: next(reads), timeout_s=10, every_s=1,
+                           clock=lambda: now[0], sleep=sleep) is None
+    assert now[0] == 2.0
+    never = until_placeable(workers, lambda: [{"CPU": 4.0}], timeout_s=10, every_s=1,
+                            clock=lambda: now[0], sleep=sleep)
+    assert "decode-0" in never and now[0] == 12.0
+    assert until_placeable(workers, lambda: [], timeout_s=0, clock=lambda: now[0],
+                           sleep=sleep).startswith("Ray cannot place")
