@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: demo test bench soak clean
+.PHONY: demo test bench soak clean redis-server
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,21 @@ demo: $(VENV)/.runtime
 # the last Ray session in a process this way, and no second Ray session follows one.
 RAY_TESTS := tests/cluster tests/multinode tests/autoscaler
 
-test: $(VENV)/.dev
+# The tests of several routers over Redis run a real redis-server (Debian's package).
+REDIS_SERVER := $(shell command -v redis-server 2>/dev/null)
+
+redis-server:
+ifeq ($(REDIS_SERVER),)
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null || \
+		(apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null); \
+	else \
+		echo "make test needs redis-server: install it (Debian/Ubuntu: sudo apt-get install redis-server; macOS: brew install redis)"; \
+		exit 1; \
+	fi
+endif
+
+test: $(VENV)/.dev redis-server
 	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(RAY_TESTS))
 	$(foreach t,$(RAY_TESTS),$(BIN)/python -m pytest -q $(t) &&) true
 
