@@ -15,7 +15,13 @@ import threading
 from pdserve import cli_flags, env
 from pdserve.admin_cli import add_admin_parser
 from pdserve.bench.cli import add_bench_parser
-from pdserve.router.config import AutoscaleSpec, PoolSpec, RouterConfig, RoutingSpec
+from pdserve.router.config import (
+    AutoscaleSpec,
+    PoolSpec,
+    RouterConfig,
+    RoutingSpec,
+    SharedStateSpec,
+)
 from pdserve.sim.cli import add_sim_parser
 from pdserve.sim.measure import add_profile_parser
 
@@ -56,6 +62,8 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
                        help="seconds a KV transfer may take (default: %(default)s)")
     cli_flags.add_flags(p.add_argument_group("routing"), RoutingSpec)
     cli_flags.add_flags(p.add_argument_group("autoscaling (the SLO planner)"), AutoscaleSpec)
+    cli_flags.add_flags(p.add_argument_group("router replicas (state shared in Redis)"),
+                        SharedStateSpec)
     cli_flags.add_engine_flags(p)
 
 
@@ -65,7 +73,8 @@ def cluster_specs(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
     try:
         return (PoolSpec(**cli_flags.values(args, PoolSpec)),
                 RouterConfig(routing=RoutingSpec(**cli_flags.values(args, RoutingSpec)),
-                             autoscale=AutoscaleSpec(**cli_flags.values(args, AutoscaleSpec))))
+                             autoscale=AutoscaleSpec(**cli_flags.values(args, AutoscaleSpec)),
+                             shared=SharedStateSpec(**cli_flags.values(args, SharedStateSpec))))
     except ValueError as err:
         raise SystemExit(f"pdserve {args.command}: {err}") from None
 

@@ -105,6 +105,40 @@ class AutoscaleSpec:
                              interval_s=self.planner_interval_s)
 
 
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+@dataclass(frozen=True)
+class SharedStateSpec:
+    """State router replicas share in Redis (`--redis-url`; docs/replicas.md). Unset,
+    every piece of it stays in this process."""
+    redis_url: str = option("", "share request ownership (a duplicate request id is "
+                            "refused by every replica; an abort sent to any replica reaches "
+                            "the one streaming the request) through this Redis: "
+                            "redis://[:password@]host:port/db, rediss:// (TLS) or "
+                            "unix:///path; unset: this router alone")
+    redis_prefix: str = option("pdserve", "--redis-url: every key of this cluster starts "
+                               "with it (one Redis can serve several clusters)")
+    redis_timeout_s: float = option(0.5, "--redis-url: the longest one Redis call may "
+                                    "take; past it the router goes on with its own view",
+                                    gt=0)
+    request_ttl_s: float = option(30.0, "--redis-url: a request's ownership entry lives "
+                                  "this long unless renewed (every third of it, while the "
+                                  "request runs): a dead replica's entries go by then", gt=0)
+
+    def __post_init__(self) -> None:
+        if self.redis_url:
+            scheme = self.redis_url.partition("://")[0]
+            if scheme not in REDIS_SCHEMES or "://" not in self.redis_url:
+                raise ValueError(f"--redis-url must start with one of "
+                                 f"{', '.join(s + '://' for s in REDIS_SCHEMES)}")
+        if not self.redis_prefix or any(c.isspace() for c in self.redis_prefix):
+            raise ValueError("--redis-prefix must be a non-empty word")
+        for name in ("redis_timeout_s", "request_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+
+
 STRATEGIES = ("default", "spread")  # Ray's scheduling strategies, as for actors
 
 
@@ -141,6 +175,7 @@ class RouterConfig:
     max_request_bytes: int = 4 << 20  # a 128k-token prompt is about 1 MiB as JSON
     routing: RoutingSpec = RoutingSpec()
     autoscale: AutoscaleSpec = AutoscaleSpec()
+    shared: SharedStateSpec = SharedStateSpec()
     # Workers in role both may also be paired, prefill on one and decode on another
     # (the adaptive mode; launch sets it).
     adaptive: bool = False

@@ -35,6 +35,7 @@ from pdserve.router.lifecycle import Accepted, Cancelled, Flight, Phase, until
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placer import Placer
 from pdserve.router.pool import Pool
+from pdserve.router.request_directory import LocalDirectory, RequestDirectory
 from pdserve.router.request_metrics import RequestTracker
 from pdserve.router.workers import WorkerHandle
 
@@ -42,11 +43,13 @@ from pdserve.router.workers import WorkerHandle
 class RequestRunner:
     def __init__(self, pool: Pool, placer: Placer, models: ClusterModels,
                  metrics: RouterMetrics, config: RouterConfig, tokenizer: Tokenizer | None,
-                 clock: Clock, on_measured: Callable[[Flight, float, float | None], None]):
-        """on_measured(flight, ttft, tpot): a finished request's latencies."""
+                 clock: Clock, on_measured: Callable[[Flight, float, float | None], None],
+                 directory: RequestDirectory = LocalDirectory()):
+        """on_measured(flight, ttft, tpot): a finished request's latencies; directory:
+        where a request id is claimed across router replicas."""
         self.pool, self.placer, self.models, self.metrics = pool, placer, models, metrics
         self.config, self.tokenizer, self.clock = config, tokenizer, clock
-        self.on_measured = on_measured
+        self.on_measured, self.directory = on_measured, directory
         self.flights: dict[str, Flight] = {}
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
@@ -57,6 +60,9 @@ class RequestRunner:
         flight = self._claim(req)
         track = RequestTracker(self.metrics, flight, self.clock, self.on_measured)
         try:
+            if not await self.directory.claim(req.request_id, req.owner):
+                raise InvalidRequestError("request_id", f"{req.request_id!r} is already in "
+                                          "flight on another router")
             first, skip_text = await self._begin(flight)
             if first is not None:
                 yield track.observe(self._progress(flight, first))
@@ -290,6 +296,7 @@ class RequestRunner:
         if flight.starting is not None and not flight.starting.done():
             flight.starting.cancel()
         self.flights.pop(flight.request_id, None)
+        self.directory.release(flight.request_id)
         if not self.flights:
             self.idle.set()
         self.placer.queue.freed()

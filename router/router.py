@@ -28,6 +28,7 @@ from pdserve.router.model_info import ModelInfo
 from pdserve.router.placer import Placer
 from pdserve.router.planner_runner import PlannerRunner
 from pdserve.router.pool import Pool, Spawner
+from pdserve.router.request_directory import RequestDirectory, directory_for
 from pdserve.router.request_runner import RequestRunner
 from pdserve.router.traffic import TrafficWindow
 from pdserve.router.workers import WorkerHandle
@@ -39,11 +40,14 @@ class Router:
     def __init__(self, tokenizer: Tokenizer | None, model: ModelInfo,
                  workers: list[WorkerHandle],
                  config: RouterConfig = RouterConfig(), spawner: Spawner | None = None,
-                 clock: Clock = SYSTEM_CLOCK, router_id: str | None = None):
+                 clock: Clock = SYSTEM_CLOCK, router_id: str | None = None,
+                 directory: RequestDirectory | None = None):
         """tokenizer None: token ids in and out, no text (the simulator).
         workers: paired already (launch pairs them before traffic); `spawner`
         makes adding workers and replacing dead ones possible. router_id names this
-        router to the workers, which stream it its own requests only."""
+        router to the workers, which stream it its own requests only, and to the other
+        replicas. directory: which router holds each request (default: the one
+        config.shared asks for; request_directory.py)."""
         self.tokenizer, self.model, self.config, self.clock = tokenizer, model, config, clock
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:12]}"
         self.metrics = RouterMetrics(model.name)
@@ -54,8 +58,10 @@ class Router:
             self.pool.admit(worker)
         self.intake = Intake(tokenizer, model, config.routing.default_slo, clock)
         self.placer = Placer(self.pool, self.models, config, model, self.metrics, clock)
+        self.directory = directory or directory_for(config.shared, self.router_id)
         self.requests = RequestRunner(self.pool, self.placer, self.models, self.metrics,
-                                      config, tokenizer, clock, self._measured)
+                                      config, tokenizer, clock, self._measured,
+                                      self.directory)
         # A request's way through: accept (or accept_chat), then generate.
         self.accept, self.accept_chat = self.intake.accept, self.intake.accept_chat
         self.traffic = TrafficWindow()  # what the planner reads of the load
@@ -68,8 +74,10 @@ class Router:
 
     async def abort(self, request_id: str, owner: str = "") -> bool:
         """Ends an in-flight request of this owner (its stream ends with finish_reason
-        "abort"); another caller's request is not found."""
-        return self.requests.abort(request_id, owner)
+        "abort"), here or, through the directory, on the replica holding it; another
+        caller's request is not found."""
+        return (self.requests.abort(request_id, owner)
+                or await self.directory.forward_abort(request_id, owner))
 
     @property
     def workers(self) -> dict[str, WorkerHandle]:
@@ -110,6 +118,7 @@ class Router:
 
     async def start(self) -> None:
         await self.pool.start()
+        await self.directory.start(self.requests.abort)
         spec = self.config.autoscale
         if spec.autoscale:
             roles = {w.state.role for w in self.pool.workers.values()}
@@ -124,6 +133,7 @@ class Router:
             await self.planner.stop()
         await self.pool.stop()
         await self.requests.stop()
+        await self.directory.stop()
 
     async def refresh_stats(self) -> None:
         """What telemetry does not carry, for /metrics: the pools by role and state, and

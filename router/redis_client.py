@@ -1,0 +1,19 @@
+"""The Redis client a router replica uses (`--redis-url`): every call bounded by
+`--redis-timeout-s` and never retried on the request path (a router that cannot reach
+Redis goes on with its own view; the callers decide what that means)."""
+from __future__ import annotations
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from pdserve.router.config import SharedStateSpec
+
+
+def connect(spec: SharedStateSpec) -> Redis:
+    """A client for spec.redis_url (redis://, rediss:// with TLS, unix://; a password in
+    the URL); it connects on first use."""
+    return Redis.from_url(spec.redis_url, decode_responses=True,
+                          socket_timeout=spec.redis_timeout_s,
+                          socket_connect_timeout=spec.redis_timeout_s,
+                          retry=Retry(NoBackoff(), 0), client_name="pdserve-router")

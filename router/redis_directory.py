@@ -1,0 +1,200 @@
+"""The request directory in Redis (`--redis-url`; docs/replicas.md): every router
+replica claims the ids of its requests there, so a duplicate id is refused across
+replicas and an abort reaching any replica is forwarded to the holder.
+
+Keys, under the cluster's prefix P:
+- `P:req:<request id>` = "<replica id>\\n<owner>": SET only if absent (or left by this
+  replica: a release that could not reach Redis), with a TTL renewed every third of it
+  while the request runs, deleted (if still this replica's) when it ends. The TTL is
+  what bounds the entries of a replica that died, and a renewal re-creates an entry
+  lost with a restarted Redis: the directory is rebuilt from what the replicas hold.
+- `P:abort:<replica id>`: the channel a replica hears forwarded aborts on,
+  "<request id>\\n<owner>".
+
+Redis unreachable: a claim counts as granted (each replica goes on with its own view;
+no request fails for it), a forwarded abort finds nothing, and the listener
+reconnects with jittered exponential backoff."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from pdserve.router.request_directory import AbortHere
+
+log = logging.getLogger(__name__)
+
+# Claim: set the entry if absent, or if this replica's own (ARGV[2] is "<replica>\n").
+_CLAIM = """
+local held = redis.call('GET', KEYS[1])
+if held and string.sub(held, 1, string.len(ARGV[2])) ~= ARGV[2] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+return 1
+"""
+# Release: delete the entry if it is still the value this replica set.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# Renew each held entry (ARGV[i] its value, ARGV[#KEYS + 1] the TTL): extend it, or
+# set it again if it is gone (Redis restarted, or it expired while unreachable);
+# one another replica took meanwhile stays theirs.
+_RENEW = """
+local ttl = ARGV[#KEYS + 1]
+for i, key in ipairs(KEYS) do
+  local held = redis.call('GET', key)
+  if held == ARGV[i] then redis.call('EXPIRE', key, ttl)
+  elseif not held then redis.call('SET', key, ARGV[i], 'EX', ttl) end
+end
+return #KEYS
+"""
+
+
+class RedisDirectory:
+    def __init__(self, client: Redis, prefix: str, replica_id: str, ttl_s: float,
+                 backoff_s: tuple[float, float] = (0.05, 5.0)):
+        """client: decode_responses=True, with its own call timeouts (redis_client.py);
+        backoff_s: the listener's first and longest wait between reconnections."""
+        if "\n" in replica_id:
+            raise ValueError("a replica id is one line")
+        self.client, self.prefix, self.replica_id = client, prefix, replica_id
+        self.ttl_s, self.backoff_s = ttl_s, backoff_s
+        self.channel = f"{prefix}:abort:{replica_id}"
+        self._claim = client.register_script(_CLAIM)
+        self._release = client.register_script(_RELEASE)
+        self._renew = client.register_script(_RENEW)
+        self._held: dict[str, str] = {}  # request id -> the entry's value
+        self._releasing: set[asyncio.Task] = set()
+        self._tasks: list[asyncio.Task] = []
+        self._abort_here: AbortHere = lambda request_id, owner: False
+        self.listening = asyncio.Event()  # set while subscribed to this replica's channel
+        self.reachable = True
+
+    def key(self, request_id: str) -> str:
+        return f"{self.prefix}:req:{request_id}"
+
+    async def start(self, abort_here: AbortHere) -> None:
+        self._abort_here = abort_here
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._listen()), loop.create_task(self._renewing())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for request_id in list(self._held):
+            self.release(request_id)
+        if self._releasing:
+            await asyncio.wait(self._releasing)
+        await self.client.aclose()
+
+    async def claim(self, request_id: str, owner: str) -> bool:
+        value = f"{self.replica_id}\n{owner}"
+        try:
+            granted = await self._claim(keys=[self.key(request_id)],
+                                        args=[value, f"{self.replica_id}\n",
+                                              _seconds(self.ttl_s)])
+        except RedisError as err:
+            self._unreachable("claim", err)
+            granted = 1  # this replica's own view: the router checked its flights
+        else:
+            self._reached()
+        if granted:
+            self._held[request_id] = value
+        return bool(granted)
+
+    def release(self, request_id: str) -> None:
+        value = self._held.pop(request_id, None)
+        if value is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._delete(request_id, value))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def forward_abort(self, request_id: str, owner: str) -> bool:
+        try:
+            held = await self.client.get(self.key(request_id))
+            if held is None:
+                return False
+            replica, _, holder = held.partition("\n")
+            if replica == self.replica_id or holder != owner:
+                return False  # not in flight here after all, or another caller's
+            heard = await self.client.publish(f"{self.prefix}:abort:{replica}",
+                                              f"{request_id}\n{owner}")
+        except RedisError as err:
+            self._unreachable("forward an abort", err)
+            return False
+        self._reached()
+        return heard > 0
+
+    async def _delete(self, request_id: str, value: str) -> None:
+        try:
+            await self._release(keys=[self.key(request_id)], args=[value])
+        except RedisError as err:  # its TTL ends it; a claim of the id here takes it
+            self._unreachable("release", err)
+
+    async def _renewing(self) -> None:
+        """Every third of the TTL (sooner after a failure): each held entry extended,
+        or set again if Redis lost it."""
+        while True:
+            held = dict(self._held)
+            wait_s = self.ttl_s / 3
+            if held:
+                try:
+                    await self._renew(keys=[self.key(r) for r in held],
+                                      args=[*held.values(), _seconds(self.ttl_s)])
+                except RedisError as err:
+                    self._unreachable("renew", err)
+                    wait_s = min(wait_s, self.backoff_s[1])
+                else:
+                    self._reached()
+            await asyncio.sleep(wait_s)
+
+    async def _listen(self) -> None:
+        """Hears the aborts other replicas forward here, resubscribing with jittered
+        exponential backoff whenever the connection is lost."""
+        delay = self.backoff_s[0]
+        while True:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.channel)
+                self.listening.set()
+                self._reached()
+                delay = self.backoff_s[0]
+                while True:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None:
+                        request_id, _, owner = message["data"].partition("\n")
+                        self._abort_here(request_id, owner)
+            except (RedisError, OSError) as err:
+                self.listening.clear()
+                self._unreachable("listen", err)
+            finally:
+                await _quietly(pubsub.aclose())
+            await asyncio.sleep(random.uniform(0, delay))
+            delay = min(delay * 2, self.backoff_s[1])
+
+    def _unreachable(self, what: str, err: Exception) -> None:
+        if self.reachable:
+            log.warning("Redis unreachable (%s: %s): this router goes on with its own "
+                        "view of the requests in flight", what, err)
+        self.reachable = False
+
+    def _reached(self) -> None:
+        if not self.reachable:
+            log.warning("Redis reachable again")
+        self.reachable = True
+
+
+def _seconds(ttl_s: float) -> int:
+    return max(1, round(ttl_s))
+
+
+async def _quietly(closing) -> None:
+    try:
+        await closing
+    except (RedisError, OSError):
+        pass

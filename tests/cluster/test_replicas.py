@@ -1,0 +1,93 @@
+"""Two router replicas over one pool, sharing the request directory in a real Redis
+(--redis-url): an id in flight on one is refused by the other, and an abort sent to
+the other ends the request streaming on the first and frees its KV."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.client import AsyncClient, InvalidArgumentError
+from pdserve.engine.config import EngineConfig
+from pdserve.kv_transfer import TransferConfig
+from pdserve.router.auth import ApiKeys
+from pdserve.router.config import PoolSpec, RouterConfig, SharedStateSpec
+from pdserve.router.launch import launch
+from pdserve.router.redis_directory import RedisDirectory
+from pdserve.router.server import RouterServer
+from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
+from tests.cluster.test_shared_pool import second_router
+from tests.redis_server import RedisServer
+
+KEY = "replica-key"  # the same caller on both replicas: the owner is the key's digest
+
+
+@pytest.fixture(scope="module")
+def replicas(ray_local, llama_dir, tmp_path_factory):
+    redis = RedisServer(tmp_path_factory.mktemp("redis"))
+    redis.start()
+    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=32 << 20,
+                                      max_model_len=512)
+    shared = RouterConfig(shared=SharedStateSpec(redis_url=redis.url, redis_prefix="r"))
+    keys = ApiKeys((KEY,))
+    first = RouterServer(launch(config, PoolSpec(1, 1), TransferConfig(timeout_s=30), shared),
+                         keys=keys)
+    second = RouterServer(second_router(first.router), keys=keys)
+    for srv in (first, second):
+        assert isinstance(srv.router.directory, RedisDirectory)
+    yield first, second
+    second.stop()
+    stop_cluster(first)
+    redis.kill()
+
+
+def test_an_id_in_flight_on_one_replica_is_refused_by_the_other(replicas, llama_dir):
+    first, second = replicas
+    prompt = [5, 6, 7, 8, 9]
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=32 << 20, max_model_len=512)
+    expected = llm.generate([prompt], SamplingParams(max_tokens=300, temperature=0,
+                                                     ignore_eos=True))[0].token_ids
+
+    async def collide():
+        async with AsyncClient(first.grpc_target, api_key=KEY) as a, \
+                AsyncClient(second.grpc_target, api_key=KEY) as b:
+            chunks = a.generate_stream(prompt, request_id="shared-id", max_tokens=300,
+                                       temperature=0, ignore_eos=True)
+            tokens = list((await chunks.__anext__()).token_ids)
+            with pytest.raises(InvalidArgumentError) as err:
+                await b.generate([11, 12], request_id="shared-id", max_tokens=4)
+            async for chunk in chunks:
+                tokens += chunk.token_ids
+            again = await b.generate([11, 12], request_id="shared-id", max_tokens=4,
+                                     temperature=0, ignore_eos=True)
+            return tokens, err.value, again
+
+    tokens, err, again = asyncio.run(collide())
+    assert tokens == expected
+    assert "already in flight on another router" in str(err)
+    assert len(again.token_ids) == 4  # released when it ended: the id is free again
+    wait_all_blocks_free(first)
+
+
+def test_an_abort_sent_to_another_replica_ends_the_stream_and_frees_its_kv(replicas):
+    first, second = replicas
+
+    async def abort_across():
+        async with AsyncClient(first.grpc_target, api_key=KEY) as a, \
+                AsyncClient(second.grpc_target, api_key=KEY) as b:
+            chunks = a.generate_stream([3, 4, 5, 6], request_id="long", max_tokens=450,
+                                       temperature=0, ignore_eos=True)
+            received = [await chunks.__anext__()]
+            found = await b.abort("long")
+            async for chunk in chunks:
+                received.append(chunk)
+            other = await b.abort("never-was")
+            return found, received, other
+
+    found, received, other = asyncio.run(abort_across())
+    assert found and not other
+    assert received[-1].finish_reason == "abort"
+    assert sum(len(c.token_ids) for c in received) < 450
+    assert first.router.num_inflight == 0
+    wait_all_blocks_free(first)
