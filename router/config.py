@@ -112,9 +112,10 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 class SharedStateSpec:
     """State router replicas share in Redis (`--redis-url`; docs/replicas.md). Unset,
     every piece of it stays in this process."""
-    redis_url: str = option("", "share request ownership (a duplicate request id is "
-                            "refused by every replica; an abort sent to any replica reaches "
-                            "the one streaming the request) through this Redis: "
+    redis_url: str = option("", "share state with the other router replicas through this "
+                            "Redis (a duplicate request id is refused by every replica; an "
+                            "abort sent to any replica reaches the one streaming the "
+                            "request; one replica's planner acts): "
                             "redis://[:password@]host:port/db, rediss:// (TLS) or "
                             "unix:///path; unset: this router alone")
     redis_prefix: str = option("pdserve", "--redis-url: every key of this cluster starts "
@@ -125,6 +126,10 @@ class SharedStateSpec:
     request_ttl_s: float = option(30.0, "--redis-url: a request's ownership entry lives "
                                   "this long unless renewed (every third of it, while the "
                                   "request runs): a dead replica's entries go by then", gt=0)
+    leader_ttl_s: float = option(10.0, "--redis-url: one replica's planner acts (with "
+                                 "--autoscale); its lease lasts this long unless renewed, "
+                                 "so another takes over within it when the leader dies",
+                                 gt=0)
 
     def __post_init__(self) -> None:
         if self.redis_url:
@@ -134,7 +139,7 @@ class SharedStateSpec:
                                  f"{', '.join(s + '://' for s in REDIS_SCHEMES)}")
         if not self.redis_prefix or any(c.isspace() for c in self.redis_prefix):
             raise ValueError("--redis-prefix must be a non-empty word")
-        for name in ("redis_timeout_s", "request_ttl_s"):
+        for name in ("redis_timeout_s", "request_ttl_s", "leader_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
 

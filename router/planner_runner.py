@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import asdict
 
 from pdserve.router.errors import short_reason
+from pdserve.router.leader_lease import LeaderLease, SoleLeader
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner import (
     Action,
@@ -37,9 +38,10 @@ _STATES = {"serving": "serving", "draining": "draining", "stalled": "stalled",
 
 class PlannerRunner:
     def __init__(self, pool: Pool, config: PlannerConfig, slo: Slo, traffic: TrafficWindow,
-                 metrics: RouterMetrics):
+                 metrics: RouterMetrics, lease: LeaderLease = SoleLeader()):
+        """lease: whether this router's planner is the one that acts (leader_lease.py)."""
         self.pool, self.config, self.slo = pool, config, slo
-        self.traffic, self.metrics = traffic, metrics
+        self.traffic, self.metrics, self.lease = traffic, metrics, lease
         self.state = PlannerState()
         self.paused = False
         self.last: Plan | None = None
@@ -57,14 +59,22 @@ class PlannerRunner:
                 task.cancel()
         await asyncio.gather(*[t for t in [self._ticking, *self._tasks] if t is not None],
                              return_exceptions=True)
+        await self.lease.stop()
 
     async def settled(self) -> None:
         """Returns once every action started so far has ended (its outcome recorded)."""
         await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def _run(self) -> None:
+        await self.lease.start()
+        led = True
         while not self.pool.closing.is_set():
             await asyncio.sleep(self.config.interval_s)  # the planner's period
+            if not self.lease.leading:
+                led = False  # another replica's planner acts
+                continue
+            if not led:  # what it sustained before another led is stale
+                self.state, led = PlannerState(), True
             if self.paused or self.pool.closing.is_set():
                 continue
             try:
@@ -109,7 +119,8 @@ class PlannerRunner:
     def describe(self) -> dict:
         signals = {} if self.last is None else {
             role: asdict(signal) for role, signal in self.last.signals.items()}
-        return {"paused": self.paused, "interval_s": self.config.interval_s,
+        return {"paused": self.paused, "leading": self.lease.leading,
+                "interval_s": self.config.interval_s,
                 "bounds": {role: [self.config.minimum(role), self.config.maximum(role)]
                            for role in self.config.roles},
                 "max_workers": self.config.max_workers, "signals": signals,
@@ -128,21 +139,24 @@ class PlannerRunner:
                   "worker_id": action.worker_id, "cause": action.cause,
                   "reason": action.reason, "outcome": "under way"}
         self.decisions.append(record)
-        if action.kind == "add":
-            call = self.pool.add(action.role, wait=False)
-        elif action.kind == "remove":
-            self._acting[action.worker_id] = ("remove", action.role, loop.time())
-            call = self.pool.remove(action.worker_id)
-        else:
-            self._acting[action.worker_id] = ("flip", action.role, loop.time())
-            call = self.pool.set_role(action.worker_id, action.role)
-        task = loop.create_task(self._settle(record, action, call))
+        calls = {"add": lambda: self.pool.add(action.role, wait=False),
+                 "remove": lambda: self.pool.remove(action.worker_id),
+                 "flip": lambda: self.pool.set_role(action.worker_id, action.role)}
+        if action.kind != "add":
+            self._acting[action.worker_id] = (action.kind, action.role, loop.time())
+        task = loop.create_task(self._settle(record, action, calls[action.kind],
+                                             self.lease.token))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _settle(self, record: dict, action: Action, call) -> None:
+    async def _settle(self, record: dict, action: Action, call, token: int) -> None:
+        """Carries the action out if this planner still leads (its fencing token holds),
+        and records how it ended."""
         try:
-            result = await call
+            if not await self.lease.still_leading(token):
+                record["outcome"] = "fenced: another replica's planner leads"
+                return
+            result = await call()
         except asyncio.CancelledError:
             record["outcome"] = "cancelled"
             raise

@@ -22,6 +22,7 @@ from pdserve.router.cluster_models import ClusterModels
 from pdserve.router.config import RouterConfig
 from pdserve.router.decision import Decision
 from pdserve.router.intake import Intake
+from pdserve.router.leader_lease import lease_for
 from pdserve.router.lifecycle import Accepted, Flight
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_info import ModelInfo
@@ -125,7 +126,8 @@ class Router:
             pools = ("both",) if roles <= {"both"} else ("prefill", "decode")
             self.planner = PlannerRunner(self.pool, spec.planner_config(pools),
                                          self.config.routing.default_slo, self.traffic,
-                                         self.metrics)
+                                         self.metrics,
+                                         lease_for(self.config.shared, self.router_id))
             self.planner.start()
 
     async def stop(self) -> None:

@@ -1,6 +1,7 @@
-"""Two router replicas over one pool, sharing the request directory in a real Redis
-(--redis-url): an id in flight on one is refused by the other, and an abort sent to
-the other ends the request streaming on the first and frees its KV."""
+"""Two router replicas over one pool, sharing state in a real Redis (--redis-url): an
+id in flight on one is refused by the other, an abort sent to the other ends the
+request streaming on the first and frees its KV, and of the two planners one leads
+(the other takes over when it goes)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,12 +13,13 @@ from pdserve.client import AsyncClient, InvalidArgumentError
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.auth import ApiKeys
-from pdserve.router.config import PoolSpec, RouterConfig, SharedStateSpec
+from pdserve.router.config import AutoscaleSpec, PoolSpec, RouterConfig, SharedStateSpec
 from pdserve.router.launch import launch
 from pdserve.router.redis_directory import RedisDirectory
 from pdserve.router.server import RouterServer
 from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
 from tests.cluster.test_shared_pool import second_router
+from tests.polling import until
 from tests.redis_server import RedisServer
 
 KEY = "replica-key"  # the same caller on both replicas: the owner is the key's digest
@@ -29,7 +31,11 @@ def replicas(ray_local, llama_dir, tmp_path_factory):
     redis.start()
     config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=32 << 20,
                                       max_model_len=512)
-    shared = RouterConfig(shared=SharedStateSpec(redis_url=redis.url, redis_prefix="r"))
+    # --autoscale with each pool's bounds at its size: both planners run, neither acts
+    shared = RouterConfig(
+        shared=SharedStateSpec(redis_url=redis.url, redis_prefix="r", leader_ttl_s=2.0),
+        autoscale=AutoscaleSpec(autoscale=True, max_prefill_workers=1, max_decode_workers=1,
+                                max_workers=2))
     keys = ApiKeys((KEY,))
     first = RouterServer(launch(config, PoolSpec(1, 1), TransferConfig(timeout_s=30), shared),
                          keys=keys)
@@ -91,3 +97,16 @@ def test_an_abort_sent_to_another_replica_ends_the_stream_and_frees_its_kv(repli
     assert sum(len(c.token_ids) for c in received) < 450
     assert first.router.num_inflight == 0
     wait_all_blocks_free(first)
+
+
+def test_one_replica_s_planner_leads_and_the_other_takes_over_when_it_goes(replicas):
+    planners = [srv.router.planner for srv in replicas]
+    assert until(lambda: sum(p.lease.leading for p in planners) == 1, timeout_s=10)
+    leader = next(i for i, p in enumerate(planners) if p.lease.leading)
+    other = planners[1 - leader]
+    assert not other.lease.leading and other.describe()["leading"] is False
+    token = planners[leader].lease.token
+    srv = replicas[leader]
+    srv._run(planners[leader].lease.stop(), timeout=10)  # as when its router ends
+    assert until(lambda: other.lease.leading, timeout_s=3 * 2.0)
+    assert other.lease.token > token
