@@ -59,6 +59,7 @@ bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/router_responsiveness.py
 	$(BIN)/python benchmarks/decide.py
 	$(BIN)/python benchmarks/routing.py
+	$(BIN)/python benchmarks/replicas.py
 
 # one hour of steady load: RSS, threads and fds of every process, and their slopes
 soak: $(VENV)/.dev
