@@ -64,6 +64,7 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     cli_flags.add_flags(p.add_argument_group("autoscaling (the SLO planner)"), AutoscaleSpec)
     cli_flags.add_flags(p.add_argument_group("router replicas (state shared in Redis)"),
                         SharedStateSpec)
+    p.set_defaults(redis_url=env.redis_url())
     cli_flags.add_engine_flags(p)
 
 

@@ -117,7 +117,8 @@ class SharedStateSpec:
                             "abort sent to any replica reaches the one streaming the "
                             "request; one replica's planner acts): "
                             "redis://[:password@]host:port/db, rediss:// (TLS) or "
-                            "unix:///path; unset: this router alone")
+                            "unix:///path; default: $PDSERVE_REDIS_URL (keeps a password "
+                            "off the command line), else this router alone")
     redis_prefix: str = option("pdserve", "--redis-url: every key of this cluster starts "
                                "with it (one Redis can serve several clusters)")
     redis_timeout_s: float = option(0.5, "--redis-url: the longest one Redis call may "
@@ -137,6 +138,11 @@ class SharedStateSpec:
             if scheme not in REDIS_SCHEMES or "://" not in self.redis_url:
                 raise ValueError(f"--redis-url must start with one of "
                                  f"{', '.join(s + '://' for s in REDIS_SCHEMES)}")
+            from redis.connection import parse_url
+            try:
+                parse_url(self.redis_url)  # before any worker loads
+            except ValueError as err:
+                raise ValueError(f"--redis-url: {err}") from None
         if not self.redis_prefix or any(c.isspace() for c in self.redis_prefix):
             raise ValueError("--redis-prefix must be a non-empty word")
         for name in ("redis_timeout_s", "request_ttl_s", "leader_ttl_s"):

@@ -175,6 +175,8 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
         log.warning("waiting up to %gs for nodes to join: %s", wait_for_nodes_s, problem)
         _request_resources(list(demands.values()))
         problem = until_placeable(demands, nodes, timeout_s=wait_for_nodes_s)
+        if problem is not None:
+            _request_resources([])  # no node is wanted for a router that gives up
     if problem is not None:
         raise PlacementError(problem)
     created = [spawner.create(role) for role in roles]

@@ -8,7 +8,9 @@ while a tick was under way acts no more). Without Redis the one router leads.
 Keys, under the cluster's prefix P:
 - `P:planner:leader` = "<holder>\\n<token>", with a TTL in ms, renewed every third of
   it by its holder, deleted when the holder stops;
-- `P:planner:epoch`: the last token handed out (INCR: tokens only grow).
+- `P:planner:epoch`: the last token handed out. A new one is the larger of Redis's
+  clock in microseconds and the last one + 1, so tokens grow across a Redis restarted
+  without its data too (as long as its clock does not go back).
 
 Redis unreachable: the leader stops leading at once (no action on a lease it cannot
 renew), so every planner pauses; when Redis returns, one leads again."""
@@ -38,8 +40,12 @@ if held then
   end
   return 0
 end
-local token = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], ARGV[1] .. '\\n' .. token, 'PX', ARGV[2])
+local now = redis.call('TIME')
+local token = math.max(tonumber(now[1]) * 1000000 + tonumber(now[2]),
+                       tonumber(redis.call('GET', KEYS[2]) or '0') + 1)
+local text = string.format('%.0f', token)
+redis.call('SET', KEYS[2], text)
+redis.call('SET', KEYS[1], ARGV[1] .. '\\n' .. text, 'PX', ARGV[2])
 return token
 """
 _LET_GO = """
@@ -125,6 +131,9 @@ class RedisLease:
                 if self.token:
                     log.warning("planner: lost the lead (Redis unreachable: %s); it pauses",
                                 err)
+                token = 0
+            except Exception:  # a bug here must not end the renewals: no lead meanwhile
+                log.exception("planner: the lease's renewal failed")
                 token = 0
             if token and token != self.token:
                 log.warning("planner: %s leads (fencing token %d)", self.holder, token)

@@ -9,6 +9,8 @@ from redis.backoff import NoBackoff
 
 from pdserve.router.config import SharedStateSpec
 
+HEALTH_CHECK_S = 5
+
 
 def connect(spec: SharedStateSpec) -> Redis:
     """A client for spec.redis_url (redis://, rediss:// with TLS, unix://; a password in
@@ -16,4 +18,7 @@ def connect(spec: SharedStateSpec) -> Redis:
     return Redis.from_url(spec.redis_url, decode_responses=True,
                           socket_timeout=spec.redis_timeout_s,
                           socket_connect_timeout=spec.redis_timeout_s,
-                          retry=Retry(NoBackoff(), 0), client_name="pdserve-router")
+                          retry=Retry(NoBackoff(), 0), client_name="pdserve-router",
+                          # an idle connection is PINGed before use (a subscription's
+                          # while it waits), so one a network dropped silently is noticed
+                          health_check_interval=HEALTH_CHECK_S)

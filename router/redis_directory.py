@@ -3,22 +3,25 @@ replica claims the ids of its requests there, so a duplicate id is refused acros
 replicas and an abort reaching any replica is forwarded to the holder.
 
 Keys, under the cluster's prefix P:
-- `P:req:<request id>` = "<replica id>\\n<owner>": SET only if absent (or left by this
-  replica: a release that could not reach Redis), with a TTL renewed every third of it
-  while the request runs, deleted (if still this replica's) when it ends. The TTL is
+- `P:req:<request id>` = "<replica id>\\n<owner>\\n<claim nonce>": SET only if absent
+  (or left by this replica: a release that could not reach Redis), with a TTL renewed
+  every third of it while the request runs, deleted (if still this claim's: the nonce
+  tells a re-claim of the same id from the claim a late release was for) when it ends. The TTL is
   what bounds the entries of a replica that died, and a renewal re-creates an entry
   lost with a restarted Redis: the directory is rebuilt from what the replicas hold.
 - `P:abort:<replica id>`: the channel a replica hears forwarded aborts on,
   "<request id>\\n<owner>".
 
 Redis unreachable: a claim counts as granted (each replica goes on with its own view;
-no request fails for it), a forwarded abort finds nothing, and the listener
-reconnects with jittered exponential backoff."""
+no request fails for it), at once while the listener has not reconnected (a Redis
+that does not answer must not cost every request the call timeout); a forwarded
+abort finds nothing; the listener reconnects with jittered exponential backoff."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
+import uuid
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -92,7 +95,10 @@ class RedisDirectory:
         await self.client.aclose()
 
     async def claim(self, request_id: str, owner: str) -> bool:
-        value = f"{self.replica_id}\n{owner}"
+        value = f"{self.replica_id}\n{owner}\n{uuid.uuid4().hex[:12]}"
+        if not self.reachable:  # the listener says when Redis is back
+            self._held[request_id] = value
+            return True
         try:
             granted = await self._claim(keys=[self.key(request_id)],
                                         args=[value, f"{self.replica_id}\n",
@@ -108,8 +114,10 @@ class RedisDirectory:
 
     def release(self, request_id: str) -> None:
         value = self._held.pop(request_id, None)
-        if value is None:
-            return
+        if value is not None:
+            self._schedule_delete(request_id, value)
+
+    def _schedule_delete(self, request_id: str, value: str) -> None:
         task = asyncio.get_running_loop().create_task(self._delete(request_id, value))
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
@@ -119,7 +127,7 @@ class RedisDirectory:
             held = await self.client.get(self.key(request_id))
             if held is None:
                 return False
-            replica, _, holder = held.partition("\n")
+            replica, holder = (held.split("\n") + [""])[:2]
             if replica == self.replica_id or holder != owner:
                 return False  # not in flight here after all, or another caller's
             heard = await self.client.publish(f"{self.prefix}:abort:{replica}",
@@ -137,20 +145,35 @@ class RedisDirectory:
             self._unreachable("release", err)
 
     async def _renewing(self) -> None:
-        """Every third of the TTL (sooner after a failure): each held entry extended,
-        or set again if Redis lost it."""
+        """Every third of the TTL (sooner while Redis is unreachable, when it asks
+        whether Redis answers again): each held entry extended, or set again if Redis
+        lost it."""
         while True:
             held = dict(self._held)
             wait_s = self.ttl_s / 3
-            if held:
+            if not self.reachable:  # claims skip Redis until it answers again
+                try:
+                    await self.client.ping()
+                except RedisError:
+                    wait_s = min(wait_s, self.backoff_s[1])
+                else:
+                    self._reached()
+            if held and self.reachable:
                 try:
                     await self._renew(keys=[self.key(r) for r in held],
                                       args=[*held.values(), _seconds(self.ttl_s)])
                 except RedisError as err:
                     self._unreachable("renew", err)
                     wait_s = min(wait_s, self.backoff_s[1])
+                except Exception:  # a bug here must not end the renewals
+                    log.exception("request directory: a renewal failed")
                 else:
                     self._reached()
+                    # one released while the renewal was under way may have been set
+                    # again by it: released again
+                    for request_id, value in held.items():
+                        if self._held.get(request_id) != value:
+                            self._schedule_delete(request_id, value)
             await asyncio.sleep(wait_s)
 
     async def _listen(self) -> None:
@@ -161,18 +184,23 @@ class RedisDirectory:
             pubsub = self.client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.channel)
-                self.listening.set()
-                self._reached()
-                delay = self.backoff_s[0]
                 while True:
+                    # the first read takes the subscription's confirmation; the client's
+                    # health checks PING an idle connection, so a dead one is noticed
                     message = await pubsub.get_message(timeout=1.0)
+                    if not self.listening.is_set():
+                        self.listening.set()
+                        self._reached()
+                        delay = self.backoff_s[0]
                     if message is not None:
                         request_id, _, owner = message["data"].partition("\n")
                         self._abort_here(request_id, owner)
             except (RedisError, OSError) as err:
-                self.listening.clear()
                 self._unreachable("listen", err)
+            except Exception:  # a bug here must not end the listening for good
+                log.exception("request directory: the abort listener failed")
             finally:
+                self.listening.clear()
                 await _quietly(pubsub.aclose())
             await asyncio.sleep(random.uniform(0, delay))
             delay = min(delay * 2, self.backoff_s[1])

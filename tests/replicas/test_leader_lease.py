@@ -61,9 +61,12 @@ def test_redis_lost_pauses_every_planner_and_one_leads_again_when_it_returns(
         await a.start()
         await b.start()
         assert await eventually(lambda: a.leading or b.leading)
+        leader = a if a.leading else b
+        token = leader.token
+        assert await leader.still_leading(token)
         redis_server.kill()
         assert await eventually(lambda: not a.leading and not b.leading, timeout_s=2 * TTL_S)
-        assert not await a.still_leading(a.token or 1)
+        assert not await leader.still_leading(token)  # no answer is no lead
         redis_server.start()
         assert await eventually(lambda: a.leading != b.leading, timeout_s=3 * TTL_S)
         await a.stop()

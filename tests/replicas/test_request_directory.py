@@ -4,6 +4,8 @@ holder, entries bounded by their TTL, and Redis lost and back without a failed c
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 from pdserve.router.config import SharedStateSpec
 from pdserve.router.redis_client import connect
@@ -38,7 +40,7 @@ def test_an_id_one_replica_holds_is_refused_to_another_until_released(redis_serv
         assert not await b.claim("r1", "alice")
         ttl = await a.client.ttl(a.key("r1"))
         assert 0 < ttl <= TTL_S
-        assert await a.client.get(a.key("r1")) == "a\nalice"
+        assert (await a.client.get(a.key("r1"))).split("\n")[:2] == ["a", "alice"]
         a.release("r1")
         assert await eventually(lambda: b.claim("r1", "bob"))
         await a.stop()
@@ -84,6 +86,21 @@ def test_a_replica_s_entries_end_with_their_ttl_unless_renewed(redis_server):
         assert await b.claim("kept", "y")  # released on stop
         await b.stop()
         await dead.client.aclose()
+    asyncio.run(scenario())
+
+
+def test_a_late_release_does_not_delete_a_re_claim_of_the_same_id(redis_server):
+    async def scenario():
+        a, b = directory(redis_server, "a"), directory(redis_server, "b")
+        assert await a.claim("r1", "alice")
+        stale = a._held["r1"]
+        a.release("r1")
+        await asyncio.wait(set(a._releasing))
+        assert await a.claim("r1", "alice")  # the same id and owner again
+        await a._delete("r1", stale)  # a late release of the first claim
+        assert not await b.claim("r1", "bob")  # the second claim still holds
+        await a.stop()
+        await b.stop()
     asyncio.run(scenario())
 
 
@@ -134,3 +151,29 @@ async def redis_server_has(d: RedisDirectory, request_id: str) -> bool:
         return await d.client.get(d.key(request_id)) is not None
     except Exception:
         return False
+
+
+def test_a_redis_that_does_not_answer_costs_one_timeout_not_one_per_request(redis_server):
+    """SIGSTOP: connections hang rather than fail. The claim that finds out waits the
+    call timeout; the next ones do not ask Redis until it answers a PING again."""
+    async def scenario():
+        a = directory(redis_server, "a")
+        await a.start(lambda *_: False)
+        await asyncio.wait_for(a.listening.wait(), 10)
+        loop = asyncio.get_running_loop()
+        os.kill(redis_server.process.pid, signal.SIGSTOP)
+        try:
+            began = loop.time()
+            assert await a.claim("first", "x")
+            found_out_s = loop.time() - began
+            began = loop.time()
+            assert all([await a.claim(f"next-{i}", "x") for i in range(20)])
+            next_s = loop.time() - began
+        finally:
+            os.kill(redis_server.process.pid, signal.SIGCONT)
+        assert found_out_s >= 0.4 and not a.reachable  # the 0.5 s call timeout
+        assert next_s < 0.25  # 20 claims without a Redis call
+        assert await eventually(lambda: a.reachable)  # its PING answered again
+        assert await eventually(lambda: redis_server_has(a, "next-7"))  # renewed in
+        await a.stop()
+    asyncio.run(scenario())
