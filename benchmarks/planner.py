@@ -31,6 +31,7 @@ import random
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 from pdserve.bench.metrics import SLO, summarize
@@ -125,6 +126,10 @@ def run_arm(profile: Profile, pools: PoolSpec, router: RouterConfig, requests, s
             "decisions": decisions}
 
 
+def _run_arm(job: tuple) -> dict:
+    return run_arm(*job)
+
+
 def reversals(sizes: list[tuple[float, dict]], roles) -> dict:
     """Per pool, how many times its size changed direction."""
     out = {}
@@ -178,6 +183,9 @@ def main() -> int:
     ap.add_argument("--interval-s", type=float, default=5.0)
     ap.add_argument("--slo-ttft-ms", type=float, default=500.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="seeds run in this many processes at once (virtual time: the "
+                    "results do not depend on it)")
     ap.add_argument("--out", default="bench-results/planner.json")
     args = ap.parse_args()
     profile = Profile.load(args.profile) if args.profile else analytic_profile(
@@ -185,14 +193,16 @@ def main() -> int:
     slo = SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
     results: dict = {"args": vars(args), "profile": profile.name, "traces": {}}
     began, lines = time.perf_counter(), []
+    executor = ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
     for trace in args.traces:
         requests = {seed: requests_of(trace, args, profile, seed) for seed in args.seeds}
         rows: dict[str, list[dict]] = {}
 
         def run(name: str, pools: PoolSpec, router: RouterConfig) -> None:
             rows[name] = []
-            for seed in args.seeds:
-                row = run_arm(profile, pools, router, requests[seed], slo, seed)
+            jobs = [(profile, pools, router, requests[seed], slo, seed) for seed in args.seeds]
+            ran = executor.map(_run_arm, jobs) if executor else map(_run_arm, jobs)
+            for seed, row in zip(args.seeds, ran):
                 if name == "planner":
                     row["reversals"] = reversals(row["sizes"], ("prefill", "decode"))
                 rows[name].append(row)
@@ -238,6 +248,8 @@ def main() -> int:
         else:
             lines.append(f"  no static arm of up to {args.budget} workers reached "
                          f"{TARGET:.0%}: no ratio")
+    if executor is not None:
+        executor.shutdown()
     out = save_json(args.out, results)
     print(f"wrote {out} ({time.perf_counter() - began:.0f} s)")
     for line in lines:
