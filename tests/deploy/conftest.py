@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -133,6 +134,8 @@ def local_cluster(llama_dir):
         if _read(home / "pdserve.pid").strip():
             _stop_router(int(_read(home / "pdserve.pid")))
         _kill_tree(sessions, temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def _answers(port: int) -> bool:
