@@ -37,10 +37,13 @@ if held and string.sub(held, 1, string.len(ARGV[2])) ~= ARGV[2] then return 0 en
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
 return 1
 """
-# Release: delete the entry if it is still the value this replica set.
+# Release: delete each entry that is still the value this replica set (ARGV[i]).
 _RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
+local n = 0
+for i, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[i] then n = n + redis.call('DEL', key) end
+end
+return n
 """
 # Renew each held entry (ARGV[i] its value, ARGV[#KEYS + 1] the TTL): extend it, or
 # set it again if it is gone (Redis restarted, or it expired while unreachable);
@@ -70,7 +73,10 @@ class RedisDirectory:
         self._release = client.register_script(_RELEASE)
         self._renew = client.register_script(_RENEW)
         self._held: dict[str, str] = {}  # request id -> the entry's value
-        self._releasing: set[asyncio.Task] = set()
+        # Releases go out in batches, one call at a time: a release per request each on
+        # its own connection starved the claims of connections at 64 in flight.
+        self._to_release: dict[str, str] = {}
+        self._releaser: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
         self._abort_here: AbortHere = lambda request_id, owner: False
         self.listening = asyncio.Event()  # set while subscribed to this replica's channel
@@ -90,9 +96,13 @@ class RedisDirectory:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for request_id in list(self._held):
             self.release(request_id)
-        if self._releasing:
-            await asyncio.wait(self._releasing)
+        await self.flushed()
         await self.client.aclose()
+
+    async def flushed(self) -> None:
+        """Returns once every release so far has been sent (or given up on)."""
+        while self._releaser is not None and not self._releaser.done():
+            await asyncio.gather(self._releaser, return_exceptions=True)
 
     async def claim(self, request_id: str, owner: str) -> bool:
         value = f"{self.replica_id}\n{owner}\n{uuid.uuid4().hex[:12]}"
@@ -118,9 +128,14 @@ class RedisDirectory:
             self._schedule_delete(request_id, value)
 
     def _schedule_delete(self, request_id: str, value: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._delete(request_id, value))
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
+        self._to_release[request_id] = value
+        if self._releaser is None or self._releaser.done():
+            self._releaser = asyncio.get_running_loop().create_task(self._release_all())
+
+    async def _release_all(self) -> None:
+        while self._to_release:
+            batch, self._to_release = self._to_release, {}
+            await self._delete_many(batch)
 
     async def forward_abort(self, request_id: str, owner: str) -> bool:
         try:
@@ -138,10 +153,10 @@ class RedisDirectory:
         self._reached()
         return heard > 0
 
-    async def _delete(self, request_id: str, value: str) -> None:
+    async def _delete_many(self, entries: dict[str, str]) -> None:
         try:
-            await self._release(keys=[self.key(request_id)], args=[value])
-        except RedisError as err:  # its TTL ends it; a claim of the id here takes it
+            await self._release(keys=[self.key(r) for r in entries], args=list(entries.values()))
+        except RedisError as err:  # their TTL ends them; a claim of an id here takes it
             self._unreachable("release", err)
 
     async def _renewing(self) -> None:

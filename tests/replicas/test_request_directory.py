@@ -95,9 +95,9 @@ def test_a_late_release_does_not_delete_a_re_claim_of_the_same_id(redis_server):
         assert await a.claim("r1", "alice")
         stale = a._held["r1"]
         a.release("r1")
-        await asyncio.wait(set(a._releasing))
+        await a.flushed()
         assert await a.claim("r1", "alice")  # the same id and owner again
-        await a._delete("r1", stale)  # a late release of the first claim
+        await a._delete_many({"r1": stale})  # a late release of the first claim
         assert not await b.claim("r1", "bob")  # the second claim still holds
         await a.stop()
         await b.stop()
