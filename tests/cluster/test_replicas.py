@@ -65,14 +65,22 @@ def test_an_id_in_flight_on_one_replica_is_refused_by_the_other(replicas, llama_
                 await b.generate([11, 12], request_id="shared-id", max_tokens=4)
             async for chunk in chunks:
                 tokens += chunk.token_ids
-            again = await b.generate([11, 12], request_id="shared-id", max_tokens=4,
-                                     temperature=0, ignore_eos=True)
-            return tokens, err.value, again
+            return tokens, err.value
 
-    tokens, err, again = asyncio.run(collide())
+    async def reuse():
+        async with AsyncClient(second.grpc_target, api_key=KEY) as b:
+            return await b.generate([11, 12], request_id="shared-id", max_tokens=4,
+                                    temperature=0, ignore_eos=True)
+
+    tokens, err = asyncio.run(collide())
     assert tokens == expected
     assert "already in flight on another router" in str(err)
-    assert len(again.token_ids) == 4  # released when it ended: the id is free again
+    # Released when it ended (after its last chunk went out: the entry goes within a
+    # round trip), the id is free again on every replica.
+    directory = first.router.directory
+    assert until(lambda: first._run(directory.client.get(directory.key("shared-id")),
+                                    timeout=5) is None, timeout_s=10)
+    assert len(asyncio.run(reuse()).token_ids) == 4
     wait_all_blocks_free(first)
 
 
