@@ -122,8 +122,8 @@ class Pool:
         for worker_id, state in self.states().items():
             key = (self.workers[worker_id].state.role, state)
             counts[key] = counts.get(key, 0) + 1
-        for joining in self.joining.values():
-            if joining.state != "failed":
+        for worker_id, joining in self.joining.items():
+            if joining.state != "failed" and worker_id not in self.workers:
                 key = (joining.role, joining.state)
                 counts[key] = counts.get(key, 0) + 1
         return counts
@@ -435,7 +435,9 @@ class Pool:
         if self.spawner is None:
             return
         wanted: dict[str, int] = {}
+        # one joining counts once: a member already while its join completes
         for role in [w.state.role for w in self.workers.values()] + [
-                j.role for j in self.joining.values() if j.state != "failed"]:
+                j.role for worker_id, j in self.joining.items()
+                if j.state != "failed" and worker_id not in self.workers]:
             wanted[role] = wanted.get(role, 0) + 1
         self.spawner.wanted(wanted)
