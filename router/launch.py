@@ -170,7 +170,7 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     def nodes() -> list[dict[str, float]]:
         return [n["Resources"] for n in ray.nodes() if n["Alive"]]
 
-    problem = until_placeable(demands, nodes, timeout_s=0)
+    problem = unplaceable(demands, nodes())
     if problem is not None and wait_for_nodes_s > 0:
         log.warning("waiting up to %gs for nodes to join: %s", wait_for_nodes_s, problem)
         _request_resources(list(demands.values()))

@@ -31,8 +31,8 @@ def parse(argv: list[str]) -> None:
 
 def test_the_files_that_run_pdserve_are_the_ones_expected():
     """The extraction itself: a file whose commands went unseen would pass vacuously."""
-    found = {str(p.relative_to(DEPLOY)): [c[0] for c in commands_in(p)]
-             for p in deploy_files() if commands_in(p)}
+    found = {str(p.relative_to(DEPLOY)): [c[0] for c in commands]
+             for p in deploy_files() if (commands := commands_in(p))}
     assert found == {"Dockerfile": ["--help"],
                      "README.md": ["admin", "admin", "bench"],
                      "kuberay/raycluster.yaml": ["serve"],

@@ -8,7 +8,7 @@ import asyncio
 from pdserve.router.config import SharedStateSpec
 from pdserve.router.leader_lease import RedisLease
 from pdserve.router.redis_client import connect
-from tests.replicas.test_request_directory import eventually
+from tests.polling import eventually
 
 TTL_S = 1.0
 

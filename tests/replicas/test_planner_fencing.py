@@ -14,7 +14,7 @@ from pdserve.router.pool import Pool
 from pdserve.router.redis_client import connect
 from pdserve.router.slo import Slo
 from pdserve.router.traffic import TrafficWindow
-from tests.replicas.test_request_directory import eventually
+from tests.polling import eventually
 
 
 def test_an_action_decided_under_a_lost_lease_is_fenced(redis_server):

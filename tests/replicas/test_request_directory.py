@@ -4,12 +4,14 @@ holder, entries bounded by their TTL, and Redis lost and back without a failed c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 
 from pdserve.router.config import SharedStateSpec
 from pdserve.router.redis_client import connect
 from pdserve.router.redis_directory import RedisDirectory
+from tests.polling import eventually
 
 TTL_S = 3.0
 
@@ -20,56 +22,50 @@ def directory(server, replica: str, ttl_s: float = TTL_S) -> RedisDirectory:
                           backoff_s=(0.05, 0.2))
 
 
-async def eventually(condition, timeout_s: float = 10.0) -> bool:
-    """Reads `condition` (maybe a coroutine function) until it holds or time is out."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        value = condition()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value or loop.time() > deadline:
-            return bool(value)
-        await asyncio.sleep(0.05)
+@contextlib.asynccontextmanager
+async def two(server):
+    """Replicas a and b over one Redis, stopped (their entries released) at the end."""
+    a, b = directory(server, "a"), directory(server, "b")
+    try:
+        yield a, b
+    finally:
+        await a.stop()
+        await b.stop()
 
 
 def test_an_id_one_replica_holds_is_refused_to_another_until_released(redis_server):
     async def scenario():
-        a, b = directory(redis_server, "a"), directory(redis_server, "b")
-        assert await a.claim("r1", "alice")
-        assert not await b.claim("r1", "alice")
-        ttl = await a.client.ttl(a.key("r1"))
-        assert 0 < ttl <= TTL_S
-        assert (await a.client.get(a.key("r1"))).split("\n")[:2] == ["a", "alice"]
-        a.release("r1")
-        assert await eventually(lambda: b.claim("r1", "bob"))
-        await a.stop()
-        await b.stop()
+        async with two(redis_server) as (a, b):
+            assert await a.claim("r1", "alice")
+            assert not await b.claim("r1", "alice")
+            ttl = await a.client.ttl(a.key("r1"))
+            assert 0 < ttl <= TTL_S
+            assert (await a.client.get(a.key("r1"))).split("\n")[:2] == ["a", "alice"]
+            a.release("r1")
+            assert await eventually(lambda: b.claim("r1", "bob"))
     asyncio.run(scenario())
 
 
 def test_an_abort_reaching_another_replica_is_forwarded_to_the_holder(redis_server):
     async def scenario():
-        a, b = directory(redis_server, "a"), directory(redis_server, "b")
-        heard: list[tuple[str, str]] = []
-        got = asyncio.Event()
+        async with two(redis_server) as (a, b):
+            heard: list[tuple[str, str]] = []
+            got = asyncio.Event()
 
-        def abort_here(request_id, owner):
-            heard.append((request_id, owner))
-            got.set()
-            return True
-        await a.start(abort_here)
-        await b.start(lambda *_: False)
-        await asyncio.wait_for(a.listening.wait(), 10)
-        assert await a.claim("r1", "alice")
-        assert not await b.forward_abort("r1", "mallory")  # another caller's request
-        assert not await b.forward_abort("nope", "alice")
-        assert not await a.forward_abort("r1", "alice")  # its own: the router looked
-        assert await b.forward_abort("r1", "alice")
-        await asyncio.wait_for(got.wait(), 10)
-        assert heard == [("r1", "alice")]
-        await a.stop()
-        await b.stop()
+            def abort_here(request_id, owner):
+                heard.append((request_id, owner))
+                got.set()
+                return True
+            await a.start(abort_here)
+            await b.start(lambda *_: False)
+            await asyncio.wait_for(a.listening.wait(), 10)
+            assert await a.claim("r1", "alice")
+            assert not await b.forward_abort("r1", "mallory")  # another caller's request
+            assert not await b.forward_abort("nope", "alice")
+            assert not await a.forward_abort("r1", "alice")  # its own: the router looked
+            assert await b.forward_abort("r1", "alice")
+            await asyncio.wait_for(got.wait(), 10)
+            assert heard == [("r1", "alice")]
     asyncio.run(scenario())
 
 
@@ -91,58 +87,52 @@ def test_a_replica_s_entries_end_with_their_ttl_unless_renewed(redis_server):
 
 def test_a_late_release_does_not_delete_a_re_claim_of_the_same_id(redis_server):
     async def scenario():
-        a, b = directory(redis_server, "a"), directory(redis_server, "b")
-        assert await a.claim("r1", "alice")
-        stale = a._held["r1"]
-        a.release("r1")
-        await a.flushed()
-        assert await a.claim("r1", "alice")  # the same id and owner again
-        await a._delete_many({"r1": stale})  # a late release of the first claim
-        assert not await b.claim("r1", "bob")  # the second claim still holds
-        await a.stop()
-        await b.stop()
+        async with two(redis_server) as (a, b):
+            assert await a.claim("r1", "alice")
+            stale = a._held["r1"]
+            a.release("r1")
+            await a.flushed()
+            assert await a.claim("r1", "alice")  # the same id and owner again
+            await a._delete_many({"r1": stale})  # a late release of the first claim
+            assert not await b.claim("r1", "bob")  # the second claim still holds
     asyncio.run(scenario())
 
 
 def test_a_release_that_missed_redis_leaves_an_entry_its_replica_may_take_again(
         redis_server):
     async def scenario():
-        a, b = directory(redis_server, "a"), directory(redis_server, "b")
-        assert await a.claim("r1", "alice")
-        a._held.pop("r1")  # as if its release had failed: the entry stays
-        assert not await b.claim("r1", "bob")
-        assert await a.claim("r1", "alice")
-        await a.stop()
-        await b.stop()
+        async with two(redis_server) as (a, b):
+            assert await a.claim("r1", "alice")
+            a._held.pop("r1")  # as if its release had failed: the entry stays
+            assert not await b.claim("r1", "bob")
+            assert await a.claim("r1", "alice")
     asyncio.run(scenario())
 
 
 def test_redis_lost_and_back_fails_no_call_and_the_directory_is_rebuilt(redis_server):
     async def scenario():
-        a, b = directory(redis_server, "a"), directory(redis_server, "b")
-        got = asyncio.Event()
-        await a.start(lambda request_id, owner: got.set() or True)
-        await b.start(lambda *_: False)
-        await asyncio.wait_for(a.listening.wait(), 10)
-        assert await a.claim("before", "alice")
-        redis_server.kill()
-        # unreachable: claims are granted on each replica's own view, aborts find nothing
-        assert await a.claim("during", "alice") and await b.claim("during", "bob")
-        assert not await b.forward_abort("before", "alice")
-        assert not a.reachable and not b.reachable
-        assert await eventually(lambda: not a.listening.is_set())
-        b.release("during")
-        redis_server.start()  # empty: the entries were in memory only
-        # the holders' renewals set their entries again, and the listener resubscribes
-        assert await eventually(lambda: redis_server_has(a, "before"))
-        assert await eventually(lambda: redis_server_has(a, "during"))
-        await asyncio.wait_for(a.listening.wait(), 10)
-        assert not await b.claim("before", "bob")
-        assert await b.forward_abort("before", "alice")
-        await asyncio.wait_for(got.wait(), 10)
-        assert a.reachable and b.reachable
-        await a.stop()
-        await b.stop()
+        async with two(redis_server) as (a, b):
+            got = asyncio.Event()
+            await a.start(lambda request_id, owner: got.set() or True)
+            await b.start(lambda *_: False)
+            await asyncio.wait_for(a.listening.wait(), 10)
+            assert await a.claim("before", "alice")
+            redis_server.kill()
+            # unreachable: claims are granted on each replica's own view, aborts find nothing
+            assert await a.claim("during", "alice") and await b.claim("during", "bob")
+            assert not await b.forward_abort("before", "alice")
+            assert not a.reachable and not b.reachable
+            assert await eventually(lambda: not a.listening.is_set())
+            b.release("during")
+            redis_server.start()  # empty: the entries were in memory only
+            # the holders' renewals set their entries again, and the listener resubscribes
+            assert await eventually(lambda: redis_server_has(a, "before"))
+            assert await eventually(lambda: redis_server_has(a, "during"))
+            await asyncio.wait_for(a.listening.wait(), 10)
+            assert not await b.claim("before", "bob")
+            assert await b.forward_abort("before", "alice")
+            await asyncio.wait_for(got.wait(), 10)
+            assert a.reachable and b.reachable
     asyncio.run(scenario())
 
 
