@@ -61,6 +61,8 @@ class WorkerStats:
     free_blocks: int
     # kv_transfer lease -> how many expired on this worker (its receiver's LEASES)
     lease_expiries: dict[str, int] = field(default_factory=dict)
+    # Names the worker's process: a restarted worker answers with a new one.
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The `pdserve` command line: serve, demo, bench, sim, profile, admin, make-tiny-model.
+"""The `pdserve` command line: serve, router, demo, bench, sim, profile, admin,
+make-tiny-model.
 
 Engine and pool flags are derived from their config dataclasses (`cli_flags`); each
 subcommand owns its flags. Heavy modules (torch, Ray) are imported by the command
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(sub)
+    _add_router_parser(sub)
     _add_demo_parser(sub)
     add_bench_parser(sub)
     add_sim_parser(sub)
@@ -106,6 +108,34 @@ def _add_serve_parser(sub) -> None:
                        help="the model name clients send (default: --model)")
     front.add_argument("--ray-address", default=None,
                        help="join this Ray cluster, e.g. auto (default: start a local one)")
+    _add_front_flags(front)
+    serve.set_defaults(func=_serve)
+
+
+def _add_router_parser(sub) -> None:
+    router = sub.add_parser(
+        "router", help="another router replica over a pool `serve --redis-url` registered",
+        description="Serve the gRPC and OpenAI-compatible HTTP APIs over the pool "
+        "registered in Redis (--redis-url, --redis-prefix) by `pdserve serve`: the "
+        "replicas share its workers, refuse each other's request ids, forward aborts to "
+        "each other and apply each other's membership changes. Until SIGINT / SIGTERM.")
+    shared = router.add_argument_group("router replicas (state shared in Redis)")
+    cli_flags.add_flags(shared, SharedStateSpec)
+    router.set_defaults(redis_url=env.redis_url())
+    cli_flags.add_flags(router.add_argument_group("routing"), RoutingSpec)
+    cli_flags.add_flags(router.add_argument_group("autoscaling (the SLO planner)"),
+                        AutoscaleSpec)
+    front = router.add_argument_group("front end")
+    front.add_argument("--ray-address", default=None,
+                       help="the pool's Ray cluster (default: the address it registered)")
+    front.add_argument("--model-dir", default=None,
+                       help="where the model is on this machine, for its tokenizer "
+                       "(default: the directory the pool registered)")
+    _add_front_flags(front)
+    router.set_defaults(func=_router)
+
+
+def _add_front_flags(front) -> None:
     front.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     front.add_argument("--grpc-port", type=int, default=50051,
                        help="0 picks a free port (default: %(default)s)")
@@ -124,7 +154,6 @@ def _add_serve_parser(sub) -> None:
     front.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM "
                        "(default: %(default)s)")
-    serve.set_defaults(func=_serve)
 
 
 def _add_demo_parser(sub) -> None:
@@ -144,29 +173,75 @@ def _add_demo_parser(sub) -> None:
 def _serve(args) -> int:
     import ray
 
-    from pdserve.router.server import RouterServer
-
     cluster_specs(args)  # checked before Ray starts
+    _front_security(args)
     ray.init(address=args.ray_address, include_dashboard=False,
              log_to_driver=args.ray_address is None)
+    from pdserve.router.placement import PlacementError
+    from pdserve.router.pool_registry import RegistryError
+    try:
+        router = launch_cluster(args)
+    except (PlacementError, RegistryError) as err:
+        ray.shutdown()
+        raise SystemExit(f"pdserve serve: {err}") from None
+    return _run_front(args, router, f"{args.model!r} ({args.mode})")
+
+
+def _router(args) -> int:
+    import ray
+    from redis.exceptions import RedisError
+
+    from pdserve.router.launch import join
+    from pdserve.router.redis_registry import read_registered
+
+    try:
+        spec = SharedStateSpec(**cli_flags.values(args, SharedStateSpec))
+        config = RouterConfig(routing=RoutingSpec(**cli_flags.values(args, RoutingSpec)),
+                              autoscale=AutoscaleSpec(**cli_flags.values(args, AutoscaleSpec)),
+                              shared=spec)
+    except ValueError as err:
+        raise SystemExit(f"pdserve router: {err}") from None
+    if not spec.redis_url:
+        raise SystemExit("pdserve router: --redis-url (or $PDSERVE_REDIS_URL) names the "
+                         "Redis the pool is registered in")
+    _front_security(args)
+    try:
+        record, entries = read_registered(spec)
+    except RedisError as err:
+        raise SystemExit(f"pdserve router: Redis cannot be reached: {err}") from None
+    if record is None:
+        raise SystemExit(f"pdserve router: no pool is registered under --redis-prefix "
+                         f"{spec.redis_prefix!r}; start one with `pdserve serve --redis-url`")
+    ray.init(address=args.ray_address or record.ray_address, include_dashboard=False,
+             log_to_driver=False)
+    router = join(record, entries, config, args.model_dir)
+    return _run_front(args, router, f"{record.model.name!r} as a replica "
+                      f"({len(router.workers)} workers)")
+
+
+def _front_security(args):
+    """The front end's keys and TLS from the flags (a bad pair exits at once)."""
     from pdserve.router.auth import ApiKeys
     from pdserve.router.config import TLSConfig
 
-    keys = ApiKeys((args.api_key,) if args.api_key else ())
-    admin_keys = ApiKeys((args.admin_api_key,) if args.admin_api_key else ())
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
-        raise SystemExit("pdserve serve: give --ssl-certfile and --ssl-keyfile together")
-    tls = TLSConfig(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
-    from pdserve.router.placement import PlacementError
-    try:
-        router = launch_cluster(args)
-    except PlacementError as err:
-        ray.shutdown()
-        raise SystemExit(f"pdserve serve: {err}") from None
+        raise SystemExit(f"pdserve {args.command}: give --ssl-certfile and --ssl-keyfile "
+                         "together")
+    return (ApiKeys((args.api_key,) if args.api_key else ()),
+            TLSConfig(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None,
+            ApiKeys((args.admin_api_key,) if args.admin_api_key else ()))
+
+
+def _run_front(args, router, what: str) -> int:
+    """Serves the router's front ends until SIGINT / SIGTERM, then drains."""
+    import ray
+
+    from pdserve.router.server import RouterServer
+
+    keys, tls, admin_keys = _front_security(args)
     srv = RouterServer(router, args.host, args.grpc_port, args.http_port, keys, tls,
                        admin_keys)
-    print(f"pdserve serving {args.model!r} ({args.mode}): gRPC {srv.grpc_target}  "
-          f"HTTP {srv.http_url}", flush=True)
+    print(f"pdserve serving {what}: gRPC {srv.grpc_target}  HTTP {srv.http_url}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -81,8 +81,9 @@ def admin_routes(router: Router, keys: ApiKeys) -> APIRouter:
 
     @api.post("/workers/{worker_id}/drain")
     async def drain(worker_id: str, body: Drain | None = None):
-        """No new requests; answers once this router's requests on it are done (504
-        if they are not within the timeout: it stays draining)."""
+        """No new requests; answers once this router's requests on it are done and,
+        with other replicas, the worker reports holding none of theirs (504 if not
+        within the timeout: it stays draining)."""
         await _carried_out(pool, pool.drain(worker_id, body.timeout_s if body else None))
         return describe(router, worker_id)
 

@@ -131,6 +131,10 @@ class SharedStateSpec:
                                  "--autoscale); its lease lasts this long unless renewed, "
                                  "so another takes over within it when the leader dies",
                                  gt=0)
+    registry_ttl_s: float = option(30.0, "--redis-url: the pool registry (the pool, its "
+                                   "workers, the live replicas) lives this long unless a "
+                                   "replica renews it (every third of it); a replica not "
+                                   "renewing for this long counts as gone", gt=0)
 
     def __post_init__(self) -> None:
         if self.redis_url:
@@ -145,7 +149,7 @@ class SharedStateSpec:
                 raise ValueError(f"--redis-url: {err}") from None
         if not self.redis_prefix or any(c.isspace() for c in self.redis_prefix):
             raise ValueError("--redis-prefix must be a non-empty word")
-        for name in ("redis_timeout_s", "request_ttl_s", "leader_ttl_s"):
+        for name in ("redis_timeout_s", "request_ttl_s", "leader_ttl_s", "registry_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
 

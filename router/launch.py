@@ -1,6 +1,11 @@
-"""Start the workers as Ray actors and build a Router over them. The same
+"""Start the workers as Ray actors and build a Router over them (`launch`), or build
+another router replica over a pool registered in Redis (`join`). The same
 WorkerSpawner starts workers at run time (Pool.add, the replacement of an evicted
-worker). The router reaches each actor through a RayWorkerClient."""
+worker). The router reaches each actor through a RayWorkerClient.
+
+A pool shared by several replicas (`--redis-url`) has named, detached actors: any
+replica finds them by name, and they outlive the replica that started them; the
+last replica to stop ends them."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +13,7 @@ import itertools
 import logging
 import secrets
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import ray
 
@@ -19,10 +24,18 @@ from pdserve.engine.model_path import resolve_model_path
 from pdserve.engine.model_runner import DTYPES
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import TransferConfig
-from pdserve.router.config import PoolSpec, RouterConfig
+from pdserve.router.config import PoolSpec, RouterConfig, SharedStateSpec
 from pdserve.router.model_info import ModelInfo
 from pdserve.router.placement import PlacementError, fmt_resources, unplaceable, until_placeable
 from pdserve.router.pool import Progress
+from pdserve.router.pool_registry import (
+    LocalRegistry,
+    PoolRecord,
+    PoolRegistry,
+    RegistryError,
+    WorkerEntry,
+    registry_for,
+)
 from pdserve.router.ray_worker_client import RayWorkerClient
 from pdserve.router.router import Router
 from pdserve.router.workers import WorkerHandle
@@ -30,15 +43,32 @@ from pdserve.worker.actor import WorkerActor
 
 log = logging.getLogger(__name__)
 
+NAMESPACE = "pdserve"  # the Ray namespace of shared pools' named actors
+
+
+@dataclass(frozen=True)
+class SharedActors:
+    """How the actors of a pool shared by router replicas are named: in one Ray
+    namespace, by the pool's id (a crashed earlier pool's leftovers never collide)."""
+    pool_id: str
+    namespace: str = NAMESPACE
+
+    def name(self, worker_id: str) -> str:
+        return f"pdserve-{self.pool_id}-{worker_id}"
+
 
 class WorkerSpawner:
     """Creates worker actors of a role with the pool's resources, placement and
-    restart policy. Worker ids are `<role it started in>-<n>`, never reused."""
+    restart policy. Worker ids are `<role it started in>-<n>`, never reused (numbered
+    by the registry when replicas share the pool)."""
 
     def __init__(self, engine_config: EngineConfig, pools: PoolSpec,
-                 transfer: TransferConfig, router_config: RouterConfig):
+                 transfer: TransferConfig, router_config: RouterConfig,
+                 shared: SharedActors | None = None,
+                 registry: PoolRegistry = LocalRegistry()):
         self.engine_config, self.pools = engine_config, pools
         self.transfer, self.router_config = transfer, router_config
+        self.shared, self.registry = shared, registry
         self._numbers: defaultdict[str, itertools.count] = defaultdict(itertools.count)
         self._requested: list[dict[str, float]] | None = None  # the last autoscaler request
 
@@ -61,9 +91,10 @@ class WorkerSpawner:
                                    ("GPU", pools.num_gpus_per_worker)) if v}
         return {**fixed, **pools.resources(role)}
 
-    def create(self, role: str) -> tuple[str, object]:
+    def create(self, role: str, number: int | None = None) -> tuple[str, object]:
         """A new actor (loading in the background) and its id."""
-        worker_id = f"{role}-{next(self._numbers[role])}"
+        number = next(self._numbers[role]) if number is None else number
+        worker_id = f"{role}-{number}"
         pools = self.pools
         options = {"num_cpus": pools.num_cpus_per_worker,
                    "num_gpus": pools.num_gpus_per_worker,
@@ -76,6 +107,9 @@ class WorkerSpawner:
                    "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
         if pools.placement == "spread":
             options["scheduling_strategy"] = "SPREAD"
+        if self.shared is not None:
+            options.update(name=self.shared.name(worker_id), namespace=self.shared.namespace,
+                           lifetime="detached")
         actor = WorkerActor.options(**options).remote(worker_id, self.engine_config,
                                                       self.transfer, role)
         return worker_id, actor
@@ -93,7 +127,10 @@ class WorkerSpawner:
                               [n["Resources"] for n in nodes if n["Alive"]])
         if problem is not None:
             raise PlacementError(problem)
-        worker_id, actor = self.create(role)
+        number = await self.registry.next_worker_number()
+        if number is None and self.shared is not None:  # Redis unreachable: still unique
+            number = int.from_bytes(secrets.token_bytes(3), "big") + 1_000_000
+        worker_id, actor = self.create(role, number)
         config = self.router_config
         try:
             progress(worker_id, "pending")
@@ -108,7 +145,18 @@ class WorkerSpawner:
             ray.kill(actor, no_restart=True)
             raise
         return WorkerHandle.of(worker_id, RayWorkerClient(actor), role,
-                               num_blocks=stats["num_blocks"])
+                               num_blocks=stats["num_blocks"], locator=self.locator(worker_id),
+                               generation=stats["incarnation"])
+
+    def locator(self, worker_id: str) -> str:
+        return "" if self.shared is None else self.shared.name(worker_id)
+
+    async def attach(self, locator: str) -> RayWorkerClient:
+        """The actor another replica started, found by name."""
+        if self.shared is None:
+            raise RuntimeError("this pool is not shared: its workers have no names")
+        actor = await asyncio.to_thread(ray.get_actor, locator, self.shared.namespace)
+        return RayWorkerClient(actor)
 
     async def _until_placed(self, worker_id: str, actor, role: str) -> None:
         """Returns once Ray started the actor's process; PlacementError after
@@ -163,7 +211,13 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     transfer = replace(transfer, secret=transfer.secret or secrets.token_hex(16))
     model_dir = resolve_model_path(engine_config.model)  # build `tiny` once, here
     engine_config = replace(engine_config, model=str(model_dir))
-    spawner = WorkerSpawner(engine_config, pools, transfer, router_config)
+    router_id = new_router_id()
+    registry = registry_for(router_config.shared, router_id)
+    shared = None
+    if registry.shared:
+        _check_unregistered(router_config.shared)  # before any worker loads
+        shared = SharedActors(pool_id=secrets.token_hex(4))
+    spawner = WorkerSpawner(engine_config, pools, transfer, router_config, shared, registry)
     roles = pools.roles
     demands = {f"{role}-{i}": spawner.demand(role) for i, role in enumerate(roles)}
 
@@ -180,13 +234,19 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     if problem is not None:
         raise PlacementError(problem)
     created = [spawner.create(role) for role in roles]
-    stats = _get([actor.stats.remote() for _, actor in created], router_config, "start")
-    decoders = [(worker_id, actor) for (worker_id, actor), role in zip(created, roles)
-                 if role != "prefill"]
-    addresses = dict(zip((worker_id for worker_id, _ in decoders), _get(
-        [actor.address.remote() for _, actor in decoders], router_config, "start")))
+    try:
+        stats = _get([actor.stats.remote() for _, actor in created], router_config, "start")
+        decoders = [(worker_id, actor) for (worker_id, actor), role in zip(created, roles)
+                    if role != "prefill"]
+        addresses = dict(zip((worker_id for worker_id, _ in decoders), _get(
+            [actor.address.remote() for _, actor in decoders], router_config, "start")))
+    except BaseException:  # detached actors (a shared pool) outlive this process
+        for _, actor in created:
+            ray.kill(actor, no_restart=True)
+        raise
     workers = [WorkerHandle.of(worker_id, RayWorkerClient(actor), role,
-                               num_blocks=s["num_blocks"], address=addresses.get(worker_id, ""))
+                               num_blocks=s["num_blocks"], address=addresses.get(worker_id, ""),
+                               locator=spawner.locator(worker_id), generation=s["incarnation"])
                for (worker_id, actor), role, s in zip(created, roles, stats)]
     # every pair, before traffic
     adaptive = pools.mode == "adaptive"
@@ -199,8 +259,56 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     info = ModelInfo(name=served, max_model_len=max_len, vocab_size=model.vocab_size,
                      block_size=block_size, kv_bytes_per_block=bytes_per_block(
                          model, block_size, DTYPES[engine_config.resolved_dtype]))
+    record = None if shared is None else PoolRecord.of(
+        pool_id=shared.pool_id, ray_address=ray.get_runtime_context().gcs_address,
+        namespace=shared.namespace, model=info, adaptive=adaptive, engine=engine_config,
+        pools=pools, transfer=transfer)
     return Router(Tokenizer(model_dir), info, workers,
-                  replace(router_config, adaptive=adaptive), spawner)
+                  replace(router_config, adaptive=adaptive), spawner, router_id=router_id,
+                  registry=registry, record=record)
+
+
+def join(record: PoolRecord, entries: list[WorkerEntry], router_config: RouterConfig,
+         model_dir: str | None = None) -> Router:
+    """Another router replica over a registered pool (`pdserve router`), on the Ray
+    cluster the pool is on (ray.init first). Blocking: it reaches every worker the
+    registry names (one that cannot be found is left out, and logged). model_dir: where
+    the model is on this machine (default: where the pool's record says)."""
+    shared = SharedActors(pool_id=record.pool_id, namespace=record.namespace)
+    router_id = new_router_id()
+    registry = registry_for(router_config.shared, router_id)
+    router_config = replace(router_config, adaptive=record.adaptive)
+    spawner = WorkerSpawner(record.engine_config(), record.pool_spec(),
+                            record.transfer_config(), router_config, shared, registry)
+    workers = []
+    for entry in entries:
+        try:
+            actor = ray.get_actor(entry.locator, namespace=shared.namespace)
+        except ValueError:
+            log.error("worker %s of the registry is gone; left out", entry.worker_id)
+            continue
+        worker = WorkerHandle.of(entry.worker_id, RayWorkerClient(actor), entry.role,
+                                 num_blocks=entry.num_blocks, address=entry.address,
+                                 locator=entry.locator, generation=entry.generation)
+        worker.update(draining=entry.draining)
+        workers.append(worker)
+    return Router(Tokenizer(model_dir or record.model_dir), record.model, workers,
+                  router_config, spawner, router_id=router_id, registry=registry)
+
+
+def new_router_id() -> str:
+    return f"router-{secrets.token_hex(6)}"
+
+
+def _check_unregistered(spec: SharedStateSpec) -> None:
+    """RegistryError when a live pool is registered under spec's prefix already."""
+    from pdserve.router.redis_registry import read_registered
+
+    record, _ = read_registered(spec)
+    if record is not None:
+        raise RegistryError(f"a pool is registered under --redis-prefix "
+                            f"{spec.redis_prefix!r} already: start another router over it "
+                            f"with `pdserve router`, or choose another prefix")
 
 
 def _get(refs: list, config: RouterConfig, what: str) -> list:

@@ -8,9 +8,10 @@ while a tick was under way acts no more). Without Redis the one router leads.
 Keys, under the cluster's prefix P:
 - `P:planner:leader` = "<holder>\\n<token>", with a TTL in ms, renewed every third of
   it by its holder, deleted when the holder stops;
-- `P:planner:epoch`: the last token handed out. A new one is the larger of Redis's
-  clock in microseconds and the last one + 1, so tokens grow across a Redis restarted
-  without its data too (as long as its clock does not go back).
+- `P:planner:epoch`: the last token handed out, kept a day. A new one is the larger
+  of Redis's clock in microseconds and the last one + 1, so tokens grow across a Redis
+  restarted without its data (or the epoch expired) too, as long as its clock does
+  not go back.
 
 Redis unreachable: the leader stops leading at once (no action on a lease it cannot
 renew), so every planner pauses; when Redis returns, one leads again."""
@@ -44,7 +45,7 @@ local now = redis.call('TIME')
 local token = math.max(tonumber(now[1]) * 1000000 + tonumber(now[2]),
                        tonumber(redis.call('GET', KEYS[2]) or '0') + 1)
 local text = string.format('%.0f', token)
-redis.call('SET', KEYS[2], text)
+redis.call('SET', KEYS[2], text, 'EX', 86400)
 redis.call('SET', KEYS[1], ARGV[1] .. '\\n' .. text, 'PX', ARGV[2])
 return token
 """
@@ -101,12 +102,16 @@ class RedisLease:
         return self.token > 0 and time.monotonic() < self._valid_until
 
     async def start(self) -> None:
-        self._renewing = asyncio.get_running_loop().create_task(self._renew())
+        """Begins competing for the lease (again after start: nothing more)."""
+        if self._renewing is None:
+            self._renewing = asyncio.get_running_loop().create_task(self._renew())
 
     async def stop(self) -> None:
-        if self._renewing is not None:
-            self._renewing.cancel()
-            await asyncio.gather(self._renewing, return_exceptions=True)
+        """Lets go of the lease (again after stop: nothing more)."""
+        if self._renewing is None or self._renewing.done():
+            return
+        self._renewing.cancel()
+        await asyncio.gather(self._renewing, return_exceptions=True)
         if self.token:
             try:
                 await self._let_go(keys=self.keys[:1], args=[f"{self.holder}\n{self.token}"])

@@ -7,7 +7,14 @@ answers; one silent past the stall bound is out of service until it reports agai
 one not back within revive_timeout_s is evicted and, when the pool can spawn
 workers, replaced. Workers are paired as they join, change role or come back, and
 their pairs closed as they leave (pairing.py). Every call to a worker goes through
-its WorkerClient."""
+its WorkerClient.
+
+With other router replicas over the same workers (pool_registry.py), every change this
+pool makes is recorded in the registry and every change another replica makes is
+applied here: the replica that makes a change does what the workers must do for it
+(spawning, pairing, the role change, the kill); the others follow. A drain waits for
+every replica's requests on the worker (its own reports say when it holds none), and
+of the replicas that see a worker evicted only one replaces it (`may_replace`)."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +27,8 @@ from pdserve.engine.worker_messages import check_role
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import short_reason
 from pdserve.router.pairing import Pairing
+from pdserve.router.pool_registry import LocalRegistry, PoolRegistry, WorkerEntry
+from pdserve.router.worker_client import WorkerClient
 from pdserve.router.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
@@ -39,6 +48,9 @@ class Spawner(Protocol):
     def wanted(self, workers: dict[str, int]) -> None:
         """The pool's workers by role, those being added included, whenever that
         changes: a cluster that adds nodes on demand keeps room for them."""
+
+    async def attach(self, locator: str) -> WorkerClient:
+        """A client of a worker another router replica started (WorkerEntry.locator)."""
 
 
 Hook = Callable[[WorkerHandle], None]
@@ -69,11 +81,14 @@ class MembershipError(RuntimeError):
 class Pool:
     def __init__(self, config: RouterConfig, subscriber: str, spawner: Spawner | None = None,
                  on_report=None, on_leave: Hook | None = None,
-                 on_restart: Hook | None = None):
+                 on_restart: Hook | None = None, registry: PoolRegistry | None = None,
+                 may_replace: Callable[[], bool] = lambda: True):
         """subscriber: this router's name to the workers (they stream it its own
         requests only). on_report(worker, telemetry) hears every report; on_leave a
         worker that left; on_restart one whose process was replaced (what was learned
-        of the old one no longer holds)."""
+        of the old one no longer holds). registry: where the replicas over these
+        workers share their membership (default: none, this router alone);
+        may_replace(): whether this replica replaces an evicted worker (one does)."""
         self.config = config
         self.subscriber = subscriber
         self.spawner = spawner
@@ -92,6 +107,11 @@ class Pool:
         self._started = False
         self.pairing = Pairing(self.workers, config, on_dead=self.died)
         self.closing = asyncio.Event()  # set by close(): the router is shutting down
+        self.registry = registry or LocalRegistry()
+        self.may_replace = may_replace
+        self._idle: dict[str, tuple[float, asyncio.Event]] = {}  # drains awaiting reports
+        # Workers another replica added, being reached: the latest entry heard for each.
+        self._attaching: dict[str, WorkerEntry] = {}
 
     def admit(self, worker: WorkerHandle) -> None:
         """A worker paired already (launch pairs the first ones before traffic)."""
@@ -143,22 +163,37 @@ class Pool:
             return "stalled" if w.pump is not None and not w.pump.done() else "dead"
         return {w.worker_id: state(w) for w in self.workers.values()}
 
-    async def start(self) -> None:
+    async def start(self, record=None) -> None:
+        """Subscribes to every worker and begins following the registry. record: the
+        pool's PoolRecord when this router launched it (it registers the pool), None
+        when it joins one registered already (or shares nothing)."""
         self._started = True
         for worker in self.workers.values():
             self._subscribe(worker)
+        await self.registry.start(record, [self.entry(w) for w in self.workers.values()],
+                                  self.apply)
 
     def close(self) -> None:
         """The router is shutting down: membership operations under way end now (the
         admin API answers them 503) and none starts."""
         self.closing.set()
 
-    async def stop(self) -> None:
+    async def stop(self) -> bool:
+        """Stops supervising and following; True when no other replica serves these
+        workers any more (whoever stops the last router ends them)."""
         self.close()
         for task in [*self._reviving.values(), *self._background]:
             task.cancel()
         for worker in self.workers.values():
             worker.stop_pump()
+        return await self.registry.stop()
+
+    def entry(self, worker: WorkerHandle) -> WorkerEntry:
+        """The worker as the registry records it."""
+        return WorkerEntry(worker_id=worker.worker_id, role=worker.state.role,
+                           draining=worker.state.draining, locator=worker.locator,
+                           address=worker.address, num_blocks=worker.state.num_blocks,
+                           generation=worker.generation)
 
     # ---- membership -----------------------------------------------------------------
 
@@ -244,6 +279,7 @@ class Pool:
         worker.update(draining=False)
         worker.serving_since = self._now()
         log.warning("worker %s (%s) joined", worker.worker_id, worker.state.role)
+        self.registry.changed(self.entry(worker))
         self._changed()
 
     async def drain(self, worker_id: str, timeout_s: float | None = None) -> None:
@@ -253,18 +289,46 @@ class Pool:
         draining then."""
         worker = self.member(worker_id)
         drained = worker.drain()
+        since = self._now()
+        self.registry.changed(self.entry(worker))
         self._changed()
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         try:
-            await asyncio.wait_for(drained.wait(), timeout_s)
+            await asyncio.wait_for(self._drained(worker, drained, since), timeout_s)
         except asyncio.TimeoutError:
             held = worker.state.inflight + worker.state.queued
-            raise MembershipError(f"worker {worker_id} still holds {held} request(s) after "
-                                  f"{timeout_s:g}s", 504) from None
+            raise MembershipError(
+                f"worker {worker_id} still holds {held} request(s) after {timeout_s:g}s"
+                if held else f"worker {worker_id} still holds other routers' requests "
+                f"after {timeout_s:g}s", 504) from None
+        finally:
+            self._idle.pop(worker_id, None)
+
+    async def _drained(self, worker: WorkerHandle, drained: asyncio.Event,
+                       since: float) -> None:
+        """This router's requests on the worker are done and, with other replicas, the
+        worker reported holding none (a report made after the drain was recorded)."""
+        await drained.wait()
+        if not self.registry.shared:
+            return
+        idle = asyncio.Event()
+        self._idle[worker.worker_id] = (since, idle)
+        await idle.wait()
+
+    def reported(self, worker: WorkerHandle) -> None:
+        """A report from the worker arrived (its state carries it): a drain that waits
+        for the worker to hold no request hears it."""
+        waiting = self._idle.get(worker.worker_id)
+        t = worker.state.telemetry
+        if waiting is not None and t is not None and worker.state.heard_at >= waiting[0] \
+                and t.running == 0 and t.waiting == 0 and t.reserved == 0:
+            waiting[1].set()
 
     def resume(self, worker_id: str) -> None:
         """A drained (or draining) worker takes new requests again."""
-        self.member(worker_id).update(draining=False)
+        worker = self.member(worker_id)
+        worker.update(draining=False)
+        self.registry.changed(self.entry(worker))
         self._changed()
 
     async def set_role(self, worker_id: str, role: str) -> None:
@@ -315,19 +379,91 @@ class Pool:
 
     def _reported(self, worker: WorkerHandle, telemetry) -> None:
         self.on_report(worker, telemetry)  # looked up per report: a hook may be replaced
+        self.reported(worker)
 
-    def _leave(self, worker: WorkerHandle, kill: bool) -> asyncio.Task | None:
-        """Returns the closing of the pairs with it, which goes on in the background."""
+    # ---- changes another replica made -------------------------------------------------
+
+    def apply(self, worker_id: str, entry: WorkerEntry | None) -> None:
+        """Another replica changed the worker (entry None: it left through it): the
+        change is applied here, without doing again what that replica did to the
+        workers (spawn, pair, change role, kill)."""
+        worker = self.workers.get(worker_id)
+        if entry is None:
+            self._attaching.pop(worker_id, None)
+            if worker is not None:
+                self._leave(worker, kill=False, here=False)
+            return
+        if worker is None:
+            if self.spawner is None:
+                log.error("worker %s joined through another router, but this one cannot "
+                          "reach workers it did not start", worker_id)
+            elif worker_id in self._attaching:
+                self._attaching[worker_id] = entry  # it joins as this says
+            elif worker_id not in self._spawns and not self.closing.is_set():
+                self._attaching[worker_id] = entry
+                self._in_background(self._attach(entry))
+            return
+        if entry.generation and entry.generation != worker.generation \
+                and worker.worker_id not in self._reviving:
+            # restarted: what was learned of its earlier process goes (as _rejoin does)
+            worker.generation, worker.address = entry.generation, entry.address
+            worker.update(num_blocks=entry.num_blocks)
+            self.on_restart(worker)
+            if self._started:
+                self._subscribe(worker)
+        if entry.role != worker.state.role:
+            worker.update(role=entry.role)
+            worker.serving_since = self._now()
+        worker.address = entry.address or worker.address
+        if entry.draining != worker.state.draining:
+            worker.update(draining=entry.draining)
+        self._changed()
+
+    async def _attach(self, entry: WorkerEntry) -> None:
+        """A worker another replica added: reached through its locator, subscribed,
+        in service here as it is there."""
+        try:
+            client = await asyncio.wait_for(self.spawner.attach(entry.locator),
+                                            self.config.control_timeout_s)
+        except asyncio.CancelledError:
+            self._attaching.pop(entry.worker_id, None)
+            raise
+        except Exception as exc:
+            self._attaching.pop(entry.worker_id, None)
+            log.error("worker %s, added by another router, cannot be reached: %s",
+                      entry.worker_id, short_reason(exc))
+            return
+        entry = self._attaching.pop(entry.worker_id, None)
+        if entry is None or entry.worker_id in self.workers:
+            return  # it left meanwhile
+        worker = WorkerHandle.of(entry.worker_id, client, entry.role,
+                                 num_blocks=entry.num_blocks, address=entry.address,
+                                 locator=entry.locator, generation=entry.generation)
+        worker.update(draining=entry.draining)
+        worker.serving_since = self._now()
+        self.admit(worker)
+        if self._started:
+            self._subscribe(worker)
+        log.warning("worker %s (%s) joined through another router", entry.worker_id,
+                    entry.role)
+        self._changed()
+
+    def _leave(self, worker: WorkerHandle, kill: bool, here: bool = True
+               ) -> asyncio.Task | None:
+        """Returns the closing of the pairs with it, which goes on in the background.
+        here False: it left through another replica, which closed its pairs."""
         worker.stop_pump()
         revival = self._reviving.pop(worker.worker_id, None)
         if revival is not None:
             revival.cancel()
         self.workers.pop(worker.worker_id, None)
         unpaired = (self._in_background(self.pairing.leave(worker, worker.address))
-                    if worker.address else None)
+                    if worker.address and here else None)
         self.on_leave(worker)
         if kill:
             worker.client.kill()
+        if here:
+            self.registry.left(worker.worker_id)
         log.warning("worker %s left", worker.worker_id)
         self._changed()
         return unpaired
@@ -393,7 +529,7 @@ class Pool:
 
     def _evict(self, worker: WorkerHandle) -> None:
         self._leave(worker, kill=True)
-        if self.spawner is not None:
+        if self.spawner is not None and self.may_replace():
             self._in_background(self._replace(worker.state.role))
 
     async def _replace(self, role: str) -> None:
@@ -413,12 +549,13 @@ class Pool:
         # was learned of the old one (steps, transfers, calibration, prefixes) goes,
         # and so do the pairs with its old rendezvous.
         await self.pairing.leave(worker, worker.address)
-        worker.address = ""
+        worker.address, worker.generation = "", stats.incarnation
         worker.update(num_blocks=stats.num_blocks)
         self.on_restart(worker)
         await self.pairing.join(worker)
         worker.serving_since = self._now()
         self._subscribe(worker)
+        self.registry.changed(self.entry(worker))
 
     def _in_background(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)

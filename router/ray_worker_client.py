@@ -69,7 +69,8 @@ class RayWorkerClient:
     async def stats(self) -> WorkerStats:
         stats = await _answer(self.actor.stats.remote())
         return WorkerStats(num_blocks=stats["num_blocks"], free_blocks=stats["free_blocks"],
-                           lease_expiries=stats["lease_expiries"])
+                           lease_expiries=stats["lease_expiries"],
+                           incarnation=stats["incarnation"])
 
     def kill(self) -> None:
         try:

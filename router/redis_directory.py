@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import uuid
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from pdserve.router.redis_client import Reachability, listen
 from pdserve.router.request_directory import AbortHere
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,8 @@ class RedisDirectory:
         self._tasks: list[asyncio.Task] = []
         self._abort_here: AbortHere = lambda request_id, owner: False
         self.listening = asyncio.Event()  # set while subscribed to this replica's channel
-        self.reachable = True
+        self.redis = Reachability("the requests in flight")
+        self._unreachable, self._reached = self.redis.lost, self.redis.reached
 
     def key(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}"
@@ -106,7 +107,7 @@ class RedisDirectory:
 
     async def claim(self, request_id: str, owner: str) -> bool:
         value = f"{self.replica_id}\n{owner}\n{uuid.uuid4().hex[:12]}"
-        if not self.reachable:  # the listener says when Redis is back
+        if not self.redis.reachable:  # the listener says when Redis is back
             self._held[request_id] = value
             return True
         try:
@@ -166,14 +167,14 @@ class RedisDirectory:
         while True:
             held = dict(self._held)
             wait_s = self.ttl_s / 3
-            if not self.reachable:  # claims skip Redis until it answers again
+            if not self.redis.reachable:  # claims skip Redis until it answers again
                 try:
                     await self.client.ping()
                 except RedisError:
                     wait_s = min(wait_s, self.backoff_s[1])
                 else:
                     self._reached()
-            if held and self.reachable:
+            if held and self.redis.reachable:
                 try:
                     await self._renew(keys=[self.key(r) for r in held],
                                       args=[*held.values(), _seconds(self.ttl_s)])
@@ -194,50 +195,21 @@ class RedisDirectory:
     async def _listen(self) -> None:
         """Hears the aborts other replicas forward here, resubscribing with jittered
         exponential backoff whenever the connection is lost."""
-        delay = self.backoff_s[0]
-        while True:
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(self.channel)
-                while True:
-                    # the first read takes the subscription's confirmation; the client's
-                    # health checks PING an idle connection, so a dead one is noticed
-                    message = await pubsub.get_message(timeout=1.0)
-                    if not self.listening.is_set():
-                        self.listening.set()
-                        self._reached()
-                        delay = self.backoff_s[0]
-                    if message is not None:
-                        request_id, _, owner = message["data"].partition("\n")
-                        self._abort_here(request_id, owner)
-            except (RedisError, OSError) as err:
-                self._unreachable("listen", err)
-            except Exception:  # a bug here must not end the listening for good
-                log.exception("request directory: the abort listener failed")
-            finally:
-                self.listening.clear()
-                await _quietly(pubsub.aclose())
-            await asyncio.sleep(random.uniform(0, delay))
-            delay = min(delay * 2, self.backoff_s[1])
+        def heard(data: str) -> None:
+            request_id, _, owner = data.partition("\n")
+            self._abort_here(request_id, owner)
 
-    def _unreachable(self, what: str, err: Exception) -> None:
-        if self.reachable:
-            log.warning("Redis unreachable (%s: %s): this router goes on with its own "
-                        "view of the requests in flight", what, err)
-        self.reachable = False
+        def up() -> None:
+            self.listening.set()
+            self._reached()
 
-    def _reached(self) -> None:
-        if not self.reachable:
-            log.warning("Redis reachable again")
-        self.reachable = True
+        def down(err: Exception) -> None:
+            self.listening.clear()
+            self._unreachable("listen", err)
+        await listen(self.client, self.channel, heard, up, down, self.backoff_s,
+                     "request directory")
 
 
 def _seconds(ttl_s: float) -> int:
     return max(1, round(ttl_s))
 
-
-async def _quietly(closing) -> None:
-    try:
-        await closing
-    except (RedisError, OSError):
-        pass

@@ -29,6 +29,7 @@ from pdserve.router.model_info import ModelInfo
 from pdserve.router.placer import Placer
 from pdserve.router.planner_runner import PlannerRunner
 from pdserve.router.pool import Pool, Spawner
+from pdserve.router.pool_registry import PoolRecord, PoolRegistry, registry_for
 from pdserve.router.request_directory import RequestDirectory, directory_for
 from pdserve.router.request_runner import RequestRunner
 from pdserve.router.traffic import TrafficWindow
@@ -42,19 +43,28 @@ class Router:
                  workers: list[WorkerHandle],
                  config: RouterConfig = RouterConfig(), spawner: Spawner | None = None,
                  clock: Clock = SYSTEM_CLOCK, router_id: str | None = None,
-                 directory: RequestDirectory | None = None):
+                 directory: RequestDirectory | None = None,
+                 registry: PoolRegistry | None = None, record: PoolRecord | None = None):
         """tokenizer None: token ids in and out, no text (the simulator).
         workers: paired already (launch pairs them before traffic); `spawner`
         makes adding workers and replacing dead ones possible. router_id names this
         router to the workers, which stream it its own requests only, and to the other
-        replicas. directory: which router holds each request (default: the one
-        config.shared asks for; request_directory.py)."""
+        replicas. directory: which router holds each request, registry: the pool's
+        membership as the replicas share it (defaults: what config.shared asks for;
+        request_directory.py, pool_registry.py); record: the pool this router launched,
+        registered on start (None: it joins one, or shares nothing)."""
         self.tokenizer, self.model, self.config, self.clock = tokenizer, model, config, clock
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:12]}"
         self.metrics = RouterMetrics(model.name)
         self.models = ClusterModels()
+        # One replica leads (with --redis-url): its planner acts, and it replaces evicted
+        # workers.
+        self.lease = lease_for(config.shared, self.router_id)
         self.pool = Pool(config, self.router_id, spawner, on_report=self._reported,
-                         on_leave=self._left, on_restart=self._restarted)
+                         on_leave=self._left, on_restart=self._restarted,
+                         registry=registry or registry_for(config.shared, self.router_id),
+                         may_replace=lambda: self.lease.leading)
+        self.record = record
         for worker in workers:
             self.pool.admit(worker)
         self.intake = Intake(tokenizer, model, config.routing.default_slo, clock)
@@ -118,24 +128,28 @@ class Router:
         return True
 
     async def start(self) -> None:
-        await self.pool.start()
+        await self.pool.start(self.record)
         await self.directory.start(self.requests.abort)
+        await self.lease.start()
         spec = self.config.autoscale
         if spec.autoscale:
             roles = {w.state.role for w in self.pool.workers.values()}
             pools = ("both",) if roles <= {"both"} else ("prefill", "decode")
             self.planner = PlannerRunner(self.pool, spec.planner_config(pools),
                                          self.config.routing.default_slo, self.traffic,
-                                         self.metrics,
-                                         lease_for(self.config.shared, self.router_id))
+                                         self.metrics, self.lease)
             self.planner.start()
 
     async def stop(self) -> None:
         if self.planner is not None:
             await self.planner.stop()
-        await self.pool.stop()
+        await self.lease.stop()
+        last = await self.pool.stop()
         await self.requests.stop()
         await self.directory.stop()
+        if last and self.pool.registry.shared:  # the pool ends with its last router
+            for worker in self.pool.workers.values():
+                worker.client.kill()
 
     async def refresh_stats(self) -> None:
         """What telemetry does not carry, for /metrics: the pools by role and state, and

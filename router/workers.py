@@ -23,6 +23,8 @@ class WorkerHandle:
     client: WorkerClient
     state: WorkerState
     address: str = ""  # its kv_transfer rendezvous, which prefill workers pair with
+    locator: str = ""  # how another router replica reaches it (pool_registry.WorkerEntry)
+    generation: str = ""  # its process's incarnation (WorkerStats.incarnation)
     # request id -> this router's request held here (reserved, starting or running):
     # its flight (lifecycle.Flight), whose queue the pump feeds.
     flights: dict[str, object] = field(default_factory=dict)
@@ -35,8 +37,8 @@ class WorkerHandle:
 
     @classmethod
     def of(cls, worker_id: str, client: WorkerClient, role: str, num_blocks: int = 0,
-           address: str = "") -> "WorkerHandle":
-        return cls(client=client, address=address,
+           address: str = "", locator: str = "", generation: str = "") -> "WorkerHandle":
+        return cls(client=client, address=address, locator=locator, generation=generation,
                    state=WorkerState(worker_id=worker_id, role=role, num_blocks=num_blocks))
 
     @property

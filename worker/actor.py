@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import uuid
 from dataclasses import dataclass
 
 import ray
@@ -47,6 +48,7 @@ class WorkerActor:
         self._owners: dict[str, str] = {}  # request id -> its subscriber
         self._published_at = time.monotonic()
         self._ticker: asyncio.Task | None = None
+        self.incarnation = uuid.uuid4().hex[:12]  # a restarted actor makes a new one
         self.worker = Worker(worker_id, engine_config, transfer, role, on_batch=self._publish,
                              on_death=exit_for_restart,
                              kv_host=ray.util.get_node_ip_address())
@@ -169,7 +171,7 @@ class WorkerActor:
                 del self._subscribers[subscriber]
 
     async def stats(self) -> dict:
-        return await asyncio.to_thread(self.worker.stats)
+        return {**await asyncio.to_thread(self.worker.stats), "incarnation": self.incarnation}
 
     async def shutdown(self) -> None:
         self.worker.shutdown()

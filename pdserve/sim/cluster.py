@@ -65,6 +65,10 @@ class SimCluster:
     def wanted(self, workers: dict[str, int]) -> None:
         """Every simulated worker is placed at once: nothing to ask for."""
 
+    async def attach(self, locator: str) -> SimWorker:
+        """A worker another router over this cluster started (its locator: its id)."""
+        return self.workers[locator]
+
     async def spawn(self, role: str, progress: Progress = lambda worker_id, state: None
                     ) -> WorkerHandle:
         """A fresh worker of `role`, booted, not yet paired or subscribed (the Pool's
@@ -94,4 +98,5 @@ class SimCluster:
 
 def _handle(worker: SimWorker) -> WorkerHandle:
     return WorkerHandle.of(worker.worker_id, worker, worker.role,
-                           num_blocks=worker.blocks.num_blocks, address=worker.worker_id)
+                           num_blocks=worker.blocks.num_blocks, address=worker.worker_id,
+                           locator=worker.worker_id)

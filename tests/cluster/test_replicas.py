@@ -1,28 +1,42 @@
-"""Two router replicas over one pool, sharing state in a real Redis (--redis-url): an
-id in flight on one is refused by the other, an abort sent to the other ends the
-request streaming on the first and frees its KV, and of the two planners one leads
-(the other takes over when it goes)."""
+"""Three router replicas over one pool, sharing state in a real Redis (--redis-url):
+the second and third found the pool and its workers in the registry the first wrote
+(`launch.join`, what `pdserve router` runs). An id in flight on one is refused by
+another; an abort sent to another ends the request streaming on the first and frees
+its KV; a prefix computed through one is found through the others; a worker added
+through one's admin API gets traffic from all three; of the planners one leads (another
+takes over when it goes)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
 
+import httpx
 import pytest
+import ray
 
 from pdserve import LLM, SamplingParams
-from pdserve.client import AsyncClient, InvalidArgumentError
+from pdserve.client import AsyncClient, Client, InvalidArgumentError
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.auth import ApiKeys
 from pdserve.router.config import AutoscaleSpec, PoolSpec, RouterConfig, SharedStateSpec
-from pdserve.router.launch import launch
+from pdserve.router.launch import NAMESPACE, join, launch
+from pdserve.router.prefix_index import block_hashes
 from pdserve.router.redis_directory import RedisDirectory
+from pdserve.router.redis_registry import read_registered
 from pdserve.router.server import RouterServer
-from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
-from tests.cluster.test_shared_pool import second_router
+from tests.cluster.conftest import wait_all_blocks_free
 from tests.polling import until
 from tests.redis_server import RedisServer
 
-KEY = "replica-key"  # the same caller on both replicas: the owner is the key's digest
+KEY = "replica-key"  # the same caller on every replica: the owner is the key's digest
+ADMIN = "replica-admin"
 
 
 @pytest.fixture(scope="module")
@@ -31,25 +45,92 @@ def replicas(ray_local, llama_dir, tmp_path_factory):
     redis.start()
     config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=32 << 20,
                                       max_model_len=512)
-    # --autoscale with each pool's bounds at its size: both planners run, neither acts
+    # --autoscale with each pool's bounds at its size: every planner runs, none acts
+    # (the test that adds a decode worker pauses them)
     shared = RouterConfig(
         shared=SharedStateSpec(redis_url=redis.url, redis_prefix="r", leader_ttl_s=2.0),
-        autoscale=AutoscaleSpec(autoscale=True, max_prefill_workers=1, max_decode_workers=1,
-                                max_workers=2))
-    keys = ApiKeys((KEY,))
-    first = RouterServer(launch(config, PoolSpec(1, 1), TransferConfig(timeout_s=30), shared),
-                         keys=keys)
-    second = RouterServer(second_router(first.router), keys=keys)
-    for srv in (first, second):
+        autoscale=AutoscaleSpec(autoscale=True, min_prefill_workers=2, max_prefill_workers=2,
+                                max_decode_workers=1, max_workers=3))
+    keys, admin = ApiKeys((KEY,)), ApiKeys((ADMIN,))
+    pools = PoolSpec(2, 1, num_cpus_per_worker=0.5)
+    first = RouterServer(launch(config, pools, TransferConfig(timeout_s=30), shared),
+                         keys=keys, admin_keys=admin)
+    servers = [first]
+    for _ in range(2):
+        record, entries = read_registered(shared.shared)
+        servers.append(RouterServer(join(record, entries, shared), keys=keys,
+                                    admin_keys=admin))
+    for srv in servers:
         assert isinstance(srv.router.directory, RedisDirectory)
-    yield first, second
-    second.stop()
-    stop_cluster(first)
+        assert sorted(srv.router.workers) == ["decode-0", "prefill-0", "prefill-1"]
+    yield servers
+    for srv in servers[:0:-1]:
+        srv.stop()
+    assert not until(lambda: not named_workers(), timeout_s=2)  # the first serves on
+    first.stop()  # the last replica: it ends the pool's (detached) workers
+    assert until(lambda: not named_workers(), timeout_s=30), named_workers()
     redis.kill()
 
 
+def named_workers() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE]
+
+
+def pdserve_router(redis_url: str, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "router", "--redis-url", redis_url,
+         "--grpc-port", "0", "--http-port", "0", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_pdserve_router_serves_the_registered_pool_as_another_replica(replicas, llama_dir):
+    """The command users run: it finds the Ray cluster and the workers in the registry,
+    serves exact outputs, refuses an id in flight on another replica, and on SIGTERM
+    leaves the pool to the others (its workers serve on)."""
+    redis_url = replicas[0].router.config.shared.redis_url
+    process = pdserve_router(redis_url, "--redis-prefix", "r", "--api-key", KEY)
+    errors: list[str] = []
+    threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True).start()
+    lines = iter(process.stdout)
+    try:
+        match = next(m for m in map(re.compile(r"gRPC (\S+)  HTTP (\S+)").search, lines) if m)
+        target = match.group(1)
+        prompt = [9, 8, 7, 6, 5]
+        llm = LLM(str(llama_dir), kv_cache_memory_bytes=32 << 20, max_model_len=512)
+        want = llm.generate([prompt], SamplingParams(max_tokens=200, temperature=0,
+                                                     ignore_eos=True))[0].token_ids
+        with Client(target, api_key=KEY) as client, \
+                Client(replicas[1].grpc_target, api_key=KEY) as other:
+            stream = client.generate_stream(prompt, request_id="via-cli", max_tokens=200,
+                                            temperature=0, ignore_eos=True)
+            tokens = list(next(stream).token_ids)
+            with pytest.raises(InvalidArgumentError, match="another router"):
+                other.generate([1, 2], request_id="via-cli", max_tokens=2)
+            tokens += [t for chunk in stream for t in chunk.token_ids]
+        assert tokens == want
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert not [line for line in errors if "Traceback" in line], "".join(errors)[-3000:]
+    with Client(replicas[0].grpc_target, api_key=KEY) as client:  # the pool serves on
+        assert len(client.generate([3, 4], max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_pdserve_router_without_a_registered_pool_says_what_to_do(replicas):
+    redis_url = replicas[0].router.config.shared.redis_url
+    done = pdserve_router(redis_url, "--redis-prefix", "nothing-here")
+    _, err = done.communicate(timeout=60)
+    assert done.returncode != 0
+    assert "no pool is registered under --redis-prefix 'nothing-here'" in err
+    assert "Traceback" not in err
+
+
 def test_an_id_in_flight_on_one_replica_is_refused_by_the_other(replicas, llama_dir):
-    first, second = replicas
+    first, second = replicas[:2]
     prompt = [5, 6, 7, 8, 9]
     llm = LLM(str(llama_dir), kv_cache_memory_bytes=32 << 20, max_model_len=512)
     expected = llm.generate([prompt], SamplingParams(max_tokens=300, temperature=0,
@@ -85,7 +166,7 @@ def test_an_id_in_flight_on_one_replica_is_refused_by_the_other(replicas, llama_
 
 
 def test_an_abort_sent_to_another_replica_ends_the_stream_and_frees_its_kv(replicas):
-    first, second = replicas
+    first, second = replicas[:2]
 
     async def abort_across():
         async with AsyncClient(first.grpc_target, api_key=KEY) as a, \
@@ -107,14 +188,74 @@ def test_an_abort_sent_to_another_replica_ends_the_stream_and_frees_its_kv(repli
     wait_all_blocks_free(first)
 
 
-def test_one_replica_s_planner_leads_and_the_other_takes_over_when_it_goes(replicas):
+def test_a_prefix_computed_through_one_replica_is_found_through_the_others(replicas):
+    """Two prefill workers: turn 1 (96 tokens) is computed through the first replica
+    on one of them; every replica's index learns its blocks from that worker's reports,
+    so turn 2 through the second and the third goes to the same worker and hits."""
+    rng = random.Random(11)
+    turn = [rng.randrange(4, 2000) for _ in range(96)]
+    with Client(replicas[0].grpc_target, api_key=KEY) as client:
+        client.generate(turn, max_tokens=2, temperature=0, ignore_eos=True)
+    for srv in replicas[1:]:
+        following = turn + [rng.randrange(4, 2000) for _ in range(24)]
+        assert until(lambda: srv.router.models.prefixes.hits(block_hashes(following, 16)),
+                     timeout_s=30)
+        with Client(srv.grpc_target, api_key=KEY) as client:
+            out = client.generate(following, max_tokens=2, temperature=0, ignore_eos=True)
+        assert out.usage.cached_prompt_tokens == 96  # 6 full blocks, on that worker
+
+
+def test_a_worker_added_through_one_replica_gets_traffic_from_every_replica(replicas,
+                                                                             llama_dir):
+    """decode-0 drained through the first replica: every replica sees it draining, and
+    the decode worker added through the first's admin API is the only one left to
+    decode; requests through each replica are exact on it."""
+    first = replicas[0]
+    admins = [httpx.Client(base_url=srv.http_url, timeout=120,
+                           headers={"Authorization": f"Bearer {ADMIN}"}) for srv in replicas]
+    for client in admins:  # the leader would remove a worker above the pool's maximum
+        assert client.post("/admin/planner/pause").status_code == 200
+    admin = admins[0]
+    r = admin.post("/admin/workers", json={"role": "decode", "wait": True})
+    assert r.status_code == 201, r.text
+    added = r.json()["worker_id"]
+    assert added not in ("decode-0", "prefill-0", "prefill-1")
+    for srv in replicas:
+        assert until(lambda: srv.router.worker_states().get(added) == "serving",
+                     timeout_s=10), srv.router.worker_states()
+    assert admin.post("/admin/workers/decode-0/drain").status_code == 200
+    for srv in replicas:
+        assert until(lambda: srv.router.worker_states()["decode-0"] == "draining",
+                     timeout_s=10)
+    rng = random.Random(12)
+    prompts = [[rng.randrange(4, 2000) for _ in range(rng.randrange(8, 40))]
+               for _ in range(len(replicas))]
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=32 << 20, max_model_len=512)
+    expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True))]
+    for srv, prompt, want in zip(replicas, prompts, expected):
+        with Client(srv.grpc_target, api_key=KEY) as client:
+            assert client.generate(prompt, max_tokens=12, temperature=0,
+                                   ignore_eos=True).token_ids == want
+    # back as it was: decode-0 resumed, the added worker removed through the third
+    assert admin.post("/admin/workers/decode-0/resume").status_code == 200
+    assert admins[2].delete(f"/admin/workers/{added}").status_code == 200
+    for srv in replicas:
+        assert until(lambda: added not in srv.router.workers
+                     and srv.router.worker_states()["decode-0"] == "serving", timeout_s=10)
+    for client in admins:
+        assert client.post("/admin/planner/resume").status_code == 200
+    wait_all_blocks_free(first)
+
+
+def test_one_replica_s_planner_leads_and_another_takes_over_when_it_goes(replicas):
     planners = [srv.router.planner for srv in replicas]
     assert until(lambda: sum(p.lease.leading for p in planners) == 1, timeout_s=10)
     leader = next(i for i, p in enumerate(planners) if p.lease.leading)
-    other = planners[1 - leader]
-    assert not other.lease.leading and other.describe()["leading"] is False
+    others = [p for i, p in enumerate(planners) if i != leader]
+    assert not any(p.lease.leading or p.describe()["leading"] for p in others)
     token = planners[leader].lease.token
     srv = replicas[leader]
     srv._run(planners[leader].lease.stop(), timeout=10)  # as when its router ends
-    assert until(lambda: other.lease.leading, timeout_s=3 * 2.0)
-    assert other.lease.token > token
+    assert until(lambda: sum(p.lease.leading for p in others) == 1, timeout_s=3 * 2.0)
+    assert next(p for p in others if p.lease.leading).lease.token > token

@@ -121,7 +121,7 @@ def test_redis_lost_and_back_fails_no_call_and_the_directory_is_rebuilt(redis_se
             # unreachable: claims are granted on each replica's own view, aborts find nothing
             assert await a.claim("during", "alice") and await b.claim("during", "bob")
             assert not await b.forward_abort("before", "alice")
-            assert not a.reachable and not b.reachable
+            assert not a.redis.reachable and not b.redis.reachable
             assert await eventually(lambda: not a.listening.is_set())
             b.release("during")
             redis_server.start()  # empty: the entries were in memory only
@@ -132,7 +132,7 @@ def test_redis_lost_and_back_fails_no_call_and_the_directory_is_rebuilt(redis_se
             assert not await b.claim("before", "bob")
             assert await b.forward_abort("before", "alice")
             await asyncio.wait_for(got.wait(), 10)
-            assert a.reachable and b.reachable
+            assert a.redis.reachable and b.redis.reachable
     asyncio.run(scenario())
 
 
@@ -161,9 +161,9 @@ def test_a_redis_that_does_not_answer_costs_one_timeout_not_one_per_request(redi
             next_s = loop.time() - began
         finally:
             os.kill(redis_server.process.pid, signal.SIGCONT)
-        assert found_out_s >= 0.4 and not a.reachable  # the 0.5 s call timeout
+        assert found_out_s >= 0.4 and not a.redis.reachable  # the 0.5 s call timeout
         assert next_s < 0.25  # 20 claims without a Redis call
-        assert await eventually(lambda: a.reachable)  # its PING answered again
+        assert await eventually(lambda: a.redis.reachable)  # its PING answered again
         assert await eventually(lambda: redis_server_has(a, "next-7"))  # renewed in
         await a.stop()
     asyncio.run(scenario())
