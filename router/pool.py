@@ -112,6 +112,7 @@ class Pool:
         self._idle: dict[str, tuple[float, asyncio.Event]] = {}  # drains awaiting reports
         # Workers another replica added, being reached: the latest entry heard for each.
         self._attaching: dict[str, WorkerEntry] = {}
+        self.orphans_ended = 0  # requests of replicas gone, ended on the workers here
 
     def admit(self, worker: WorkerHandle) -> None:
         """A worker paired already (launch pairs the first ones before traffic)."""
@@ -171,7 +172,7 @@ class Pool:
         for worker in self.workers.values():
             self._subscribe(worker)
         await self.registry.start(record, [self.entry(w) for w in self.workers.values()],
-                                  self.apply)
+                                  self.apply, self.replica_gone)
 
     def close(self) -> None:
         """The router is shutting down: membership operations under way end now (the
@@ -418,6 +419,21 @@ class Pool:
         if entry.draining != worker.state.draining:
             worker.update(draining=entry.draining)
         self._changed()
+
+    def replica_gone(self, replica_id: str) -> None:
+        """Another replica died: its requests on every worker end and free their KV (a
+        worker cannot tell that a subscriber stopped reading its stream)."""
+        async def end_its_requests() -> None:
+            workers = list(self.workers.values())
+            ended = await asyncio.gather(*[
+                asyncio.wait_for(w.client.abort_all(replica_id), self.config.control_timeout_s)
+                for w in workers], return_exceptions=True)
+            counts = {w.worker_id: n for w, n in zip(workers, ended)
+                      if not isinstance(n, BaseException)}
+            self.orphans_ended += sum(counts.values())
+            log.warning("router replica %s is gone: %d of its requests ended on %d "
+                        "worker(s)", replica_id, sum(counts.values()), len(counts))
+        self._in_background(end_its_requests())
 
     async def _attach(self, entry: WorkerEntry) -> None:
         """A worker another replica added: reached through its locator, subscribed,

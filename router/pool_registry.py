@@ -94,17 +94,20 @@ class PoolRecord:
 
 # (worker id, its entry, or None when it left) -> None
 Applied = Callable[[str, "WorkerEntry | None"], None]
+# (replica id) -> None: that replica stopped renewing (it died)
+Gone = Callable[[str], None]
 
 
 class PoolRegistry(Protocol):
     shared: bool  # whether other replicas may change the membership
 
     async def start(self, record: PoolRecord | None, entries: list[WorkerEntry],
-                    apply: Applied) -> None:
+                    apply: Applied, gone: Gone) -> None:
         """Registers the pool (record: this replica launched it) or joins it, records
         `entries` (this replica's workers) and begins applying the changes other
         replicas make: apply(worker_id, entry) for a worker that joined or changed,
-        apply(worker_id, None) for one that left."""
+        apply(worker_id, None) for one that left. gone(replica_id): a replica died
+        (its heartbeat expired); one live replica hears of each."""
 
     async def stop(self) -> bool:
         """Stops applying changes; True when no other replica serves the pool any
@@ -126,7 +129,7 @@ class LocalRegistry:
     shared = False
 
     async def start(self, record: PoolRecord | None, entries: list[WorkerEntry],
-                    apply: Applied) -> None:
+                    apply: Applied, gone: Gone) -> None:
         pass
 
     async def stop(self) -> bool:

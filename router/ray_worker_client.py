@@ -52,6 +52,9 @@ class RayWorkerClient:
     async def abort(self, request_id: str, subscriber: str) -> None:
         await _answer(self.actor.abort.remote(request_id, subscriber))
 
+    async def abort_all(self, subscriber: str) -> int:
+        return await _answer(self.actor.abort_all.remote(subscriber))
+
     async def steps(self, stall_timeout_s: float, subscriber: str) -> AsyncIterator[StepBatch]:
         stream = self.actor.steps.remote(stall_timeout_s, subscriber)
         while True:

@@ -1,7 +1,9 @@
 """The Redis client a router replica uses (`--redis-url`): every call bounded by
-`--redis-timeout-s` (waiting for a free connection included) and never retried on the
-request path (a router that cannot reach Redis goes on with its own view; the callers
-decide what that means)."""
+`--redis-timeout-s` (waiting for a free connection included), retried once, at once,
+only when its connection was closed (a pooled connection to a Redis that restarted
+fails its first use: without the retry each of them lost one call, an abort among
+them) and never after a timeout (a router that cannot reach Redis goes on with its own
+view; the callers decide what that means)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +14,7 @@ from typing import Callable
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError, RedisError
 
 from pdserve.router.config import SharedStateSpec
 
@@ -51,7 +53,8 @@ def connect(spec: SharedStateSpec) -> Redis:
     pool = BlockingConnectionPool.from_url(
         spec.redis_url, max_connections=MAX_CONNECTIONS, timeout=spec.redis_timeout_s,
         decode_responses=True, socket_timeout=spec.redis_timeout_s,
-        socket_connect_timeout=spec.redis_timeout_s, retry=Retry(NoBackoff(), 0),
+        socket_connect_timeout=spec.redis_timeout_s,
+        retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
         client_name="pdserve-router",
         # an idle connection is PINGed before use (a subscription's while it waits), so
         # one a network dropped silently is noticed

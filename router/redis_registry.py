@@ -8,7 +8,8 @@ third of it, so none outlives the last replica by more than the TTL):
 - `P:workers`: a hash, worker id -> its entry (WorkerEntry, JSON), written by the
   replica that changed the worker.
 - `P:routers`: a sorted set of the live replicas, each scored by when its heartbeat
-  expires (ms): the last one to stop ends the pool.
+  expires (ms): the last one to stop ends the pool; the replica that removes an
+  expired one tells its pool, which ends that replica's requests on every worker.
 - `P:worker-seq`: the last number given to a worker added at run time (ids stay
   unique whichever replica adds one).
 - `P:membership` (channel): each change, "<replica id>\\n<worker id>\\n<entry JSON, or
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from pdserve.router.pool_registry import Applied, PoolRecord, RegistryError, WorkerEntry
+from pdserve.router.pool_registry import Applied, Gone, PoolRecord, RegistryError, WorkerEntry
 from pdserve.router.redis_client import Reachability, blocking, listen
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class RedisRegistry:
         self._sender: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
         self._apply: Applied = lambda worker_id, entry: None
+        self._gone: Gone = lambda replica_id: None
         self.listening = asyncio.Event()  # set while subscribed to membership changes
         self.redis = Reachability("the pool")
         self._unreachable, self._reached = self.redis.lost, self.redis.reached
@@ -97,8 +99,8 @@ class RedisRegistry:
         return PoolRecord.from_json(text)
 
     async def start(self, record: PoolRecord | None, entries: list[WorkerEntry],
-                    apply: Applied) -> None:
-        self._apply = apply
+                    apply: Applied, gone: Gone = lambda replica_id: None) -> None:
+        self._apply, self._gone = apply, gone
         if record is not None:
             if not await self.client.set(self.pool_key, record.to_json(), nx=True,
                                          px=self._ttl_ms()):
@@ -243,11 +245,16 @@ class RedisRegistry:
         ttl_ms, now = self._ttl_ms(), _now_ms()
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.zadd(self.routers_key, {self.replica_id: now + ttl_ms})
-            pipe.zremrangebyscore(self.routers_key, "-inf", now)
+            pipe.zrangebyscore(self.routers_key, "-inf", now)
             for key in (self.routers_key, self.workers_key, self.seq_key):
                 pipe.pexpire(key, ttl_ms)
             pipe.pexpire(self.pool_key, ttl_ms)
-            renewed = (await pipe.execute())[-1]
+            done = await pipe.execute()
+        expired, renewed = done[1], done[-1]
+        for replica_id in expired:  # died: the one replica whose ZREM takes it says so
+            if await self.client.zrem(self.routers_key, replica_id):
+                log.warning("router replica %s stopped renewing: it is gone", replica_id)
+                self._gone(replica_id)
         if not renewed and self.record is not None:  # Redis lost the pool (restarted empty)
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.set(self.pool_key, self.record.to_json(), px=ttl_ms, nx=True)

@@ -51,6 +51,10 @@ class WorkerClient(Protocol):
     async def abort(self, request_id: str, subscriber: str) -> None:
         """Frees whatever `subscriber`'s request of that id holds here."""
 
+    async def abort_all(self, subscriber: str) -> int:
+        """That router is gone: every request of `subscriber` here ends (its KV freed)
+        and its stream is forgotten. Returns how many requests it ended."""
+
     def steps(self, stall_timeout_s: float, subscriber: str) -> AsyncIterator[StepBatch]:
         """One StepBatch per engine step (merged when the reader fell behind): the
         deltas of `subscriber`'s requests and the worker's telemetry, which it also

@@ -4,6 +4,8 @@ actor they are installed with `actor.__ray_call__.remote(fn, ...)`, which runs
 fn(actor, ...) in the actor's process; Ray's workers import this module by name."""
 from __future__ import annotations
 
+import time
+
 POISON = 1999  # a prompt that starts with this token fails at the sampler
 
 
@@ -42,3 +44,30 @@ def break_forward(actor) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault in the forward pass")
     runner.execute = broken
+
+
+SLOW = 1998  # a prompt that starts with this token is decoded slowly
+
+
+class SlowSampler:
+    """The engine's sampler, taking `delay_s` more for every batch that holds a row
+    `slow(request)` picks: a request whose decode outlasts what a test waits for."""
+
+    def __init__(self, real, slow, delay_s: float):
+        self.real, self.slow, self.delay_s = real, slow, delay_s
+
+    def sample(self, logits, requests):
+        if any(self.slow(r) for r in requests):
+            time.sleep(self.delay_s)  # the injected slowness
+        return self.real.sample(logits, requests)
+
+    def forget(self, request_id):
+        self.real.forget(request_id)
+
+
+def slow_sampler(actor, delay_s: float = 0.02) -> None:
+    """In a worker actor: requests whose prompt starts with SLOW take delay_s more per
+    step."""
+    runner = actor.worker.loop.engine.runner
+    runner.sampler = SlowSampler(runner.sampler,
+                                 lambda request: request.prompt_token_ids[0] == SLOW, delay_s)

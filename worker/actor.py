@@ -142,6 +142,16 @@ class WorkerActor:
         # It waits for the engine's state lock: not on this loop, which streams steps.
         await asyncio.to_thread(self.worker.abort, request_id)
 
+    async def abort_all(self, subscriber: str) -> int:
+        """The subscriber (a router) is gone: its requests end, their KV freed, and its
+        stream is forgotten (Ray's stream does not tell a producer its reader died)."""
+        self._subscribers.pop(subscriber, None)
+        orphans = [r for r, owner in self._owners.items() if owner == subscriber]
+        for request_id in orphans:
+            self._owners.pop(request_id, None)
+            await asyncio.to_thread(self.worker.abort, request_id)
+        return len(orphans)
+
     async def set_role(self, role: str) -> None:
         await asyncio.to_thread(self.worker.set_role, role)
 

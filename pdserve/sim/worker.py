@@ -427,6 +427,15 @@ class SimWorker:
             job.done.set_exception(TransferFailed(f"{request_id} was aborted"))
         self._at_boundary(lambda: self._finish_aborted(request_id))
 
+    async def abort_all(self, subscriber: str) -> int:
+        self._check("abort_all")
+        self._subscribers.pop(subscriber, None)
+        orphans = [r for r, owner in self._owners.items() if owner == subscriber]
+        for request_id in orphans:
+            await self.abort(request_id, subscriber)
+            self._owners.pop(request_id, None)
+        return len(orphans)
+
     async def steps(self, stall_timeout_s: float, subscriber: str
                     ) -> AsyncIterator[StepBatch]:
         self._check("steps")

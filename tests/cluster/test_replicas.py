@@ -3,8 +3,10 @@ the second and third found the pool and its workers in the registry the first wr
 (`launch.join`, what `pdserve router` runs). An id in flight on one is refused by
 another; an abort sent to another ends the request streaming on the first and frees
 its KV; a prefix computed through one is found through the others; a worker added
-through one's admin API gets traffic from all three; of the planners one leads (another
-takes over when it goes)."""
+through one's admin API gets traffic from all three; `pdserve router` as a process
+serves, and SIGKILLed loses only its own request, whose KV the others free; Redis
+killed under load fails nothing and is rebuilt when back; of the planners one leads
+(another takes over when it goes)."""
 from __future__ import annotations
 
 import asyncio
@@ -31,24 +33,33 @@ from pdserve.router.prefix_index import block_hashes
 from pdserve.router.redis_directory import RedisDirectory
 from pdserve.router.redis_registry import read_registered
 from pdserve.router.server import RouterServer
+from tests import faults
 from tests.cluster.conftest import wait_all_blocks_free
 from tests.polling import until
 from tests.redis_server import RedisServer
 
+REGISTRY_TTL_S = 5.0  # each replica sweeps for dead ones every third of it
 KEY = "replica-key"  # the same caller on every replica: the owner is the key's digest
 ADMIN = "replica-admin"
 
 
 @pytest.fixture(scope="module")
-def replicas(ray_local, llama_dir, tmp_path_factory):
-    redis = RedisServer(tmp_path_factory.mktemp("redis"))
-    redis.start()
+def redis(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def replicas(ray_local, llama_dir, redis):
     config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=32 << 20,
                                       max_model_len=512)
     # --autoscale with each pool's bounds at its size: every planner runs, none acts
     # (the test that adds a decode worker pauses them)
     shared = RouterConfig(
-        shared=SharedStateSpec(redis_url=redis.url, redis_prefix="r", leader_ttl_s=2.0),
+        shared=SharedStateSpec(redis_url=redis.url, redis_prefix="r", leader_ttl_s=2.0,
+                               registry_ttl_s=REGISTRY_TTL_S),
         autoscale=AutoscaleSpec(autoscale=True, min_prefill_workers=2, max_prefill_workers=2,
                                 max_decode_workers=1, max_workers=3))
     keys, admin = ApiKeys((KEY,)), ApiKeys((ADMIN,))
@@ -69,7 +80,6 @@ def replicas(ray_local, llama_dir, tmp_path_factory):
     assert not until(lambda: not named_workers(), timeout_s=2)  # the first serves on
     first.stop()  # the last replica: it ends the pool's (detached) workers
     assert until(lambda: not named_workers(), timeout_s=30), named_workers()
-    redis.kill()
 
 
 def named_workers() -> list[str]:
@@ -118,6 +128,93 @@ def test_pdserve_router_serves_the_registered_pool_as_another_replica(replicas, 
     assert not [line for line in errors if "Traceback" in line], "".join(errors)[-3000:]
     with Client(replicas[0].grpc_target, api_key=KEY) as client:  # the pool serves on
         assert len(client.generate([3, 4], max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_a_replica_killed_mid_stream_loses_only_its_own_requests_and_frees_their_kv(
+        replicas):
+    """SIGKILL of a `pdserve router` while its request decodes: the other replicas serve
+    on, and within the dead replica's heartbeat TTL one of them ends its request on the
+    worker (a worker cannot see that a stream's reader died), so its KV is freed long
+    before the request's 450 tokens would have been made."""
+    redis_url = replicas[0].router.config.shared.redis_url
+    decode = replicas[0].router.workers["decode-0"].client.actor
+    ray.get(decode.__ray_call__.remote(faults.slow_sampler, 0.02))  # 450 steps: 9 s or more
+    process = pdserve_router(redis_url, "--redis-prefix", "r", "--api-key", KEY,
+                             "--registry-ttl-s", "1.5")
+    threading.Thread(target=lambda: list(process.stderr), daemon=True).start()
+    try:
+        lines = iter(process.stdout)
+        match = next(m for m in map(re.compile(r"gRPC (\S+)  HTTP (\S+)").search, lines) if m)
+        with Client(match.group(1), api_key=KEY) as client:
+            stream = client.generate_stream([faults.SLOW, 5, 6, 7], max_tokens=450,
+                                            ignore_eos=True)
+            next(stream)
+            process.kill()
+            process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    ended_before = sum(srv.router.pool.orphans_ended for srv in replicas)
+    with Client(replicas[1].grpc_target, api_key=KEY) as client:  # the others serve on
+        assert len(client.generate([3, 4], max_tokens=3, ignore_eos=True).token_ids) == 3
+    assert until(lambda: sum(srv.router.pool.orphans_ended for srv in replicas)
+                 == ended_before + 1, timeout_s=REGISTRY_TTL_S * 3)
+    wait_all_blocks_free(replicas[0])
+
+
+def test_redis_killed_under_load_fails_nothing_and_is_rebuilt_when_back(replicas, redis):
+    """redis-server killed while all three replicas stream: every request completes
+    (each replica goes on with its own view); started again empty, the registry is
+    rebuilt from the replicas and an abort through another replica works again."""
+    rng = random.Random(13)
+    prompts = [[rng.randrange(4, 2000) for _ in range(12)] for _ in range(9)]
+
+    async def load(started: asyncio.Event):
+        async def one(i, prompt):
+            async with AsyncClient(replicas[i % 3].grpc_target, api_key=KEY) as client:
+                chunks = client.generate_stream(prompt, max_tokens=120, temperature=0,
+                                                ignore_eos=True)
+                tokens = list((await chunks.__anext__()).token_ids)
+                started.set()
+                async for chunk in chunks:
+                    tokens += chunk.token_ids
+                return tokens
+        return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)],
+                                    return_exceptions=True)
+
+    async def kill_under_load():
+        started = asyncio.Event()
+        running = asyncio.ensure_future(load(started))
+        await started.wait()
+        await asyncio.to_thread(redis.kill)
+        return await running
+
+    outs = asyncio.run(kill_under_load())
+    assert [len(o) if isinstance(o, list) else o for o in outs] == [120] * len(prompts)
+    redis.start()  # the same port, empty
+    spec = replicas[0].router.config.shared
+
+    def rebuilt():
+        record, entries = read_registered(spec)
+        return record is not None and sorted(e.worker_id for e in entries) == [
+            "decode-0", "prefill-0", "prefill-1"]
+    assert until(rebuilt, timeout_s=REGISTRY_TTL_S * 2)
+    assert until(lambda: all(srv.router.directory.listening.is_set() for srv in replicas),
+                 timeout_s=15)
+
+    async def abort_across():
+        async with AsyncClient(replicas[2].grpc_target, api_key=KEY) as a, \
+                AsyncClient(replicas[0].grpc_target, api_key=KEY) as b:
+            chunks = a.generate_stream([3, 4, 5, 6], request_id="after-redis",
+                                       max_tokens=450, temperature=0, ignore_eos=True)
+            received = [await chunks.__anext__()]
+            found = await b.abort("after-redis")
+            async for chunk in chunks:
+                received.append(chunk)
+            return found, received
+    found, received = asyncio.run(abort_across())
+    assert found and received[-1].finish_reason == "abort"
+    wait_all_blocks_free(replicas[0])
 
 
 def test_pdserve_router_without_a_registered_pool_says_what_to_do(replicas):

@@ -2,9 +2,9 @@
 (RayWorkerClient over worker actors) and the simulated one (SimWorker running the
 same model), each driven through the seam alone, as the router drives it. Same
 greedy tokens, before and after a pair is closed; a reservation aborted frees its
-blocks; a call of the wrong role raises the worker's own error; a role change is
-refused while the worker holds a request and taken once it does not; a killed
-worker's calls raise WorkerDied."""
+blocks, and so do a gone router's requests (another's stay); a call of the wrong
+role raises the worker's own error; a role change is refused while the worker holds
+a request and taken once it does not; a killed worker's calls raise WorkerDied."""
 from __future__ import annotations
 
 import asyncio
@@ -75,7 +75,15 @@ async def contract(prefill, decode) -> dict:
     out["tokens after a disconnect"] = [result.first_token] + seen["r2"][1:]
     with pytest.raises(WrongRoleError):
         await prefill.reserve(_job("wrong"), "contract")
+    # A router gone: its requests here end and free their KV; another's stay.
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    orphan = await decode.reserve(_job("orphan", params=long), "gone")
+    result = await prefill.prefill(PrefillJob(job=_job("orphan", params=long), target=orphan))
+    await decode.start("orphan", result.first_token)
     held = await decode.reserve(_job("held"), "contract")
+    out["orphans ended"] = await decode.abort_all("gone")
+    free.clear()
+    await until(lambda: free and free[-1] == total - len(held.block_ids))
     out["held_blocks"] = len(held.block_ids)
     with pytest.raises(WorkerBusyError):
         await decode.set_role("both")
@@ -116,6 +124,7 @@ def test_the_ray_client_holds_the_contract(ray_local, llama_dir, expected):
     assert out["tokens"] == expected and out["reason"] == "length"
     assert out["tokens after a disconnect"] == expected
     assert out["held_blocks"] == -(-len(PROMPT) // 16)
+    assert out["orphans ended"] == 1
 
 
 def test_the_simulated_worker_holds_the_contract(llama_dir, expected):
@@ -132,3 +141,4 @@ def test_the_simulated_worker_holds_the_contract(llama_dir, expected):
     assert out["tokens"] == expected and out["reason"] == "length"
     assert out["tokens after a disconnect"] == expected
     assert out["held_blocks"] == -(-len(PROMPT) // 16)
+    assert out["orphans ended"] == 1

@@ -41,10 +41,11 @@ def registry(server, replica: str) -> RedisRegistry:
 
 
 class Heard:
-    """What a replica's pool was told to apply, in order."""
+    """What a replica's pool was told to apply, in order, and of replicas gone."""
 
     def __init__(self):
         self.changes: list[tuple[str, WorkerEntry | None]] = []
+        self.gone: list[str] = []
 
     def __call__(self, worker_id: str, entry: WorkerEntry | None) -> None:
         self.changes.append((worker_id, entry))
@@ -58,8 +59,8 @@ async def launched_and_joined(server):
     """Replica a launched the pool with two workers; b joined it."""
     a, b = registry(server, "a"), registry(server, "b")
     heard_a, heard_b = Heard(), Heard()
-    await a.start(RECORD, [PREFILL, DECODE], heard_a)
-    await b.start(None, [PREFILL, DECODE], heard_b)
+    await a.start(RECORD, [PREFILL, DECODE], heard_a, heard_a.gone.append)
+    await b.start(None, [PREFILL, DECODE], heard_b, heard_b.gone.append)
     assert await eventually(lambda: a.listening.is_set() and b.listening.is_set())
     try:
         yield (a, heard_a), (b, heard_b)
@@ -144,6 +145,21 @@ def test_every_key_has_a_ttl_and_the_last_replica_ends_the_pool(redis_server):
             assert await b.stop()  # the last one
             assert await probe.client.keys("t:*") == []
             await probe.client.aclose()
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_stops_renewing_is_told_to_exactly_one_live_replica(redis_server):
+    async def scenario():
+        async with launched_and_joined(redis_server) as ((a, heard_a), (b, heard_b)):
+            c = registry(redis_server, "c")
+            await c.start(None, [], Heard())
+            for task in c._tasks:  # it dies: no renewal, no sign-off
+                task.cancel()
+            await asyncio.gather(*c._tasks, return_exceptions=True)
+            await c.client.aclose()
+            assert await eventually(lambda: heard_a.gone + heard_b.gone == ["c"] or
+                                    heard_b.gone + heard_a.gone == ["c"], timeout_s=TTL_S * 2)
+            assert "c" not in await a.client.zrange(a.routers_key, 0, -1)
     asyncio.run(scenario())
 
 
