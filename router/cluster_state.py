@@ -66,6 +66,11 @@ class WorkerState:
     queued: int = 0
     queued_tokens: int = 0
     inflight: int = 0
+    # The same counts by the other router replicas over the worker, summed (with
+    # --redis-url: shared_load.py; the latest each shared).
+    others_queued: int = 0
+    others_queued_tokens: int = 0
+    others_inflight: int = 0
     telemetry: WorkerTelemetry | None = None  # the worker's last report
     heard_at: float = float("-inf")  # when it arrived (the router's monotonic clock)
     num_blocks: int = 0
@@ -87,19 +92,32 @@ class WorkerState:
         """Whether it may be given a new request."""
         return self.alive and not self.draining and not self.silent
 
+    # Every replica's counts: this router's and the others'.
+    @property
+    def all_queued(self) -> int:
+        return self.queued + self.others_queued
+
+    @property
+    def all_queued_tokens(self) -> int:
+        return self.queued_tokens + self.others_queued_tokens
+
+    @property
+    def all_inflight(self) -> int:
+        return self.inflight + self.others_inflight
+
     # Computed once per state: the router keeps a worker's state until it changes, so
     # most decisions read these cached.
     @cached_property
     def reported_load(self) -> WorkerLoad:
-        """Its load from its report, or this router's own counts where they are higher
+        """Its load from its report, or the replicas' counts where they are higher
         (requests sent since the report)."""
         report = self.telemetry
         if report is None:
             return self.counted_load
         decoding = report.running + report.reserved if self.decodes else 0
-        return WorkerLoad(queued_tokens=max(report.waiting_tokens, self.queued_tokens),
-                          queued_requests=max(report.waiting, self.queued),
-                          decode_seqs=max(decoding, self.inflight),
+        return WorkerLoad(queued_tokens=max(report.waiting_tokens, self.all_queued_tokens),
+                          queued_requests=max(report.waiting, self.all_queued),
+                          decode_seqs=max(decoding, self.all_inflight),
                           decode_context=report.context_tokens if self.decodes else 0,
                           token_budget=report.token_budget or WorkerLoad.token_budget,
                           prompt_share=self.prompt_share)
@@ -122,8 +140,8 @@ class WorkerState:
 
     @cached_property
     def counted_load(self) -> WorkerLoad:
-        """Its load by this router's counts alone (its report is stale or missing)."""
-        return WorkerLoad(self.queued_tokens, self.queued, self.inflight,
+        """Its load by the replicas' counts alone (its report is stale or missing)."""
+        return WorkerLoad(self.all_queued_tokens, self.all_queued, self.all_inflight,
                           prompt_share=self.prompt_share)
 
 

@@ -44,6 +44,7 @@ from pdserve.worker.actor import WorkerActor
 log = logging.getLogger(__name__)
 
 NAMESPACE = "pdserve"  # the Ray namespace of shared pools' named actors
+ORPHAN_TTLS = 3  # registry TTLs a shared pool's worker waits for a router, then ends
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,12 @@ class WorkerSpawner:
         if self.shared is not None:
             options.update(name=self.shared.name(worker_id), namespace=self.shared.namespace,
                            lifetime="detached")
+        # A shared pool's detached workers end themselves once no router has listened
+        # for a few registry TTLs (every replica gone): nothing else would end them.
+        orphan_after_s = 0.0 if self.shared is None else \
+            ORPHAN_TTLS * self.router_config.shared.registry_ttl_s
         actor = WorkerActor.options(**options).remote(worker_id, self.engine_config,
-                                                      self.transfer, role)
+                                                      self.transfer, role, orphan_after_s)
         return worker_id, actor
 
     async def __call__(self, role: str, progress: Progress = lambda worker_id, state: None

@@ -25,7 +25,7 @@ def decide(request: RequestView, state: ClusterState) -> Decision:
     if decode is None:
         return Reject("no decode worker has room for this request's KV",
                       state.retry_after_s)
-    chosen = min(room, key=lambda w: (w.queued_tokens, w.queued, w.worker_id))
+    chosen = min(room, key=lambda w: (w.all_queued_tokens, w.all_queued, w.worker_id))
     return Disaggregate(chosen.worker_id, decode.worker_id)
 
 
@@ -46,7 +46,7 @@ def _best_decode(request: RequestView, state: ClusterState,
     def rank(w: WorkerState):
         free = state.free_blocks(w)
         short = free is not None and free < request.blocks_needed
-        return (short, w.inflight, -(free or 0), w.worker_id)
+        return (short, w.all_inflight, -(free or 0), w.worker_id)
     return min((w for w in workers if w.worker_id not in request.refused), key=rank,
                default=None)
 
@@ -54,4 +54,5 @@ def _best_decode(request: RequestView, state: ClusterState,
 def has_room(w: WorkerState, request: RequestView, state: ClusterState) -> bool:
     """An empty queue always has room: one long prompt must not be refused forever."""
     limit = state.max_queued_prefill_tokens
-    return not limit or w.queued == 0 or w.queued_tokens + request.num_prompt_tokens <= limit
+    return (not limit or w.all_queued == 0
+            or w.all_queued_tokens + request.num_prompt_tokens <= limit)

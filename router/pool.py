@@ -173,6 +173,8 @@ class Pool:
             self._subscribe(worker)
         await self.registry.start(record, [self.entry(w) for w in self.workers.values()],
                                   self.apply, self.replica_gone)
+        if self.registry.shared:
+            self._in_background(self._keeping_alive())
 
     def close(self) -> None:
         """The router is shutting down: membership operations under way end now (the
@@ -419,6 +421,17 @@ class Pool:
         if entry.draining != worker.state.draining:
             worker.update(draining=entry.draining)
         self._changed()
+
+    async def _keeping_alive(self) -> None:
+        """A shared pool's workers end themselves when no router has asked them for
+        their stats for a while (their every replica gone): each replica asks every
+        third of the registry's TTL."""
+        while True:
+            await asyncio.sleep(self.config.shared.registry_ttl_s / 3)  # the period
+            await asyncio.gather(*[
+                asyncio.wait_for(w.client.stats(), self.config.control_timeout_s)
+                for w in list(self.workers.values()) if w.state.alive],
+                return_exceptions=True)  # a worker that does not answer: its pump says
 
     def replica_gone(self, replica_id: str) -> None:
         """Another replica died: its requests on every worker end and free their KV (a

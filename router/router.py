@@ -4,6 +4,8 @@
     request_runner.py  a request's flight through its phases, released once
     placer.py          the policy's decision on a snapshot, the ordered wait for capacity
     pool.py            membership, supervision and pairing of the workers
+    pool_registry.py, request_directory.py, shared_load.py, leader_lease.py
+                       what the replicas over one pool share (Redis, with --redis-url)
     planner_runner.py  the SLO planner (planner.py), with --autoscale
     cluster_models.py  what the router learns of the workers for the latency model
     worker_client.py   the one seam to the workers (Ray, or simulated)
@@ -32,6 +34,7 @@ from pdserve.router.pool import Pool, Spawner
 from pdserve.router.pool_registry import PoolRecord, PoolRegistry, registry_for
 from pdserve.router.request_directory import RequestDirectory, directory_for
 from pdserve.router.request_runner import RequestRunner
+from pdserve.router.shared_load import load_board_for
 from pdserve.router.traffic import TrafficWindow
 from pdserve.router.workers import WorkerHandle
 
@@ -65,6 +68,7 @@ class Router:
                          registry=registry or registry_for(config.shared, self.router_id),
                          may_replace=lambda: self.lease.leading)
         self.record = record
+        self.load = load_board_for(config.shared, self.router_id)  # shared_load.py
         for worker in workers:
             self.pool.admit(worker)
         self.intake = Intake(tokenizer, model, config.routing.default_slo, clock)
@@ -129,6 +133,7 @@ class Router:
 
     async def start(self) -> None:
         await self.pool.start(self.record)
+        await self.load.start(self.pool.workers)
         await self.directory.start(self.requests.abort)
         await self.lease.start()
         spec = self.config.autoscale
@@ -144,6 +149,7 @@ class Router:
         if self.planner is not None:
             await self.planner.stop()
         await self.lease.stop()
+        await self.load.stop()
         last = await self.pool.stop()
         await self.requests.stop()
         await self.directory.stop()

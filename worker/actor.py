@@ -11,6 +11,7 @@ its engine cannot pin on requests ends the process, and Ray restarts the actor
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import uuid
@@ -32,6 +33,8 @@ from pdserve.engine.worker_messages import (
 from pdserve.kv_transfer import TransferConfig
 from pdserve.worker.worker import Worker
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class _Subscriber:
@@ -42,16 +45,35 @@ class _Subscriber:
 @ray.remote
 class WorkerActor:
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig,
-                 role: str = "decode"):
+                 role: str = "decode", orphan_after_s: float = 0.0):
+        """orphan_after_s > 0: the worker ends itself after that long with no call to
+        `stats` (the routers of a shared pool call it every third of the registry's TTL):
+        a detached worker whose every router replica is gone, which nothing else would
+        ever end. (A subscriber's stream is no sign of life: Ray does not tell a
+        generator that its reader died.)"""
         self._loop = asyncio.get_event_loop()
         self._subscribers: dict[str, _Subscriber] = {}
         self._owners: dict[str, str] = {}  # request id -> its subscriber
         self._published_at = time.monotonic()
         self._ticker: asyncio.Task | None = None
+        self._asked_at = time.monotonic()  # the last call to stats
         self.incarnation = uuid.uuid4().hex[:12]  # a restarted actor makes a new one
         self.worker = Worker(worker_id, engine_config, transfer, role, on_batch=self._publish,
                              on_death=exit_for_restart,
                              kv_host=ray.util.get_node_ip_address())
+        if orphan_after_s > 0:
+            self._loop.call_soon_threadsafe(
+                lambda: self._loop.create_task(self._reap_if_orphaned(orphan_after_s)))
+
+    async def _reap_if_orphaned(self, after_s: float) -> None:
+        while True:
+            await asyncio.sleep(min(after_s / 4, IDLE_REPORT_INTERVAL_S))  # a bound's check
+            if time.monotonic() - self._asked_at > after_s:
+                log.warning("worker %s: no router asked for %gs; it ends",
+                            self.worker.worker_id, after_s)
+                self.worker.shutdown()
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
 
     def _publish(self, batch: StepBatch) -> None:  # any thread
         self._loop.call_soon_threadsafe(self._route, batch)
@@ -181,6 +203,7 @@ class WorkerActor:
                 del self._subscribers[subscriber]
 
     async def stats(self) -> dict:
+        self._asked_at = time.monotonic()
         return {**await asyncio.to_thread(self.worker.stats), "incarnation": self.incarnation}
 
     async def shutdown(self) -> None:

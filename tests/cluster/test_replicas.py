@@ -35,7 +35,7 @@ from pdserve.router.redis_registry import read_registered
 from pdserve.router.server import RouterServer
 from tests import faults
 from tests.cluster.conftest import wait_all_blocks_free
-from tests.polling import until
+from tests.polling import eventually, until
 from tests.redis_server import RedisServer
 
 REGISTRY_TTL_S = 5.0  # each replica sweeps for dead ones every third of it
@@ -263,14 +263,20 @@ def test_an_id_in_flight_on_one_replica_is_refused_by_the_other(replicas, llama_
 
 
 def test_an_abort_sent_to_another_replica_ends_the_stream_and_frees_its_kv(replicas):
+    """The request runs on the first replica, slowed to outlast the test; the second
+    counts it as load on its decode worker (shared_load.py), and its abort ends it."""
     first, second = replicas[:2]
+    decode = first.router.workers["decode-0"]
+    ray.get(decode.client.actor.__ray_call__.remote(faults.slow_sampler, 0.02))
 
     async def abort_across():
         async with AsyncClient(first.grpc_target, api_key=KEY) as a, \
                 AsyncClient(second.grpc_target, api_key=KEY) as b:
-            chunks = a.generate_stream([3, 4, 5, 6], request_id="long", max_tokens=450,
-                                       temperature=0, ignore_eos=True)
+            chunks = a.generate_stream([faults.SLOW, 4, 5, 6], request_id="long",
+                                       max_tokens=450, temperature=0, ignore_eos=True)
             received = [await chunks.__anext__()]
+            assert await eventually(lambda: second.router.workers["decode-0"].state
+                                    .others_inflight == 1)
             found = await b.abort("long")
             async for chunk in chunks:
                 received.append(chunk)

@@ -18,6 +18,7 @@ from pdserve.engine.worker_messages import Job, PrefillJob
 from pdserve.kv_transfer import TransferConfig
 from pdserve.worker.actor import WorkerActor
 from tests.engine.test_hf_oracle import Oracle
+from tests.polling import until
 
 TRANSFER = TransferConfig(timeout_s=30)
 
@@ -163,3 +164,26 @@ def test_a_worker_refuses_calls_of_another_role_and_swaps_roles_when_idle(worker
         assert swapped.tokens[rid] == oracle.generate(prompt, 8)[0], rid
     assert ray.get([prefill.pid.remote(), decode.pid.remote()]) == pids  # no reload
     ray.get([prefill.set_role.remote("prefill"), decode.set_role.remote("decode")])
+
+
+def test_a_worker_no_router_asks_for_its_stats_ends_itself(ray_local, llama_dir):
+    """A shared pool's detached worker whose every router is gone (orphan_after_s):
+    alive for as long as a router keeps asking for its stats, past the bound; ended
+    for good once none asks for that long."""
+    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=8 << 20,
+                                      max_model_len=256)
+    after_s = 1.5
+    actor = WorkerActor.options(num_cpus=0.5).remote("orphan", config, TRANSFER, "decode",
+                                                     after_s)
+    began = time.monotonic()
+    while time.monotonic() - began < 2 * after_s:  # a router asking every third of it
+        ray.get(actor.stats.remote(), timeout=30)
+        time.sleep(after_s / 3)  # the asking period
+
+    def ended() -> bool:  # pid, not stats: asking for its stats would keep it alive
+        try:
+            ray.get(actor.pid.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return True
+        return False
+    assert until(ended, timeout_s=30, every_s=0.2), "the orphaned worker did not end"

@@ -41,6 +41,17 @@ def test_disaggregates_onto_the_least_loaded_prefill_and_decode_workers():
     assert decision == Disaggregate("p1", "d1")
 
 
+def test_the_other_replicas_requests_count_as_load_too():
+    """p1 and d1 look idle to this router, but other replicas sent them more than this
+    router sent p0 and d0 (shared_load.py): the least loaded are p0 and d0."""
+    from dataclasses import replace
+    p1 = replace(P("p1"), others_queued=3, others_queued_tokens=400)
+    d1 = replace(D("d1"), others_inflight=4)
+    assert decide(REQ, state(P("p0", 2, 300), p1, D("d0", 3), d1)) == Disaggregate("p0", "d0")
+    assert decide(REQ, state(P("p0", 2, 300), P("p1"), D("d0", 3), D("d1"))) \
+        == Disaggregate("p1", "d1")
+
+
 def test_colocates_when_the_cluster_has_no_prefill_pool():
     workers = [D("e0", 2, role="both"), D("e1", 1, role="both")]
     assert decide(REQ, state(*workers)) == Colocate("e1")
