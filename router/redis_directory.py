@@ -30,12 +30,20 @@ from pdserve.router.request_directory import AbortHere
 
 log = logging.getLogger(__name__)
 
-# Claim: set the entry if absent, or if this replica's own (ARGV[2] is "<replica>\n").
+# Claim each key: set its entry (ARGV[i + 2]) if absent, or if this replica's own
+# (ARGV[1] is "<replica>\n"; ARGV[2] the TTL); 1 where granted, 0 where refused.
 _CLAIM = """
-local held = redis.call('GET', KEYS[1])
-if held and string.sub(held, 1, string.len(ARGV[2])) ~= ARGV[2] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
-return 1
+local granted = {}
+for i, key in ipairs(KEYS) do
+  local held = redis.call('GET', key)
+  if held and string.sub(held, 1, string.len(ARGV[1])) ~= ARGV[1] then
+    granted[i] = 0
+  else
+    redis.call('SET', key, ARGV[i + 2], 'EX', ARGV[2])
+    granted[i] = 1
+  end
+end
+return granted
 """
 # Release: delete each entry that is still the value this replica set (ARGV[i]).
 _RELEASE = """
@@ -73,6 +81,10 @@ class RedisDirectory:
         self._release = client.register_script(_RELEASE)
         self._renew = client.register_script(_RENEW)
         self._held: dict[str, str] = {}  # request id -> the entry's value
+        # Claims go out in batches too: those made while one call is under way go
+        # together in the next (one round trip, one script run, for all of them).
+        self._to_claim: list[tuple[str, str, asyncio.Future]] = []
+        self._claimer: asyncio.Task | None = None
         # Releases go out in batches, one call at a time: a release per request each on
         # its own connection starved the claims of connections at 64 in flight.
         self._to_release: dict[str, str] = {}
@@ -110,18 +122,36 @@ class RedisDirectory:
         if not self.redis.reachable:  # the listener says when Redis is back
             self._held[request_id] = value
             return True
-        try:
-            granted = await self._claim(keys=[self.key(request_id)],
-                                        args=[value, f"{self.replica_id}\n",
-                                              _seconds(self.ttl_s)])
-        except RedisError as err:
-            self._unreachable("claim", err)
-            granted = 1  # this replica's own view: the router checked its flights
-        else:
-            self._reached()
+        answer = asyncio.get_running_loop().create_future()
+        self._to_claim.append((request_id, value, answer))
+        if self._claimer is None or self._claimer.done():
+            self._claimer = asyncio.get_running_loop().create_task(self._claim_all())
+        granted = await answer
         if granted:
             self._held[request_id] = value
-        return bool(granted)
+        return granted
+
+    async def _claim_all(self) -> None:
+        while self._to_claim:
+            batch, self._to_claim = self._to_claim, []
+            try:
+                granted = await self._claim(
+                    keys=[self.key(request_id) for request_id, _, _ in batch],
+                    args=[f"{self.replica_id}\n", _seconds(self.ttl_s),
+                          *(value for _, value, _ in batch)])
+            except RedisError as err:
+                self._unreachable("claim", err)
+                granted = [1] * len(batch)  # this replica's own view: it checked its flights
+            except Exception:  # a bug here must not leave a claim unanswered
+                log.exception("request directory: a claim failed")
+                granted = [1] * len(batch)
+            else:
+                self._reached()
+            for (request_id, value, answer), ok in zip(batch, granted):
+                if not answer.done():
+                    answer.set_result(bool(ok))
+                elif ok:  # its request was cancelled meanwhile: the entry goes
+                    self._schedule_delete(request_id, value)
 
     def release(self, request_id: str) -> None:
         value = self._held.pop(request_id, None)

@@ -16,6 +16,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.config import PoolSpec, RouterConfig
 from pdserve.router.model_info import ModelInfo
 from pdserve.router.pool import Progress
+from pdserve.router.pool_registry import PoolRegistry
 from pdserve.router.router import Router
 from pdserve.router.workers import WorkerHandle
 from pdserve.sim.itl import ItlHistogram
@@ -33,9 +34,13 @@ class SimCluster:
                  scheduler: SchedulerConfig = SchedulerConfig(), *, prefix_caching: bool = True,
                  seed: int = 0, tokens: Callable[[str], TokenSource] | None = None,
                  tokenizer: Tokenizer | None = None, eos_token_ids: tuple[int, ...] = (),
-                 model_name: str | None = None):
+                 model_name: str | None = None, router_id: str = ROUTER_ID,
+                 registry: PoolRegistry | None = None):
         """tokens(worker_id): each worker's token source (default: synthetic);
-        tokenizer: the router's (default: none, token ids only)."""
+        tokenizer: the router's (default: none, token ids only); registry: the
+        router's (default: what router_config.shared asks for; a pool of simulated
+        workers lives in one process: other replicas cannot attach to it)."""
+        self.router_id, self.registry = router_id, registry
         self.profile, self.pools, self.scheduler = profile, pools, scheduler
         self.router_config = replace(router_config, adaptive=pools.mode == "adaptive")
         self.prefix_caching, self.seed, self.tokens = prefix_caching, seed, tokens
@@ -55,7 +60,8 @@ class SimCluster:
         await asyncio.gather(*(w.boot() for w in workers))
         self.router = Router(self.tokenizer, self.model, [_handle(w) for w in workers],
                              self.router_config, spawner=self,
-                             clock=LoopClock(asyncio.get_running_loop()), router_id=ROUTER_ID)
+                             clock=LoopClock(asyncio.get_running_loop()),
+                             router_id=self.router_id, registry=self.registry)
         await self.router.start()
         return self.router
 
