@@ -37,14 +37,33 @@ def workload(num: int, vocab: int, seed: int, prompt_range, output_range):
 
 
 def run_pdserve(llm: LLM, requests) -> dict:
+    """Output tokens/s, and the engine's per-step Python overhead (everything a step
+    does besides the model runner's forward pass and sampling) as a share of that
+    pass: what grows when the scheduler or the output path gets heavier."""
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in requests]
     llm.generate([[7] * 64], params[0])  # warm-up
+    runner, forward_s = llm.engine.runner, [0.0]
+    execute = runner.execute
+
+    def timed(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            forward_s[0] += time.perf_counter() - began
+    runner.execute = timed
+    steps_before = llm.engine.num_steps
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in requests], params)
     elapsed = time.perf_counter() - t0
+    runner.execute = execute
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == sum(n for _, n in requests)
-    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
+    steps = llm.engine.num_steps - steps_before
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
+            "steps": steps, "forward_s": forward_s[0],
+            "overhead_per_step_us": (elapsed - forward_s[0]) / steps * 1e6,
+            "overhead_ratio": (elapsed - forward_s[0]) / forward_s[0]}
 
 
 def run_hf(model_dir: Path, requests, batch_size: int) -> dict:
@@ -164,6 +183,8 @@ def main() -> int:
     print(f"prefill: {result['prefill']['prefill_tok_s']:.0f} tok/s", flush=True)
     result["pdserve"] = run_pdserve(llm, requests)
     print(f"pdserve: {result['pdserve']['output_tok_s']:.0f} output tok/s", flush=True)
+    print(f"per-step Python overhead: {result['pdserve']['overhead_per_step_us']:.0f} us, "
+          f"{result['pdserve']['overhead_ratio']:.3f} of the forward pass", flush=True)
     del llm
     if not args.skip_hf:
         result["hf"] = run_hf(model_dir, requests, args.hf_batch_size)
@@ -177,10 +198,12 @@ def main() -> int:
     print(json.dumps(result, indent=2))
     if "throughput_ratio" in result:
         print(f"throughput ratio pdserve / HF static batches of {args.hf_batch_size}: "
-              f"{result['throughput_ratio']:.2f} (target >= 3.0)")
-    print(f"prefill efficiency: {result['prefill_efficiency']:.2f} (target >= 0.7)")
+              f"{result['throughput_ratio']:.2f} (target >= 3.3)")
+    print(f"prefill efficiency: {result['prefill_efficiency']:.2f} (target >= 0.8)")
+    print(f"per-step Python overhead / forward pass: "
+          f"{result['pdserve']['overhead_ratio']:.3f}")
     print(f"scheduler overhead: {result['scheduler_us']:.0f} us per schedule+update "
-          f"with 256 decodes (target <= 200)")
+          f"with 256 decodes (target <= 100)")
     return 0
 
 

@@ -106,19 +106,13 @@ class DecodeRole:
 def deltas(outputs: list[RequestOutput]) -> list[TokenDelta]:
     """What a step's outputs tell the router: each request's new tokens and text."""
     return [TokenDelta(request_id=o.request_id, token_ids=o.new_token_ids, text=o.new_text,
-                       logprobs=_last(o.logprobs, len(o.new_token_ids)),
-                       finished=o.finished, finish_reason=o.finish_reason,
+                       logprobs=o.new_logprobs, finished=o.finished,
+                       finish_reason=o.finish_reason,
                        num_prompt_tokens=len(o.prompt_token_ids),
                        num_cached_tokens=o.num_cached_tokens,
-                       num_output_tokens=len(o.token_ids),
-                       top_logprobs=_last(o.top_logprobs, len(o.new_token_ids)), error=o.error)
+                       num_output_tokens=o.num_output_tokens,
+                       top_logprobs=o.new_top_logprobs, error=o.error)
             for o in outputs]
-
-
-def _last(items: list, n: int) -> list:
-    """The entries of this step's n new tokens (the first token, sampled by the
-    prefill worker, has none here)."""
-    return items[-n:] if items and n else []
 
 
 def _chain(source: Future, target: Future) -> None:

@@ -27,7 +27,7 @@ from pdserve.engine.model.llama import LayerHook
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_path import resolve_model_path
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import RequestMetrics, RequestOutput
+from pdserve.engine.outputs import Outputs, RequestMetrics, RequestOutput
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -218,13 +218,14 @@ class LLMEngine:
             new_text += tracked.detokenizer.flush()
         return RequestOutput(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids), text=tracked.detokenizer.emitted_text,
+            outputs=Outputs.of(request.output_token_ids, request.output_logprobs,
+                               request.output_top_logprobs),
+            text=tracked.detokenizer.emitted_text,
             new_token_ids=new_ids, new_text=new_text, finished=request.is_finished,
             metrics=metrics,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
-            stop_reason=request.stop_reason, logprobs=list(request.output_logprobs),
-            top_logprobs=list(request.output_top_logprobs),
-            num_cached_tokens=request.num_cached_tokens, error=request.error)
+            stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
+            error=request.error)
 
     def _apply_aborts(self) -> list[RequestOutput]:
         ids = []

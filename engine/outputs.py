@@ -1,7 +1,7 @@
 """What the engine reports per request after each step."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -20,11 +20,31 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+@dataclass(frozen=True)
+class Outputs:
+    """A request's output so far, without copying it: its own lists (which only grow
+    while it runs) and how much of each this moment had. A step's output holds one,
+    so its cost does not grow with the request's length; a list is made only when
+    read."""
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    num_tokens: int
+    num_logprobs: int
+    num_top_logprobs: int
+
+    @classmethod
+    def of(cls, token_ids: list[int], logprobs: list[float] = (),
+           top_logprobs: list[dict[int, float]] = ()) -> "Outputs":
+        return cls(token_ids, logprobs, top_logprobs, len(token_ids), len(logprobs),
+                   len(top_logprobs))
+
+
 @dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far
+    outputs: Outputs  # every output token (and logprob) so far: token_ids, logprobs
     text: str  # every character handed out so far (stop string trimmed; a tail that
     #           may begin a stop string waits until it cannot, or the request ends)
     new_token_ids: list[int]  # produced by this step
@@ -33,7 +53,39 @@ class RequestOutput:
     metrics: RequestMetrics
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # {token: logprob}
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     error: str | None = None  # finish_reason "error": what failed
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every output token so far (a copy, made now)."""
+        o = self.outputs
+        return o.token_ids[:o.num_tokens]
+
+    @property
+    def logprobs(self) -> list[float]:
+        o = self.outputs
+        return o.logprobs[:o.num_logprobs]
+
+    @property
+    def top_logprobs(self) -> list[dict[int, float]]:  # {token: logprob} per token
+        o = self.outputs
+        return o.top_logprobs[:o.num_top_logprobs]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.outputs.num_tokens
+
+    @property
+    def new_logprobs(self) -> list[float]:
+        """This step's new tokens' logprobs (the first token, sampled by a prefill
+        worker, has none on the decode side)."""
+        o, n = self.outputs, len(self.new_token_ids)
+        return list(o.logprobs[max(o.num_logprobs - n, 0):o.num_logprobs]) \
+            if o.num_logprobs and n else []
+
+    @property
+    def new_top_logprobs(self) -> list[dict[int, float]]:
+        o, n = self.outputs, len(self.new_token_ids)
+        return list(o.top_logprobs[max(o.num_top_logprobs - n, 0):o.num_top_logprobs]) \
+            if o.num_top_logprobs and n else []

@@ -113,8 +113,10 @@ class Scheduler:
         """Advance progress counters, append sampled tokens, finish what stopped."""
         finished = []
         sampled = result.sampled_token_ids
-        logprobs = result.logprobs
+        logprobs, tops, failed = result.logprobs, result.top_logprobs, result.failed
+        plain = not (logprobs or tops or failed)  # the common step: tokens alone
         bs = self.block_manager.block_size
+        cache_full_blocks = self.block_manager.cache_full_blocks
         running = RequestStatus.RUNNING
         generated = 0
         for request, n in zip(out.requests, out.num_scheduled):
@@ -123,17 +125,31 @@ class Scheduler:
             before = request.num_computed_tokens
             request.num_computed_tokens = computed = before + n
             if computed // bs != before // bs:
-                self.block_manager.cache_full_blocks(request, computed)
+                cache_full_blocks(request, computed)
             if computed != request.num_tokens:
                 continue  # a partial prefill chunk samples nothing
             rid = request.request_id
-            if rid in result.failed:
-                request.error = result.failed[rid]
+            if plain:  # Request.append_output and check_stop, inlined: per request per step
+                token = sampled[rid]
+                request.output_token_ids.append(token)
+                request.num_tokens = computed + 1
+                generated += 1
+                if token in request.stop_token_set:
+                    request.stop_reason = token
+                    reason = FinishReason.STOP
+                elif computed + 1 >= request.max_num_tokens:
+                    reason = FinishReason.LENGTH
+                else:
+                    continue
+                self._finish(request, reason)
+                finished.append(request)
+                continue
+            if rid in failed:
+                request.error = failed[rid]
                 self._finish(request, FinishReason.ERROR)
                 finished.append(request)
                 continue
-            request.append_output(sampled[rid], logprobs.get(rid) if logprobs else None,
-                                  result.top_logprobs.get(rid))
+            request.append_output(sampled[rid], logprobs.get(rid), tops.get(rid))
             generated += 1
             reason = request.check_stop()
             if reason is not None:
@@ -196,8 +212,10 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         bm = self.block_manager
         bs = bm.block_size
+        append_block = bm.append_block
         running = RequestStatus.RUNNING
         scheduled, counts = out.requests, out.num_scheduled
+        add_request, add_count = scheduled.append, counts.append
         for request in requests:
             if budget <= 0:
                 break
@@ -205,11 +223,17 @@ class Scheduler:
                 continue  # preempted earlier in this step
             computed = request.num_computed_tokens
             n = request.num_tokens - computed
+            if n == 1:  # a decode: its last block has room, or one more block is free
+                room = len(request.block_ids) * bs - computed
+                if room > 0 or (room == 0 and append_block(request)):
+                    add_request(request)
+                    add_count(1)
+                    budget -= 1
+                    continue
             if threshold and n > threshold:
                 n = threshold
             if n > budget:
                 n = budget
-            # Fast path: the request's last block has room (the common decode case).
             fits = computed + n <= len(request.block_ids) * bs
             while not fits and not bm.allocate_slots(request, n):
                 victim = max(self.running, key=self._rank)
@@ -217,8 +241,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(request)
-                counts.append(n)
+                add_request(request)
+                add_count(n)
                 budget -= n
         return budget
 
