@@ -47,7 +47,9 @@ class DecodeRole:
             if job.request_id in self._aborted:
                 return None  # its abort overtook this call
             request = engine.reserve_remote(job.request_id, job.prompt_token_ids,
-                                            job.sampling_params, job.arrival_time)
+                                            job.sampling_params, job.arrival_time,
+                                            output_token_ids=job.output_token_ids,
+                                            text_sent=job.text_sent)
             if request is None:
                 return None
             cached = request.num_cached_tokens // engine.block_manager.block_size
@@ -60,8 +62,8 @@ class DecodeRole:
     def submit(self, job: Job) -> Future:
         """Colocated mode: run the whole request here, prefill (chunked) included."""
         return self.loop.call(lambda engine: engine.add_request(
-            job.request_id, job.prompt_token_ids, job.sampling_params, job.arrival_time)
-            and None)
+            job.request_id, job.prompt_token_ids, job.sampling_params, job.arrival_time,
+            output_token_ids=job.output_token_ids, text_sent=job.text_sent) and None)
 
     def start(self, request_id: str, first_token: int) -> Future:
         """The prefill worker sent the KV and sampled `first_token`: once the KV is

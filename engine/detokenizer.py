@@ -21,6 +21,15 @@ class Detokenizer:
         self.text = ""  # decoded so far (trimmed before a matched stop string)
         self.emitted = 0  # of which this many characters have been handed out
 
+    def resume(self, output_token_ids: list[int], text_sent: int) -> None:
+        """A request moved here with these outputs, of whose text `text_sent`
+        characters were handed out elsewhere: the text is rebuilt token by token as it
+        was made, and the next delta starts after what was handed out (a tail held
+        back there, the start of a stop string, say, is handed out here)."""
+        for token_id in output_token_ids:
+            self.append([token_id])
+        self.emitted = min(text_sent, len(self.text))
+
     @property
     def emitted_text(self) -> str:
         return self.text[:self.emitted]

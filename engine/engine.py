@@ -13,7 +13,7 @@ import time
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -82,22 +82,30 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> Request:
-        request = self._new_request(request_id, prompt, params, arrival_time)
+                    arrival_time: float | None = None, *,
+                    output_token_ids: Sequence[int] = (), text_sent: int = 0) -> Request:
+        """output_token_ids, text_sent: a request moved here (Job's fields of the names):
+        its prompt and those tokens are computed, and it goes on after them."""
+        request = self._new_request(request_id, prompt, params, arrival_time,
+                                    output_token_ids)
         self.scheduler.add_request(request)
-        self._track(request)
+        self._track(request, text_sent)
         return request
 
     def reserve_remote(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams | None = None,
-                       arrival_time: float | None = None) -> Request | None:
-        """Decode role: reserve blocks for a request prefilled elsewhere. Returns the
-        request (its block_ids; the first num_cached_tokens // block_size of them
-        already hold the prompt's prefix here), or None when there is no room."""
-        request = self._new_request(request_id, prompt, params, arrival_time)
+                       arrival_time: float | None = None, *,
+                       output_token_ids: Sequence[int] = (),
+                       text_sent: int = 0) -> Request | None:
+        """Decode role: reserve blocks for a request prefilled elsewhere (a moved one's
+        outputs so far included). Returns the request (its block_ids; the first
+        num_cached_tokens // block_size of them already hold the prompt's prefix
+        here), or None when there is no room."""
+        request = self._new_request(request_id, prompt, params, arrival_time,
+                                    output_token_ids)
         if not self.scheduler.reserve(request):
             return None
-        self._track(request)
+        self._track(request, text_sent)
         return request
 
     def admit_remote(self, request_id: str, first_token: int) -> RequestOutput:
@@ -177,7 +185,8 @@ class LLMEngine:
 
     # ---- internals ----------------------------------------------------------------
 
-    def _new_request(self, request_id: str, prompt, params, arrival_time) -> Request:
+    def _new_request(self, request_id: str, prompt, params, arrival_time,
+                     output_token_ids: Sequence[int] = ()) -> Request:
         """Validates everything a request carries; raises before any state changes."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -186,15 +195,22 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         token_ids = self._prompt_token_ids(prompt)
         self._check_length(len(token_ids), params.max_tokens)
+        outputs = self._prompt_token_ids(list(output_token_ids)) if output_token_ids else []
+        if len(outputs) >= params.max_tokens:
+            raise InvalidRequestError("output_token_ids", f"{len(outputs)} tokens generated "
+                                      f"already: max_tokens {params.max_tokens} leaves none")
         arrival = time.time() if arrival_time is None else arrival_time
         return Request(request_id, token_ids, params, arrival,
-                       eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
+                       eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                       output_token_ids=outputs)
 
-    def _track(self, request: Request) -> None:
-        self._tracked[request.request_id] = _Tracked(
-            request, Detokenizer(self.tokenizer, request.prompt_token_ids,
-                                 request.sampling_params.stop),
-            RequestMetrics(request.arrival_time))
+    def _track(self, request: Request, text_sent: int = 0) -> None:
+        detokenizer = Detokenizer(self.tokenizer, request.prompt_token_ids,
+                                  request.sampling_params.stop)
+        if request.output_token_ids:
+            detokenizer.resume(request.output_token_ids, text_sent)
+        self._tracked[request.request_id] = _Tracked(request, detokenizer,
+                                                     RequestMetrics(request.arrival_time))
 
     def _emit(self, tracked: _Tracked, now: float) -> RequestOutput:
         request, metrics = tracked.request, tracked.metrics

@@ -66,12 +66,13 @@ class Scheduler:
         return True
 
     def admit_prefilled(self, request_id: str, first_token: int) -> Request:
-        """The prompt's KV landed: the request joins the batch with its prompt computed
-        and the prefill worker's first token appended."""
+        """The prompt's KV landed: the request joins the batch with its prompt (and a
+        moved request's outputs so far) computed and the prefill worker's next token
+        appended."""
         request = self.requests[request_id]
         if request.status is not RequestStatus.WAITING_FOR_KV:
             raise ValueError(f"request {request_id} is not waiting for KV")
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = request.num_tokens
         self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
         request.append_output(first_token)
         self.stats.generation_tokens += 1

@@ -35,6 +35,11 @@ class Job:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float  # wall clock when the router accepted it
+    # A request moved here (migration): the tokens it generated elsewhere, run as its
+    # outputs (max_tokens, penalties, seeded draws and stop strings go on from them),
+    # and how many characters of their text its client has (its stream goes on after).
+    output_token_ids: tuple[int, ...] = ()
+    text_sent: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,9 +54,11 @@ class PrefillJob:
     @property
     def params(self) -> SamplingParams:
         """What the prefill worker runs the prompt with: only the first token is
-        sampled there; stop conditions are the decode side's."""
-        return replace(self.job.sampling_params, max_tokens=1, stop=(), stop_token_ids=(),
-                       ignore_eos=True)
+        sampled there (after those a migrated request generated before); stop
+        conditions are the decode side's."""
+        return replace(self.job.sampling_params,
+                       max_tokens=len(self.job.output_token_ids) + 1, stop=(),
+                       stop_token_ids=(), ignore_eos=True)
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ class PrefillRole:
             if self._jobs.get(job.request_id) is not entry:
                 return  # aborted while its pair was being opened
             engine.add_request(job.request_id, job.job.prompt_token_ids, params,
-                               job.job.arrival_time)
+                               job.job.arrival_time, output_token_ids=job.job.output_token_ids)
             entry.queued = True
 
         def refused(added: Future) -> None:  # bad input: the engine raised, nothing queued
@@ -208,9 +208,9 @@ class PrefillRole:
         now = time.time()
         started = out.metrics.first_scheduled_time or out.metrics.arrival_time
         self._resolve(out.request_id, result=PrefillResult(
-            request_id=out.request_id, first_token=out.token_ids[0],
-            first_logprob=out.logprobs[0] if out.logprobs else None,
-            first_top_logprobs=out.top_logprobs[0] if out.top_logprobs else None,
+            request_id=out.request_id, first_token=out.token_ids[-1],
+            first_logprob=out.logprobs[-1] if out.logprobs else None,
+            first_top_logprobs=out.top_logprobs[-1] if out.top_logprobs else None,
             kv_bytes_sent=handle.bytes_sent, prefill_seconds=now - started,
             transfer_seconds=now - entry.computed_at))
 

@@ -36,6 +36,11 @@ class RoutingSpec:
                                        "running requests' TPOT SLOs) waits for some to "
                                        "free before its 429; unset: while its TTFT SLO "
                                        "leaves time; 0: never waits")
+    migration_limit: int = option(3, "times a request may move to another worker when "
+                                  "the one holding it dies, stalls or fails its KV "
+                                  "transfer: it is placed again as its prompt plus the "
+                                  "tokens generated so far and its stream goes on; 0: it "
+                                  "fails with the worker", ge=0)
     slo_ttft_ms: float | None = option(None, "TTFT SLO of requests that set none "
                                        "(x-slo-ttft-ms, slo_ttft_ms); unset: best effort")
     slo_tpot_ms: float | None = option(None, "TPOT SLO of requests that set none "
@@ -46,6 +51,8 @@ class RoutingSpec:
             raise ValueError(f"routing_policy must be one of {POLICIES}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.max_wait_ms is not None and not 0 <= self.max_wait_ms < float("inf"):
             raise ValueError(f"max_wait_ms must be a finite number >= 0, got {self.max_wait_ms}")
         self.default_slo  # checked
@@ -171,8 +178,11 @@ class RouterConfig:
     # A worker whose process died is waited for this long while Ray restarts it
     # (model loading included), then given up.
     revive_timeout_s: float = 600.0
+    # A request moving off a failed worker (RoutingSpec.migration_limit) that no
+    # other can take waits this long for one (a dead worker's restart, say).
+    migration_wait_s: float = 30.0
     # A decode worker that sends neither a step nor a heartbeat for this long fails
-    # every request it holds (WorkerStalled).
+    # every request it holds (WorkerStalled): they move, or fail.
     stall_timeout_s: float = 30.0
     # A worker's telemetry older than this counts as unknown (it reports every step
     # and at least twice a second while idle).
@@ -198,7 +208,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         for name in ("reserve_timeout_s", "prefill_timeout_s", "start_timeout_s",
                      "control_timeout_s", "startup_timeout_s", "placement_timeout_s",
-                     "revive_timeout_s",
+                     "revive_timeout_s", "migration_wait_s",
                      "stall_timeout_s", "retry_after_s", "telemetry_stale_s",
                      "drain_timeout_s"):
             if not getattr(self, name) > 0:

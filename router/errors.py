@@ -22,6 +22,10 @@ class WorkerStalled(WorkerError):
     """A worker holding requests produced no step within the stall bound."""
 
 
+class NotMoved(WorkerError):
+    """A request moving off a failed worker found no other to take it in time."""
+
+
 class WorkerDied(WorkerError):
     """The worker's process died or is restarting (a WorkerClient raises it for any
     call the process could not answer)."""

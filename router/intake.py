@@ -78,6 +78,9 @@ class Intake:
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} "
                                       "characters")
+        if not request_id.isprintable():  # and so never a moved request's (Flight.key)
+            raise InvalidRequestError("request_id", "must be printable text (no control "
+                                      "characters)")
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         return Accepted(request_id=rid, prompt_token_ids=ids, params=params,
                         arrival_time=self.clock.time(), owner=owner,

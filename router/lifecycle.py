@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Awaitable
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -65,19 +65,50 @@ class Flight:
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # Router.abort
     starting: asyncio.Future | None = None  # the decode worker's start call
     released: bool = False
-    # Colocated: the worker whose prefill queue counts its prompt until token #1.
+    # Colocated: the worker whose prefill queue counts its prompt (this many tokens)
+    # until its first token there.
     queued_on: object | None = None
+    queued_tokens: int = 0
     predicted: object | None = None  # the Decision it was placed by (its forecasts)
     placed_at: float | None = None  # wall clock of that decision
     # monotonic clock when it began to wait for capacity (None: it never waited); a
     # decode worker's refusal sends it back to placement, but its waits add up.
     waited_since: float | None = None
     first_token_at: float | None = None  # wall clock of token #1
-    num_output_tokens: int = 0
+    # What its client has: every token streamed, and their text's length (a move to
+    # another worker goes on from exactly there: Job.output_token_ids, text_sent).
+    output_token_ids: list[int] = field(default_factory=list)
+    text_sent: int = 0
+    migrations: int = 0  # times it moved off a failed worker
+    failure: str = ""  # why it last moved
+    # worker id -> the generation it failed on: not chosen again while that process
+    # lives, if another worker can take the request
+    failed_on: dict[str, str] = field(default_factory=dict)
 
     @property
     def request_id(self) -> str:
         return self.req.request_id
+
+    @property
+    def key(self) -> str:
+        """The id its workers know it by: its own, and after each move another one (a
+        worker it left may still hold the old id until its abort lands there; a client's
+        id is printable, so never one of these)."""
+        rid = self.req.request_id
+        return rid if not self.migrations else f"{rid}\x1fmoved-{self.migrations}"
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def moved(self) -> Accepted:
+        """The request as another worker would take it now: its prompt and the tokens
+        generated so far, with what remains of max_tokens."""
+        req, outputs = self.req, self.output_token_ids
+        return replace(req, prompt_token_ids=req.prompt_token_ids + outputs,
+                       params=replace(req.params, max_tokens=req.params.max_tokens
+                                      - len(outputs)))
 
     # What its TPOT budget reads (snapshot.Running).
     @property

@@ -99,6 +99,12 @@ class RouterMetrics:
                                "Finished requests that set an SLO, by whether they met every "
                                "SLO they set (met=true: goodput) and the placement's kind",
                                labels + ["met", "kind"], registry=r)
+        self.migrations = Counter(
+            "pdserve:router_migrations",
+            "Requests moved off a failed worker and placed again as prompt plus the tokens "
+            "generated so far, by why (worker_died, worker_stalled, worker_error: a KV "
+            "transfer or call that failed) and the request's phase then (prefill: no "
+            "token streamed yet; decode)", labels + ["reason", "phase"], registry=r)
         self.planner_decisions = Counter(
             "pdserve:planner_decisions", "The SLO planner's actions: add, remove, flip (to "
             "the role named), by cause (minimum, maximum, miss, demand, spare)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import weakref
+from dataclasses import replace
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.router.capacity_queue import CapacityQueue
@@ -23,6 +24,7 @@ from pdserve.router.model_info import ModelInfo
 from pdserve.router.policy import decide
 from pdserve.router.pool import Pool
 from pdserve.router.prefix_index import block_hashes
+from pdserve.router.slo import Slo
 from pdserve.router.snapshot import snapshot
 
 
@@ -74,6 +76,34 @@ class Placer:
         self.queue.freed()
         return decision
 
+    async def place_moved(self, flight: Flight, req: Accepted, refused: frozenset[str],
+                          avoid: frozenset[str]) -> Decision:
+        """Where a request moving off a failed worker (migration) goes on: `req` is it
+        as it stands (its prompt and the tokens generated so far), placed best effort
+        (it was admitted, and refusing it now would lose what it has), off the workers
+        in `avoid` while another can take it. When none can (a dead worker's
+        replacement may be starting), it waits first in line for capacity, at most
+        RouterConfig.migration_wait_s; then OverloadedError."""
+        req = replace(req, slo=Slo())  # judged by its own SLOs all the same (RequestTracker)
+
+        def decide() -> Decision:
+            decision = self.decide(req, refused, avoid)
+            return self.decide(req, refused) if isinstance(decision, Reject) and avoid \
+                else decision
+        decision = decide()
+        if isinstance(decision, Reject):
+            wait_s = self.config.migration_wait_s
+            try:
+                decision = await until(flight, self.queue.wait(
+                    self.clock.monotonic(), req.params.priority, decide), wait_s)
+            except asyncio.TimeoutError:
+                decision = decide()
+            if isinstance(decision, Reject):
+                raise OverloadedError(f"{decision.reason} (for {wait_s:g}s)",
+                                      decision.retry_after_s)
+            self.queue.freed()
+        return decision
+
     @staticmethod
     def may_wait(req: Accepted, decision: Reject) -> float:
         """How long the request may wait for capacity and still meet its TTFT SLO (its
@@ -90,8 +120,10 @@ class Placer:
             return 0.0
         return budget
 
-    def decide(self, req: Accepted, refused: frozenset[str] = frozenset()) -> Decision:
-        """The policy's decision on a snapshot of now."""
+    def decide(self, req: Accepted, refused: frozenset[str] = frozenset(),
+               avoid: frozenset[str] = frozenset()) -> Decision:
+        """The policy's decision on a snapshot of now, in which the workers in `avoid`
+        take nothing new."""
         ids, bs = req.prompt_token_ids, self.model.block_size
         hits = (self.models.prefixes.hits(block_hashes(ids, bs))
                 if self.models.prefixes and self.config.routing.prefix_aware else {})
@@ -101,16 +133,19 @@ class Placer:
                            max_tokens=req.params.max_tokens, cached_tokens=cached,
                            sequence=next(self._placed),
                            waited_s=max(self.clock.time() - req.arrival_time, 0.0))
-        decision = decide(view, self.snapshot(), self.config.routing.routing_policy)
+        decision = decide(view, self.snapshot(avoid), self.config.routing.routing_policy)
         if cached and not isinstance(decision, Reject):
             computes = decision.worker if isinstance(decision, Colocate) else decision.prefill
             self.metrics.placed_prefix(cached.get(computes, 0), max(cached.values()))
         return decision
 
-    def snapshot(self) -> ClusterState:
+    def snapshot(self, avoid: frozenset[str] = frozenset()) -> ClusterState:
         """Every worker's state now, as the policy sees it, with the TPOT budgets of
-        this router's requests running on each."""
+        this router's requests running on each; those in `avoid` as if draining."""
         workers = self.pool.workers
-        return snapshot(tuple(w.state for w in workers.values()), workers,
+        states = tuple(w.state for w in workers.values()) if not avoid else tuple(
+            replace(w.state, draining=True) if w.worker_id in avoid else w.state
+            for w in workers.values())
+        return snapshot(states, workers,
                         self.clock.monotonic(), self.clock.time(), self.config, self.model,
                         self.models.transfer_costs, self._deadlines)

@@ -13,6 +13,7 @@ exactly the workers its phase holds."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 from typing import AsyncIterator, Callable
 
@@ -30,7 +31,14 @@ from pdserve.router.clock import Clock
 from pdserve.router.cluster_models import ClusterModels
 from pdserve.router.config import RouterConfig
 from pdserve.router.decision import Colocate
-from pdserve.router.errors import OverloadedError, WorkerDied, WorkerError, short_reason
+from pdserve.router.errors import (
+    NotMoved,
+    OverloadedError,
+    WorkerDied,
+    WorkerError,
+    WorkerStalled,
+    short_reason,
+)
 from pdserve.router.lifecycle import Accepted, Cancelled, Flight, Phase, until
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placer import Placer
@@ -38,6 +46,8 @@ from pdserve.router.pool import Pool
 from pdserve.router.request_directory import LocalDirectory, RequestDirectory
 from pdserve.router.request_metrics import RequestTracker
 from pdserve.router.workers import WorkerHandle
+
+log = logging.getLogger(__name__)
 
 
 class RequestRunner:
@@ -56,18 +66,31 @@ class RequestRunner:
         self._aborting: set[asyncio.Task] = set()  # abort calls to workers in flight
 
     async def generate(self, req: Accepted) -> AsyncIterator[TokenDelta]:
-        """Streams the request's deltas; the last one has finished=True."""
+        """Streams the request's deltas; the last one has finished=True. A worker that
+        fails under it (dies, stalls, loses its KV transfer) does not end it while it
+        may move (RoutingSpec.migration_limit): it is placed again, as its prompt plus the
+        tokens streamed so far, and its stream goes on from there."""
         flight = self._claim(req)
         track = RequestTracker(self.metrics, flight, self.clock, self.on_measured)
         try:
             if not await self.directory.claim(req.request_id, req.owner):
                 raise InvalidRequestError("request_id", f"{req.request_id!r} is already in "
                                           "flight on another router")
-            first, skip_text = await self._begin(flight)
-            if first is not None:
-                yield track.observe(self._progress(flight, first))
-            async for delta in self._stream(flight, skip_text, skip_token=first is not None):
-                yield track.observe(self._progress(flight, delta))
+            while True:
+                try:
+                    first, skip_text = await self._begin(flight)
+                    if first is not None:
+                        yield track.observe(self._progress(flight, first))
+                    async for delta in self._stream(flight, skip_text,
+                                                    skip_token=first is not None):
+                        yield track.observe(self._progress(flight, delta))
+                    break
+                except NotMoved:
+                    raise
+                except WorkerError as failure:
+                    if not self._may_move(flight):
+                        raise
+                    self._move(flight, failure)
         except Cancelled:
             yield track.observe(TokenDelta(request_id=req.request_id, token_ids=[], text="",
                                            logprobs=[], finished=True, finish_reason="abort"))
@@ -91,18 +114,57 @@ class RequestRunner:
             await asyncio.wait(self._aborting, timeout=self.config.control_timeout_s)
 
     def _progress(self, flight: Flight, delta: TokenDelta) -> TokenDelta:
+        if delta.request_id != flight.request_id:  # a moved request's (Flight.key)
+            delta = replace(delta, request_id=flight.request_id)
         if delta.token_ids:
             if flight.first_token_at is None:
                 flight.first_token_at = self.clock.time()
-                self._dequeue(flight)  # its prompt is computed
-            flight.num_output_tokens += len(delta.token_ids)
+            self._dequeue(flight)  # its prompt is computed
+            flight.output_token_ids += delta.token_ids
             if flight.decode is not None:
                 flight.decode.progressed()
+        flight.text_sent += len(delta.text)
         return delta
+
+    # ---- moving off a failed worker ---------------------------------------------------
+
+    def _may_move(self, flight: Flight) -> bool:
+        """Not past --migration-limit, its client still there, and tokens left to make."""
+        return (flight.migrations < self.config.routing.migration_limit
+                and not flight.cancelled.is_set() and not flight.released
+                and flight.num_output_tokens < flight.req.params.max_tokens)
+
+    def _move(self, flight: Flight, failure: WorkerError) -> None:
+        """Lets go of what the failed phase held (the workers free it, or their leases
+        do: a dead one frees nothing), and readies the flight to be placed again off
+        the worker that failed it (its own prompt and the tokens streamed so far)."""
+        failed = flight.decode if flight.phase in (Phase.STARTING, Phase.STREAMING) \
+            or flight.prefill is None else flight.prefill
+        phase = "decode" if flight.output_token_ids else "prefill"
+        if failed is not None:
+            flight.failed_on[failed.worker_id] = failed.generation
+        self._let_go(flight)
+        flight.prefill, flight.phase = None, Phase.ACCEPTED
+        while not flight.queue.empty():  # what the failed worker sent after the failure
+            flight.queue.get_nowait()
+        flight.migrations += 1
+        flight.failure = str(failure)
+        reason = ("worker_died" if isinstance(failure, WorkerDied) else "worker_stalled"
+                  if isinstance(failure, WorkerStalled) else "worker_error")
+        self.metrics.migrations.labels(self.metrics.model_name, reason, phase).inc()
+        log.warning("request %s moves off worker %s (%s, %d tokens streamed): %s",
+                    flight.request_id, failed.worker_id if failed else "?", reason,
+                    flight.num_output_tokens, failure)
+
+    def _avoid(self, flight: Flight) -> frozenset[str]:
+        """The workers that failed this request, while the same process runs them."""
+        workers = self.pool.workers
+        return frozenset(w for w, generation in flight.failed_on.items()
+                         if w in workers and workers[w].generation == generation)
 
     def _dequeue(self, flight: Flight) -> None:
         if flight.queued_on is not None:
-            flight.queued_on.unqueue(len(flight.req.prompt_token_ids))
+            flight.queued_on.unqueue(flight.queued_tokens)
             flight.queued_on = None
 
     # ---- the phases -----------------------------------------------------------------
@@ -120,14 +182,24 @@ class RequestRunner:
         """Carries out the decision. Colocated: the worker takes the whole request
         (None, 0). Disaggregated: returns token #1 as a delta with its text, and how
         much of that text the decode worker's first delta repeats."""
-        req, refused = flight.req, frozenset()
+        moved = flight.migrations > 0
+        req, refused = flight.moved if moved else flight.req, frozenset()
         num_tokens = len(req.prompt_token_ids)
         while True:
-            decision = flight.predicted = await self.placer.place(flight, refused)
-            flight.placed_at = self.clock.time()
+            if moved:  # its first placement's forecasts stay the ones it is judged by
+                try:
+                    decision = await self.placer.place_moved(flight, req, refused,
+                                                             self._avoid(flight))
+                except OverloadedError as exc:
+                    raise NotMoved(f"{flight.failure}; no other worker could take it: "
+                                   f"{exc}") from None
+            else:
+                decision = flight.predicted = await self.placer.place(flight, refused)
+                flight.placed_at = self.clock.time()
             if isinstance(decision, Colocate):
                 worker = self.pool.workers[decision.worker]
-                flight.queued_on = worker  # until its first token, its prompt is queued there
+                # until its first token here, its prompt is queued there
+                flight.queued_on, flight.queued_tokens = worker, num_tokens
                 worker.enqueue(num_tokens)
                 await self._submit(flight, worker)
                 return None, 0
@@ -149,19 +221,24 @@ class RequestRunner:
                                     self.clock.monotonic())
         self.metrics.prompt_tokens.inc(num_tokens)
         self._start(flight, result.first_token)
-        return self._first_delta(req, result)
+        return self._first_delta(flight, result)
 
-    def _first_delta(self, req: Accepted, result: PrefillResult) -> tuple[TokenDelta, int]:
+    def _first_delta(self, flight: Flight, result: PrefillResult) -> tuple[TokenDelta, int]:
         # The decode worker detokenizes from the same state: its first delta's text
         # begins with exactly this, which the stream then skips.
-        text = "" if self.tokenizer is None else Detokenizer(
-            self.tokenizer, req.prompt_token_ids, req.params.stop).append([result.first_token])[0]
+        req = flight.req
+        text = ""
+        if self.tokenizer is not None:
+            detokenizer = Detokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop)
+            if flight.output_token_ids:
+                detokenizer.resume(flight.output_token_ids, flight.text_sent)
+            text = detokenizer.append([result.first_token])[0]
         logprobs = [result.first_logprob] if result.first_logprob is not None else []
         tops = [result.first_top_logprobs] if result.first_top_logprobs else []
         first = TokenDelta(request_id=req.request_id, token_ids=[result.first_token],
                            text=text, logprobs=logprobs, finished=False,
-                           num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=1,
-                           top_logprobs=tops)
+                           num_prompt_tokens=len(req.prompt_token_ids),
+                           num_output_tokens=flight.num_output_tokens + 1, top_logprobs=tops)
         return first, len(text)
 
     async def _reserve(self, flight: Flight, worker: WorkerHandle) -> Reservation | None:
@@ -169,7 +246,7 @@ class RequestRunner:
         self._hold(flight, worker, Phase.RESERVING)
         try:
             reservation = await until(flight, worker.client.reserve(
-                _job(flight.req), self.pool.subscriber), self.config.reserve_timeout_s)
+                _job(flight), self.pool.subscriber), self.config.reserve_timeout_s)
         except Cancelled:
             raise
         except InvalidRequestError:
@@ -178,7 +255,7 @@ class RequestRunner:
             if isinstance(exc, WorkerDied):
                 self.pool.died(worker)
             reservation = None  # no answer in time: the worker may reserve late
-            self._abort_on(worker, flight.request_id)
+            self._abort_on(worker, flight.key)
         if reservation is not None:
             flight.phase = Phase.RESERVED
             return reservation
@@ -191,22 +268,23 @@ class RequestRunner:
         flight.prefill, flight.phase = worker, Phase.PREFILLING
         try:
             result = await until(flight, worker.client.prefill(
-                PrefillJob(job=_job(req), target=target)), self.config.prefill_timeout_s)
+                PrefillJob(job=_job(flight), target=target)), self.config.prefill_timeout_s)
         except (Cancelled, asyncio.CancelledError, InvalidRequestError, RequestFailedError):
             raise
         except asyncio.TimeoutError:
             raise WorkerError(f"prefill of {req.request_id} took longer than "
                               f"{self.config.prefill_timeout_s:g}s") from None
         except Exception as exc:
-            if isinstance(exc, WorkerDied):
+            died = isinstance(exc, WorkerDied)
+            if died:
                 self.pool.died(worker)
-            raise WorkerError(f"prefill of {req.request_id} failed: {short_reason(exc)}") \
-                from None
+            raise (WorkerDied if died else WorkerError)(
+                f"prefill of {req.request_id} failed: {short_reason(exc)}") from None
         flight.phase = Phase.STARTING  # the KV landed; the prefill worker holds nothing
         return result
 
     def _start(self, flight: Flight, first_token: int) -> None:
-        call = flight.decode.client.start(flight.request_id, first_token)
+        call = flight.decode.client.start(flight.key, first_token)
         flight.starting = asyncio.ensure_future(
             asyncio.wait_for(call, self.config.start_timeout_s))
         flight.starting.add_done_callback(lambda done: self._started(flight, done))
@@ -216,15 +294,17 @@ class RequestRunner:
         req = flight.req
         self._hold(flight, worker, Phase.SUBMITTING)
         try:
-            await until(flight, worker.client.submit(_job(req), self.pool.subscriber),
+            await until(flight, worker.client.submit(_job(flight), self.pool.subscriber),
                         self.config.start_timeout_s)
         except (Cancelled, asyncio.CancelledError, InvalidRequestError):
             raise
         except Exception as exc:
-            if isinstance(exc, WorkerDied):
+            died = isinstance(exc, WorkerDied)
+            if died:
                 self.pool.died(worker)
-            raise WorkerError(f"engine worker {worker.worker_id} could not take "
-                              f"{req.request_id}: {short_reason(exc)}") from None
+            raise (WorkerDied if died else WorkerError)(
+                f"engine worker {worker.worker_id} could not take {req.request_id}: "
+                f"{short_reason(exc)}") from None
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         flight.phase = Phase.STREAMING
 
@@ -289,21 +369,26 @@ class RequestRunner:
         if flight.released:
             return
         flight.released = True
-        self._dequeue(flight)
-        self._abort_on_holders(flight)
-        if flight.decode is not None:
-            self._unhold(flight)
-        if flight.starting is not None and not flight.starting.done():
-            flight.starting.cancel()
+        self._let_go(flight)
         self.flights.pop(flight.request_id, None)
         self.directory.release(flight.request_id)
         if not self.flights:
             self.idle.set()
         self.placer.queue.freed()
 
+    def _let_go(self, flight: Flight) -> None:
+        """What its phase holds is freed: queued prompt, workers, a start in flight."""
+        self._dequeue(flight)
+        self._abort_on_holders(flight)
+        if flight.decode is not None:
+            self._unhold(flight)
+        if flight.starting is not None and not flight.starting.done():
+            flight.starting.cancel()
+        flight.starting = None
+
     def _abort_on_holders(self, flight: Flight) -> None:
         for worker in flight.holders():
-            self._abort_on(worker, flight.request_id)
+            self._abort_on(worker, flight.key)
         flight.phase = Phase.DONE
 
     def _abort_on(self, worker: WorkerHandle, request_id: str) -> None:
@@ -320,6 +405,8 @@ class RequestRunner:
             task.exception()  # a failed abort: the worker frees it by its lease
 
 
-def _job(req: Accepted) -> Job:
-    return Job(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-               sampling_params=req.params, arrival_time=req.arrival_time)
+def _job(flight: Flight) -> Job:
+    req = flight.req
+    return Job(request_id=flight.key, prompt_token_ids=req.prompt_token_ids,
+               sampling_params=req.params, arrival_time=req.arrival_time,
+               output_token_ids=tuple(flight.output_token_ids), text_sent=flight.text_sent)

@@ -73,6 +73,8 @@ class Router:
             self.pool.admit(worker)
         self.intake = Intake(tokenizer, model, config.routing.default_slo, clock)
         self.placer = Placer(self.pool, self.models, config, model, self.metrics, clock)
+        # A worker back in service may take what waits (a request moving off a dead one)
+        self.pool.on_change.append(self.placer.queue.freed)
         self.directory = directory or directory_for(config.shared, self.router_id)
         self.requests = RequestRunner(self.pool, self.placer, self.models, self.metrics,
                                       config, tokenizer, clock, self._measured,
@@ -189,8 +191,8 @@ class Router:
     def _measured(self, flight: Flight, ttft_s: float, tpot_s: float | None) -> None:
         self.traffic.finished(self.clock.monotonic(), flight.num_output_tokens)
         decision = flight.predicted
-        if not self.config.routing.calibrate or decision is None:
-            return
+        if not self.config.routing.calibrate or decision is None or flight.migrations:
+            return  # a moved request's latencies are no one placement's
         learned = self.models.request_finished(
             decision, flight.placed_at - flight.req.arrival_time, ttft_s, tpot_s,
             self.clock.monotonic(), self.pool.workers)

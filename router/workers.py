@@ -12,7 +12,7 @@ from typing import Callable
 
 from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.cluster_state import WorkerState
-from pdserve.router.errors import WorkerError, WorkerStalled, short_reason
+from pdserve.router.errors import WorkerDied, WorkerStalled, short_reason
 from pdserve.router.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -25,8 +25,8 @@ class WorkerHandle:
     address: str = ""  # its kv_transfer rendezvous, which prefill workers pair with
     locator: str = ""  # how another router replica reaches it (pool_registry.WorkerEntry)
     generation: str = ""  # its process's incarnation (WorkerStats.incarnation)
-    # request id -> this router's request held here (reserved, starting or running):
-    # its flight (lifecycle.Flight), whose queue the pump feeds.
+    # request id (Flight.key) -> this router's request held here (reserved, starting
+    # or running): its flight (lifecycle.Flight), whose queue the pump feeds.
     flights: dict[str, object] = field(default_factory=dict)
     version: int = 0  # changes whenever a flight here joins, leaves or is sent tokens
     # When it last began serving in its role (joined, came back, changed role), on
@@ -69,12 +69,12 @@ class WorkerHandle:
 
     def hold(self, flight) -> None:
         """The request is reserved, submitted or running here."""
-        self.flights[flight.request_id] = flight
+        self.flights[flight.key] = flight
         self.version += 1
         self.update(inflight=self.state.inflight + 1)
 
     def unhold(self, flight) -> None:
-        self.flights.pop(flight.request_id, None)
+        self.flights.pop(flight.key, None)
         self.version += 1
         self.update(inflight=self.state.inflight - 1)
 
@@ -158,7 +158,7 @@ class WorkerHandle:
             reason = "its step stream ended" if isinstance(exc, StopAsyncIteration) \
                 else short_reason(exc)
             log.error("worker %s stream ended: %s", self.worker_id, reason)
-            self._fail_all(WorkerError(f"worker {self.worker_id} failed: {reason}"))
+            self._fail_all(WorkerDied(f"worker {self.worker_id} failed: {reason}"))
             on_death(self)
 
     def _fail_all(self, error: Exception) -> None:

@@ -71,3 +71,27 @@ def slow_sampler(actor, delay_s: float = 0.02) -> None:
     runner = actor.worker.loop.engine.runner
     runner.sampler = SlowSampler(runner.sampler,
                                  lambda request: request.prompt_token_ids[0] == SLOW, delay_s)
+
+
+def slow_prefill_layers(actor, delay_s: float = 0.1) -> None:
+    """In a worker actor: every prefill step that sends KV waits `delay_s` as each
+    layer's KV goes out, so its requests stay mid-transfer that much longer."""
+    role = actor.worker.prefill_role
+    export = role.export
+
+    def slow_export(out):
+        send = export(out)
+        if send is None:
+            return None
+
+        def slow_send(layer: int) -> None:
+            time.sleep(delay_s)  # the injected slowness
+            send(layer)
+        return slow_send
+    role.export = slow_export
+
+
+def pid(actor) -> int:
+    """In a worker actor: its process id."""
+    import os
+    return os.getpid()

@@ -320,8 +320,9 @@ class SimWorker:
                                  f"takes no {call}")
 
     def _request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 arrival_time: float) -> Request:
-        """Validated as the engine validates a request, before anything changes."""
+                 arrival_time: float, outputs: tuple[int, ...] = ()) -> Request:
+        """Validated as the engine validates a request, before anything changes.
+        outputs: a moved request's tokens so far (Job.output_token_ids)."""
         if request_id in self.scheduler.requests or request_id in self._prefills:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         check_length(len(prompt), params.max_tokens, self.profile.max_model_len)
@@ -329,9 +330,13 @@ class SimWorker:
         if need > self.blocks.num_blocks:
             raise InvalidRequestError("max_tokens", f"prompt plus max_tokens needs {need} KV "
                                       f"blocks; the cache holds {self.blocks.num_blocks}")
+        if len(outputs) >= params.max_tokens:
+            raise InvalidRequestError("output_token_ids", f"{len(outputs)} tokens generated "
+                                      f"already: max_tokens {params.max_tokens} leaves none")
         return Request(request_id=request_id, prompt_token_ids=list(prompt),
                        sampling_params=params, arrival_time=arrival_time,
-                       eos_token_ids=self._eos, max_model_len=self.profile.max_model_len)
+                       eos_token_ids=self._eos, max_model_len=self.profile.max_model_len,
+                       output_token_ids=list(outputs))
 
     # ---- WorkerClient -----------------------------------------------------------------
 
@@ -355,7 +360,7 @@ class SimWorker:
         if rid in self._owners:
             raise InvalidRequestError("request_id", f"{rid!r} is already in use on this worker")
         request = self._request(rid, job.prompt_token_ids, job.sampling_params,
-                                job.arrival_time)
+                                job.arrival_time, job.output_token_ids)
         self._cut()  # the blocks a stretch in flight took are taken
         if not self.scheduler.reserve(request):
             return None
@@ -369,7 +374,7 @@ class SimWorker:
         self._check("prefill", "prefill", "both")
         prompt = job.job
         request = self._request(job.request_id, prompt.prompt_token_ids, job.params,
-                                prompt.arrival_time)
+                                prompt.arrival_time, prompt.output_token_ids)
         self.paired.add(job.target.receiver_address)  # opened on first use, as a real one
         entry = self._prefills[job.request_id] = _Prefill(
             job, asyncio.get_running_loop().create_future())
@@ -395,7 +400,7 @@ class SimWorker:
         if rid in self._owners:
             raise InvalidRequestError("request_id", f"{rid!r} is already in use on this worker")
         request = self._request(rid, job.prompt_token_ids, job.sampling_params,
-                                job.arrival_time)
+                                job.arrival_time, job.output_token_ids)
         self._owners[rid] = subscriber
         added = asyncio.get_running_loop().create_future()
 

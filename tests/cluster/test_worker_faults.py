@@ -2,7 +2,8 @@
 the decode worker's sampler) fails that request alone, with a 500 / INTERNAL naming
 the cause, or an SSE error event then [DONE] once it streams; every other request's
 tokens are exact and the worker keeps serving. One it cannot pin (injected in the
-forward pass) ends the worker's process: its requests get a typed error, health goes
+forward pass) ends the worker's process: with --migration-limit 0 (requests do not
+move: test_migration.py) its requests get a typed error, health goes
 NOT_SERVING / 503, Ray restarts the actor, and the router pairs it and serves again.
 A frozen worker (SIGSTOP) is reported stalled and given nothing until it reports."""
 from __future__ import annotations
@@ -22,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.client import AsyncClient, PdserveError
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
-from pdserve.router.config import PoolSpec, RouterConfig
+from pdserve.router.config import PoolSpec, RouterConfig, RoutingSpec
 from pdserve.router.launch import launch
 from pdserve.router.server import RouterServer
 from tests import faults
@@ -37,7 +38,9 @@ def cluster(ray_local, llama_dir):
     config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=16 << 20,
                                       max_model_len=512)
     router = launch(config, PoolSpec(1, 1), TransferConfig(timeout_s=30),
-                    RouterConfig(revive_timeout_s=120), served_model_name="test-llama")
+                    RouterConfig(revive_timeout_s=120,  # --migration-limit 0: they fail
+                                 routing=RoutingSpec(migration_limit=0)),
+                    served_model_name="test-llama")
     srv = RouterServer(router)
     yield srv
     stop_cluster(srv)

@@ -184,7 +184,9 @@ def test_a_decode_worker_that_stops_stepping_fails_its_requests_within_the_bound
     async def scenario():
         engine = FakeWorker(submit=resolve(None), abort=resolve(None))
         router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
-                        [worker("e0", engine, "both", 100)], RouterConfig(stall_timeout_s=0.3))
+                        [worker("e0", engine, "both", 100)],
+                        RouterConfig(stall_timeout_s=0.3,  # --migration-limit 0: it fails
+                                     routing=RoutingSpec(migration_limit=0)))
         await router.start()
         t0 = time.monotonic()
         with pytest.raises(WorkerStalled):
@@ -201,7 +203,8 @@ def test_a_dead_decode_stream_fails_its_requests_and_takes_the_worker_out(tok):
     async def scenario():
         engine = FakeWorker(submit=resolve(None), abort=resolve(None))
         router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
-                        [worker("e0", engine, "both", 100)])
+                        [worker("e0", engine, "both", 100)],  # --migration-limit 0: it fails
+                        RouterConfig(routing=RoutingSpec(migration_limit=0)))
         await router.start()
         consumer = asyncio.ensure_future(_drain(router.generate(
             await router.accept([1, 2, 3], PARAMS))))

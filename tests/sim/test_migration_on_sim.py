@@ -1,0 +1,112 @@
+"""Migration by replay through the real Router over simulated workers running the
+real tiny model, in virtual time: a worker that dies under its requests (decode
+mid-stream, prefill mid-transfer, a colocated one) costs them nothing; each is placed
+again as its prompt plus the tokens streamed so far, and its stream goes on to the
+tokens an undisturbed run gives (greedy, and seeded sampling). Every block on the
+surviving workers is free afterwards. --migration-limit 0 keeps today's typed error."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.router.config import PoolSpec, RouterConfig, RoutingSpec
+from pdserve.router.errors import WorkerError
+from pdserve.sim import virtual_time
+from pdserve.sim.cluster import SimCluster
+from pdserve.sim.tokens import ModelTokens
+from tests.sim.sims import model_profile
+
+PROMPTS = [list(range(100, 140)), list(range(200, 230)), list(range(300, 370)), [5, 6, 7, 8]]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=24, temperature=1.0, seed=77, ignore_eos=True)
+
+
+def _cluster(llama_dir, pools: PoolSpec, limit: int = 3) -> SimCluster:
+    return SimCluster(model_profile(llama_dir), pools,
+                      RouterConfig(routing=RoutingSpec(migration_limit=limit),
+                                   revive_timeout_s=5.0),
+                      tokens=lambda worker_id: ModelTokens.load(str(llama_dir), 256, 16, 512))
+
+
+async def _stream(router, prompt, params, request_id, seen: asyncio.Event, after: int):
+    """The request's tokens and finish reason; `seen` is set once `after` came."""
+    accepted = await router.accept(prompt, params, request_id)
+    tokens, reason = [], None
+    async for delta in router.generate(accepted):
+        tokens += delta.token_ids
+        reason = delta.finish_reason
+        if len(tokens) >= after:
+            seen.set()
+    return tokens, reason
+
+
+def _victim(router, role: str) -> str:
+    """The worker of `role` holding the most of this router's requests now."""
+    flights = router.requests.flights.values()
+    held = [f.prefill if role == "prefill" else f.decode for f in flights]
+    ids = [w.worker_id for w in held if w is not None and w.state.role == role]
+    return max(set(ids), key=ids.count)
+
+
+async def _run_and_kill(cluster: SimCluster, params: SamplingParams, role: str,
+                        after: int):
+    router = await cluster.start()
+    seen = asyncio.Event()
+    streams = [asyncio.ensure_future(_stream(router, p, params, f"r{i}", seen, after))
+               for i, p in enumerate(PROMPTS)]
+    await seen.wait()
+    victim = _victim(router, role)
+    cluster.workers[victim].kill()
+    outs = await asyncio.gather(*streams, return_exceptions=True)
+    await asyncio.sleep(1.0)
+    survivors = [w for w in cluster.workers.values() if w.alive]
+    free = all(w.blocks.num_free_blocks == w.blocks.num_blocks and not w.scheduler.requests
+               for w in survivors)
+    moved = router.metrics.migrations.collect()[0].samples
+    await cluster.stop()
+    return outs, free, victim, {(s.labels["reason"], s.labels["phase"]): s.value
+                                for s in moved if s.name.endswith("_total")}
+
+
+@pytest.fixture(scope="module")
+def undisturbed(llama_dir):
+    llm = LLM(str(llama_dir), num_kv_blocks=256, max_model_len=512)
+    return {name: [o.token_ids for o in llm.generate(PROMPTS, params)]
+            for name, params in (("greedy", GREEDY), ("seeded", SEEDED))}
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_a_decode_worker_killed_mid_stream_loses_no_request(llama_dir, undisturbed, sampling):
+    params = GREEDY if sampling == "greedy" else SEEDED
+    cluster = _cluster(llama_dir, PoolSpec(1, 2))
+    outs, free, victim, moved = virtual_time.run(_run_and_kill(cluster, params, "decode", 6))
+    assert victim.startswith("decode")
+    assert [o[0] for o in outs] == undisturbed[sampling]
+    assert {o[1] for o in outs} == {"length"}
+    assert moved.get(("worker_died", "decode"), 0) >= 1 and free
+
+
+def test_a_prefill_worker_killed_mid_transfer_loses_no_request(llama_dir, undisturbed):
+    cluster = _cluster(llama_dir, PoolSpec(2, 1))
+    outs, free, victim, moved = virtual_time.run(_run_and_kill(cluster, GREEDY, "prefill", 0))
+    assert victim.startswith("prefill")
+    assert [o[0] for o in outs] == undisturbed["greedy"]
+    assert moved.get(("worker_died", "prefill"), 0) >= 1
+    assert free
+
+
+def test_a_colocated_worker_killed_mid_stream_loses_no_request(llama_dir, undisturbed):
+    cluster = _cluster(llama_dir, PoolSpec(1, 1, mode="colocated"))
+    outs, free, victim, moved = virtual_time.run(_run_and_kill(cluster, GREEDY, "both", 4))
+    assert [o[0] for o in outs] == undisturbed["greedy"] and free
+    assert moved.get(("worker_died", "decode"), 0) >= 1
+
+
+def test_migration_limit_0_fails_the_dead_worker_s_requests_with_a_typed_error(llama_dir):
+    cluster = _cluster(llama_dir, PoolSpec(1, 2), limit=0)
+    outs, free, _, moved = virtual_time.run(_run_and_kill(cluster, GREEDY, "decode", 6))
+    failed = [o for o in outs if isinstance(o, BaseException)]
+    assert failed and all(isinstance(o, WorkerError) for o in failed)
+    assert not moved and free
