@@ -146,6 +146,35 @@ class BlockManager:
                 self._prefix_events.append((block_hash, True))
         self._num_hashed[rid] = num_full
 
+    def cache_decoded_blocks(self, requests: list[Request]) -> None:
+        """cache_full_blocks for requests whose last step (a decode) completed a
+        block: in one loop, each adding one hash to a chain known up to there (a
+        decode step's common case); the rest take the general way."""
+        if not self.enable_prefix_caching:
+            return
+        bs, blocks, cached = self.block_size, self.blocks, self._cached
+        num_hashed = self._num_hashed
+        for request in requests:
+            computed, hashes, rid = request.num_computed_tokens, request.block_hashes, \
+                request.request_id
+            i = computed // bs - 1  # the block completed
+            first = i * bs - len(request.prompt_token_ids)
+            if first < 0 or len(hashes) != i or num_hashed.get(rid, 0) != i \
+                    or i >= len(request.block_ids):
+                self.cache_full_blocks(request, computed)
+                continue
+            tokens = request.output_token_ids[first:first + bs]
+            block_hash = hash_block(hashes[-1] if i else b"", tokens)
+            hashes.append(block_hash)
+            num_hashed[rid] = i + 1
+            if block_hash in cached:
+                continue  # an identical block computed concurrently already serves hits
+            block = blocks[request.block_ids[i]]
+            block.block_hash, block.token_ids = block_hash, tuple(tokens)
+            cached[block_hash] = block.block_id
+            if self.record_prefix_events:
+                self._prefix_events.append((block_hash, True))
+
     def free(self, request: Request) -> None:
         # Tail blocks go first in the LRU queue: a prefix is more likely shared.
         for block_id in reversed(request.block_ids):

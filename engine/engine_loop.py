@@ -79,11 +79,16 @@ class EngineLoop:
             while not self._stop.is_set():
                 with self._state_lock:
                     self._run_calls()
-                if self.engine.has_work():  # never spin: it would starve the KV threads
+                outputs, ran = [], False
+                if self.engine.has_work():
+                    steps = self.engine.num_steps
                     outputs = self.engine.step(self.export, self._state_lock)
+                    ran = self.engine.num_steps != steps
                     if outputs:
                         self.on_step(outputs)
-                else:
+                if not (ran or outputs):
+                    # Idle, or waiting requests that fit nowhere until KV lands or a
+                    # call frees blocks: never spin, it would starve the KV threads.
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
                 self.progress_at = time.monotonic()

@@ -14,6 +14,8 @@ class SchedulerOutput:
     num_scheduled: list[int] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
+    num_running: int = 0  # running requests once scheduled: all in `requests` when equal
+    steady: bool = False  # every running request decodes one token (Scheduler's fast path)
 
     @property
     def is_empty(self) -> bool:

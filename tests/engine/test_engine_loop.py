@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.engine_loop import _IDLE_WAIT_S, EngineLoop
 from pdserve.engine.sampling_params import SamplingParams
+from tests.polling import until
 
 
 @pytest.fixture
@@ -65,4 +67,29 @@ def test_a_reservation_does_not_wait_for_the_forward_pass_in_flight(engine):
         assert [o.request_id for o in finished] == ["running"]  # "remote" waits for its KV
     finally:
         held.release.set()
+        loop.stop()
+
+
+def test_a_waiting_request_that_cannot_be_admitted_does_not_spin_the_loop(llama_dir):
+    """Every block reserved for KV still arriving and a request waiting: each step
+    schedules nothing. The loop waits between such steps (a wake-up or the idle
+    wait) instead of calling step() back to back, which would starve the threads
+    that land KV and free the blocks."""
+    engine = LLMEngine(EngineConfig.from_kwargs(str(llama_dir), num_kv_blocks=8))
+    size = 8 * engine.block_manager.block_size - 1  # every block
+    assert engine.reserve_remote("holds-all", list(range(5, 5 + size)),
+                                 SamplingParams(max_tokens=1)) is not None
+    engine.add_request("waits", list(range(5, 40)), SamplingParams(max_tokens=2))
+    calls = []
+    step = engine.step
+
+    def counted(*args, **kwargs):
+        calls.append(time.monotonic())
+        return step(*args, **kwargs)
+    engine.step = counted
+    loop = EngineLoop(engine, on_step=lambda outputs: None)
+    try:
+        assert until(lambda: len(calls) >= 5, timeout_s=30, every_s=0.01)
+        assert calls[4] - calls[0] >= 3 * _IDLE_WAIT_S  # four waits between five steps
+    finally:
         loop.stop()

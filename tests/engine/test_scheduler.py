@@ -187,3 +187,52 @@ def test_steady_decode_steps_at_once_equal_as_many_schedule_and_update_rounds():
     waiting = batch(100)
     waiting.add_request(request("late", 5))
     assert waiting.steady_decode_steps() == 0
+
+
+def _replay(seed: int, steady_path: bool, policy: str, prioritize_prefill: bool) -> list:
+    """A seeded run of arrivals, aborts, stop tokens and preemption (few blocks); what
+    every step scheduled and finished, and the end state."""
+    import random
+    rng = random.Random(seed)
+    s = make(num_blocks=16, block_size=4, max_num_batched_tokens=48, policy=policy,
+             prioritize_prefill=prioritize_prefill)
+    if not steady_path:
+        s._schedule_steady = lambda: None  # every step the general way
+    log, steady_steps = [], 0
+    for t in range(160):
+        if rng.random() < 0.15:
+            params = SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True,
+                                    stop_token_ids=[3] if rng.random() < 0.5 else [],
+                                    priority=rng.randint(0, 2))
+            prompt = [rng.randint(1, 60) for _ in range(rng.randint(1, 20))]
+            s.add_request(Request(f"t{t}", prompt, params, 0.0))
+        if s.running and rng.random() < 0.05:
+            s.finish_requests([rng.choice(s.running).request_id], FinishReason.ABORT)
+        out = s.schedule()
+        steady_steps += out.steady
+        # The "model": a token that depends only on the request and its position.
+        result = ModelRunnerOutput({
+            r.request_id: 1 + hash((r.request_id, r.num_tokens)) % 40
+            for r, n in zip(out.requests, out.num_scheduled)
+            if r.num_computed_tokens + n == r.num_tokens})
+        batch = [(r.request_id, n) for r, n in zip(out.requests, out.num_scheduled)]
+        finished = [r.request_id for r in s.update(out, result)]
+        log.append((sorted(batch) if policy == "priority" else batch,
+                    out.preempted_request_ids, finished))
+    return log, _state(s), s.stats.num_preemptions, steady_steps
+
+
+def test_the_steady_batch_path_schedules_what_the_general_path_does():
+    """schedule() takes an unchanged all-decode batch whole (only requests entering
+    a new block looked at) and update() appends its tokens in one tight loop: the
+    same batches, finishes, preemptions, blocks, cached hashes and tokens as every
+    step taken the general way."""
+    preemptions = 0
+    for seed, policy, prioritize in [(1, "fcfs", False), (2, "priority", False),
+                                     (3, "fcfs", True), (4, "fcfs", False)]:
+        fast = _replay(seed, True, policy, prioritize)
+        general = _replay(seed, False, policy, prioritize)
+        assert fast[:3] == general[:3]
+        assert fast[3] > 50 and general[3] == 0  # the fast path ran, and often
+        preemptions += fast[2]
+    assert preemptions > 0  # blocks ran short along the way
