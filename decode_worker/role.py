@@ -39,10 +39,12 @@ class DecodeRole:
     def address(self) -> str:
         return self.receiver.address
 
-    def reserve(self, job: Job) -> Future:
+    def reserve(self, job: Job, expect: bool = True) -> Future:
         """Resolves to a Reservation, or None when the KV pool has no room. Runs beside
         the decode step in flight rather than after it: waiting for the step boundary
-        would add up to a whole decode step to the request's TTFT."""
+        would add up to a whole decode step to the request's TTFT. expect=False: no
+        transfer of the whole is expected (a live migration copies it in parts:
+        moves.py)."""
         def reserve(engine: LLMEngine) -> Reservation | None:
             if job.request_id in self._aborted:
                 return None  # its abort overtook this call
@@ -53,7 +55,8 @@ class DecodeRole:
             if request is None:
                 return None
             cached = request.num_cached_tokens // engine.block_manager.block_size
-            self.receiver.expect(job.request_id, request.block_ids[cached:], cached)
+            if expect:
+                self.receiver.expect(job.request_id, request.block_ids[cached:], cached)
             return Reservation(request_id=job.request_id, receiver_address=self.address,
                                block_ids=list(request.block_ids), num_cached_blocks=cached)
 

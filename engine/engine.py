@@ -35,6 +35,7 @@ from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.step_shape import StepShape, StepTiming
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import check_length, prompt_token_ids
+from pdserve.engine.worker_messages import Paused
 
 # Prefill role: given a step's schedule, a hook for the forward pass (or None).
 KVExport = Callable[[SchedulerOutput], Optional[LayerHook]]
@@ -120,6 +121,30 @@ class LLMEngine:
         if stop is not None and not request.is_finished:
             self.scheduler.finish_requests([request_id], FinishReason.STOP)
         return self._output(tracked, [first_token], new_text, time.time())
+
+    def pause(self, request_id: str) -> Paused | None:
+        """Live migration, the source: the running request leaves the batch with its KV
+        kept; what it produced so far (None: it is not running)."""
+        request = self.scheduler.pause(request_id)
+        if request is None:
+            return None
+        return Paused(request_id=request_id,
+                      output_token_ids=list(request.output_token_ids),
+                      text_sent=self._tracked[request_id].detokenizer.emitted,
+                      num_computed_tokens=request.num_computed_tokens)
+
+    def grow(self, request_id: str, token_ids: list[int], text_sent: int) -> list[int] | None:
+        """Live migration, the target: the tokens the request made on its source since
+        its reservation here, and how much of their text its client has. Its block ids
+        then (None: no room)."""
+        if not self.scheduler.grow(request_id, token_ids):
+            return None
+        self._tracked[request_id].detokenizer.resume(token_ids, text_sent)
+        return list(self.scheduler.requests[request_id].block_ids)
+
+    def resume_moved(self, request_id: str) -> None:
+        """Live migration, the target: its KV landed; it decodes on from here."""
+        self.scheduler.resume_moved(request_id)
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Thread-safe; blocks are freed at the next step boundary."""

@@ -39,3 +39,9 @@ class WrongRoleError(RuntimeError):
 
 class WorkerBusyError(RuntimeError):
     """A role change asked of a worker that still holds requests."""
+
+
+class MoveError(RuntimeError):
+    """A live migration step a worker cannot carry out (the request is not where or as
+    the call expects, no room for it, its blocks changed under a copy): the router
+    falls back to replay."""

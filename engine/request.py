@@ -16,6 +16,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; the prompt's KV is arriving
     RUNNING = "running"
+    PAUSED = "paused"  # out of the batch, its KV kept: moving to another worker
     PREEMPTED = "preempted"
     FINISHED = "finished"
 

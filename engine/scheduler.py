@@ -84,6 +84,44 @@ class Scheduler:
         self.running.append(request)
         return request
 
+    # ---- live migration: a running request's KV copied to another worker -------
+
+    def pause(self, request_id: str) -> Request | None:
+        """The source: a running request leaves the batch, its KV kept (for a last copy;
+        it is finished, its blocks freed, once it runs elsewhere). None when it is not
+        running: finished, or preempted (its KV is gone)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            return None
+        self.running.remove(request)
+        request.status = RequestStatus.PAUSED
+        return request
+
+    def grow(self, request_id: str, token_ids: list[int]) -> bool:
+        """The target: the tokens the request generated on its source since it was
+        reserved here (as its outputs), and blocks for them. False, nothing changed,
+        when the pool lacks room."""
+        request = self.requests[request_id]
+        if request.status is not RequestStatus.WAITING_FOR_KV:
+            raise ValueError(f"request {request_id} is not waiting for KV")
+        needed = request.num_tokens + len(token_ids) - request.num_computed_tokens
+        if not self.block_manager.allocate_slots(request, needed):
+            return False
+        request.extend_output(token_ids)
+        return True
+
+    def resume_moved(self, request_id: str) -> Request:
+        """The target: its KV landed, all but its last token's (the source sampled that
+        and never ran it): it joins the batch, that token next."""
+        request = self.requests[request_id]
+        if request.status is not RequestStatus.WAITING_FOR_KV:
+            raise ValueError(f"request {request_id} is not waiting for KV")
+        request.num_computed_tokens = request.num_tokens - 1
+        self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
+
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)

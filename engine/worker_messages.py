@@ -85,6 +85,30 @@ class PrefillResult:
 
 
 @dataclass(frozen=True)
+class Paused:
+    """A source's answer to `pause` (live migration): what the request produced before
+    it left the batch, the KV of its first num_computed_tokens tokens kept for a last
+    copy."""
+    request_id: str
+    output_token_ids: list[int]
+    text_sent: int  # characters of their text handed out (its last delta included)
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """One copy of a live migration: the source's blocks [first_block, first_block +
+    len(target_blocks)) of its request go into `target_blocks` of the target, as the
+    transfer `transfer_id` the target expects."""
+    transfer_id: str
+    request_id: str  # as the source knows it
+    first_block: int
+    target_address: str  # the target's kv_transfer rendezvous
+    target_blocks: list[int]
+    final: bool = False  # the request is paused: its last, partly filled block goes too
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     request_id: str
     token_ids: list[int]  # new since the last delta
@@ -97,6 +121,9 @@ class TokenDelta:
     num_output_tokens: int = 0
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # {token: logprob}
     error: str | None = None  # finish_reason "error": what failed
+    # The request left the batch to move (live migration): its last delta here, sent
+    # on the step stream after every token it made here.
+    paused: bool = False
 
     def merged(self, later: "TokenDelta") -> "TokenDelta":
         """This delta followed by `later`, as one (for a consumer that fell behind)."""

@@ -105,6 +105,33 @@ class PrefillRole:
                 lane.submit(self.sender.disconnect, address)
                 lane.close(join=True)
 
+    def send(self, transfer_id: str, address: str, src_blocks: list[int],
+             dst_blocks: list[int]) -> Future:
+        """A transfer of KV already in the cache (a running request moving: live
+        migration), on the decode worker's lane, every layer at once: resolves to the
+        bytes sent once the receiver confirmed them, or with the transfer's error."""
+        sent: Future = Future()
+
+        def transfer() -> int:
+            handle = self.sender.begin(transfer_id, address, src_blocks, dst_blocks,
+                                       connect=False)
+            try:
+                for layer in range(self.sender.layout.num_layers):
+                    self.sender.send_layer(handle, layer)
+            except BaseException:
+                self.sender.abort(handle)
+                raise
+            return self.sender.finish(handle).bytes_sent
+
+        def paired(ready: Future) -> None:
+            if ready.exception() is not None:
+                sent.set_exception(ready.exception())
+            else:
+                _chain(self._lane(address).submit(transfer), sent)
+
+        self._pair(address).add_done_callback(paired)
+        return sent
+
     def abort(self, request_id: str) -> bool:
         """False when no prefill job of that id is here."""
         entry = self._jobs.get(request_id)
@@ -222,6 +249,11 @@ class PrefillRole:
             entry.future.set_exception(error)
         else:
             entry.future.set_result(result)
+
+
+def _chain(source: Future, target: Future) -> None:
+    source.add_done_callback(lambda f: target.set_exception(f.exception())
+                             if f.exception() is not None else target.set_result(f.result()))
 
 
 class _Lane:

@@ -41,6 +41,10 @@ class RoutingSpec:
                                   "transfer: it is placed again as its prompt plus the "
                                   "tokens generated so far and its stream goes on; 0: it "
                                   "fails with the worker", ge=0)
+    live_migration: bool = option(True, "a drain (admin, the planner's scale-down, a role "
+                                  "change) moves running requests to other workers with "
+                                  "their KV while they decode, each paused only for a last "
+                                  "copy, rather than waiting for them to end")
     slo_ttft_ms: float | None = option(None, "TTFT SLO of requests that set none "
                                        "(x-slo-ttft-ms, slo_ttft_ms); unset: best effort")
     slo_tpot_ms: float | None = option(None, "TPOT SLO of requests that set none "

@@ -81,21 +81,29 @@ class Flight:
     text_sent: int = 0
     migrations: int = 0  # times it moved off a failed worker
     failure: str = ""  # why it last moved
+    # The id its workers know it by: its own, and after each move (replay, or live) a
+    # new one, since the worker it left may hold the old id until its abort lands
+    # there (a client's id is printable: never one of these). `moves` numbers them.
+    key: str = ""
+    moves: int = 0
+    # Live migration (live_move.py): set when its source's last delta (marked paused)
+    # came through the source's step stream, after every token the source made.
+    paused: asyncio.Event | None = None
     # worker id -> the generation it failed on: not chosen again while that process
     # lives, if another worker can take the request
     failed_on: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.req.request_id
 
     @property
     def request_id(self) -> str:
         return self.req.request_id
 
-    @property
-    def key(self) -> str:
-        """The id its workers know it by: its own, and after each move another one (a
-        worker it left may still hold the old id until its abort lands there; a client's
-        id is printable, so never one of these)."""
-        rid = self.req.request_id
-        return rid if not self.migrations else f"{rid}\x1fmoved-{self.migrations}"
+    def new_key(self) -> str:
+        """An id for the request on the worker it moves to (`key` once it runs there)."""
+        self.moves += 1
+        return f"{self.req.request_id}\x1fmoved-{self.moves}"
 
     @property
     def num_output_tokens(self) -> int:

@@ -105,6 +105,16 @@ class RouterMetrics:
             "generated so far, by why (worker_died, worker_stalled, worker_error: a KV "
             "transfer or call that failed) and the request's phase then (prefill: no "
             "token streamed yet; decode)", labels + ["reason", "phase"], registry=r)
+        self.live_moves = Counter(
+            "pdserve:router_live_migrations",
+            "Running requests a drain moved to another worker with their KV, by outcome "
+            "(moved; gave_up: it decodes on where it was; replayed: a step failed after "
+            "its pause, so it was placed again)", labels + ["outcome"], registry=r)
+        self.migration_pause = Histogram(
+            "pdserve:router_migration_pause_seconds",
+            "How long a request moved live stopped decoding: its pause, the last copy, "
+            "its resumption on the target", labels, buckets=_LATENCY,
+            registry=r).labels(model)
         self.planner_decisions = Counter(
             "pdserve:planner_decisions", "The SLO planner's actions: add, remove, flip (to "
             "the role named), by cause (minimum, maximum, miss, demand, spare)",

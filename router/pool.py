@@ -21,7 +21,7 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 from pdserve.engine.worker_messages import check_role
 from pdserve.router.config import RouterConfig
@@ -113,6 +113,9 @@ class Pool:
         # Workers another replica added, being reached: the latest entry heard for each.
         self._attaching: dict[str, WorkerEntry] = {}
         self.orphans_ended = 0  # requests of replicas gone, ended on the workers here
+        # evacuate(worker, drained): moves this router's running requests off a
+        # draining worker (live_move.LiveMover.evacuate); None: a drain waits for them
+        self.evacuate: Callable[[WorkerHandle, asyncio.Event], Awaitable[None]] | None = None
 
     def admit(self, worker: WorkerHandle) -> None:
         """A worker paired already (launch pairs the first ones before traffic)."""
@@ -296,8 +299,11 @@ class Pool:
         self.registry.changed(self.entry(worker))
         self._changed()
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        moving = (asyncio.ensure_future(self.evacuate(worker, drained))
+                  if self.evacuate is not None and worker.state.decodes else None)
         try:
-            await asyncio.wait_for(self._drained(worker, drained, since), timeout_s)
+            await asyncio.wait_for(self._drained(worker, drained, since,
+                                                 settled=moving is not None), timeout_s)
         except asyncio.TimeoutError:
             held = worker.state.inflight + worker.state.queued
             raise MembershipError(
@@ -306,13 +312,16 @@ class Pool:
                 f"after {timeout_s:g}s", 504) from None
         finally:
             self._idle.pop(worker_id, None)
+            if moving is not None:
+                moving.cancel()
 
     async def _drained(self, worker: WorkerHandle, drained: asyncio.Event,
-                       since: float) -> None:
-        """This router's requests on the worker are done and, with other replicas, the
+                       since: float, settled: bool = False) -> None:
+        """This router's requests on the worker are done and, with other replicas (or,
+        settled, when they moved off it: their copies there end a moment later), the
         worker reported holding none (a report made after the drain was recorded)."""
         await drained.wait()
-        if not self.registry.shared:
+        if not self.registry.shared and not settled:
             return
         idle = asyncio.Event()
         self._idle[worker.worker_id] = (since, idle)

@@ -144,9 +144,9 @@ class RequestRunner:
         if failed is not None:
             flight.failed_on[failed.worker_id] = failed.generation
         self._let_go(flight)
+        flight.key = flight.new_key()
         flight.prefill, flight.phase = None, Phase.ACCEPTED
-        while not flight.queue.empty():  # what the failed worker sent after the failure
-            flight.queue.get_nowait()
+        _flush(flight)  # what the failed worker sent after the failure
         flight.migrations += 1
         flight.failure = str(failure)
         reason = ("worker_died" if isinstance(failure, WorkerDied) else "worker_stalled"
@@ -255,11 +255,12 @@ class RequestRunner:
             if isinstance(exc, WorkerDied):
                 self.pool.died(worker)
             reservation = None  # no answer in time: the worker may reserve late
-            self._abort_on(worker, flight.key)
+            self.abort_on(worker, flight.key)
         if reservation is not None:
             flight.phase = Phase.RESERVED
             return reservation
         self._unhold(flight)
+        _flush(flight)  # what the worker's pump failed it with while it was held there
         return None
 
     async def _prefill(self, flight: Flight, worker: WorkerHandle,
@@ -388,10 +389,10 @@ class RequestRunner:
 
     def _abort_on_holders(self, flight: Flight) -> None:
         for worker in flight.holders():
-            self._abort_on(worker, flight.key)
+            self.abort_on(worker, flight.key)
         flight.phase = Phase.DONE
 
-    def _abort_on(self, worker: WorkerHandle, request_id: str) -> None:
+    def abort_on(self, worker: WorkerHandle, request_id: str) -> None:
         """Fire and forget, bounded: a hung worker must not hold a caller's stream."""
         task = asyncio.ensure_future(asyncio.wait_for(
             worker.client.abort(request_id, self.pool.subscriber),
@@ -403,6 +404,18 @@ class RequestRunner:
         self._aborting.discard(task)
         if not task.cancelled():
             task.exception()  # a failed abort: the worker frees it by its lease
+
+
+def _flush(flight: Flight) -> None:
+    """Drops what its queue holds from a worker it no longer runs on (an abort's
+    Cancelled stays)."""
+    kept = []
+    while not flight.queue.empty():
+        item = flight.queue.get_nowait()
+        if isinstance(item, Cancelled):
+            kept.append(item)
+    for item in kept:
+        flight.queue.put_nowait(item)
 
 
 def _job(flight: Flight) -> Job:

@@ -3,6 +3,7 @@
     intake.py          validation and tokenization (400 naming the field)
     request_runner.py  a request's flight through its phases, released once
     placer.py          the policy's decision on a snapshot, the ordered wait for capacity
+    live_move.py       a draining worker's running requests moved off with their KV
     pool.py            membership, supervision and pairing of the workers
     pool_registry.py, request_directory.py, shared_load.py, leader_lease.py
                        what the replicas over one pool share (Redis, with --redis-url)
@@ -25,6 +26,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.decision import Decision
 from pdserve.router.intake import Intake
 from pdserve.router.leader_lease import lease_for
+from pdserve.router.live_move import LiveMover
 from pdserve.router.lifecycle import Accepted, Flight
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_info import ModelInfo
@@ -79,6 +81,10 @@ class Router:
         self.requests = RequestRunner(self.pool, self.placer, self.models, self.metrics,
                                       config, tokenizer, clock, self._measured,
                                       self.directory)
+        if config.routing.live_migration:  # a drain moves running requests off
+            self.mover = LiveMover(self.pool, self.placer, self.metrics, config, clock,
+                                   self.requests.abort_on)
+            self.pool.evacuate = self.mover.evacuate
         # A request's way through: accept (or accept_chat), then generate.
         self.accept, self.accept_chat = self.intake.accept, self.intake.accept_chat
         self.traffic = TrafficWindow()  # what the planner reads of the load

@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import AsyncIterator, Protocol
 
 from pdserve.engine.worker_messages import (
+    BlockCopy,
     Job,
+    Paused,
     PrefillJob,
     PrefillResult,
     Reservation,
@@ -47,6 +49,32 @@ class WorkerClient(Protocol):
 
     async def submit(self, job: Job, subscriber: str) -> None:
         """Role both: the whole request runs here."""
+
+    # Live migration (decode_worker/moves.py, router/live_move.py): a running request's
+    # KV copied from a source to a target, both decode-capable.
+
+    async def take_over(self, job: Job, subscriber: str) -> Reservation | None:
+        """Target: blocks for the request as it stands (Job.output_token_ids), its own
+        prefix hits counted; no transfer expected yet. None when it has no room."""
+
+    async def expect_copy(self, request_id: str, transfer_id: str, block_ids: list[int]
+                          ) -> None:
+        """Target: a copy into these of the request's blocks is coming, as transfer_id."""
+
+    async def send_blocks(self, copy: BlockCopy) -> int:
+        """Source: sends blocks of the request (running; or paused, for the final copy);
+        returns the bytes sent once they landed."""
+
+    async def pause(self, request_id: str) -> Paused | None:
+        """Source: the request leaves the batch at the next step boundary, its KV kept;
+        its last delta here (marked paused) follows its tokens. None: not running."""
+
+    async def grow(self, request_id: str, token_ids: list[int], text_sent: int) -> list[int]:
+        """Target: the tokens the request made on its source since take_over (and how
+        much of their text its client has); its block ids now."""
+
+    async def resume(self, request_id: str) -> None:
+        """Target: its KV landed; it decodes on here from the next step."""
 
     async def abort(self, request_id: str, subscriber: str) -> None:
         """Frees whatever `subscriber`'s request of that id holds here."""

@@ -145,8 +145,15 @@ class WorkerHandle:
                     on_report(self, batch.telemetry)
                 for delta in batch.deltas:
                     flight = self.flights.get(delta.request_id)
-                    if flight is not None:
+                    if flight is None:
+                        continue
+                    if not delta.paused:
                         flight.queue.put_nowait(delta)
+                        continue
+                    if delta.token_ids or delta.text:  # merged with its last tokens
+                        flight.queue.put_nowait(replace(delta, paused=False))
+                    if flight.paused is not None:  # a live move waits for it
+                        flight.paused.set()
         except asyncio.CancelledError:
             if pending is not None:
                 pending.cancel()

@@ -95,3 +95,15 @@ def pid(actor) -> int:
     """In a worker actor: its process id."""
     import os
     return os.getpid()
+
+
+def slow_moves(actor, delay_s: float = 0.5) -> None:
+    """In a worker actor: every copy of a live migration it sends waits delay_s first,
+    so a move stays under way that much longer."""
+    moves = actor.worker.moves
+    send = moves.send
+
+    def slow_send(*args):
+        time.sleep(delay_s)  # the injected slowness (on the caller's thread)
+        return send(*args)
+    moves.send = slow_send

@@ -24,7 +24,9 @@ from pdserve.engine.engine_loop import exit_for_restart
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.telemetry import IDLE_REPORT_INTERVAL_S
 from pdserve.engine.worker_messages import (
+    BlockCopy,
     Job,
+    Paused,
     PrefillJob,
     PrefillResult,
     Reservation,
@@ -155,6 +157,31 @@ class WorkerActor:
 
     async def start(self, request_id: str, first_token: int) -> None:
         await asyncio.wrap_future(self.worker.start(request_id, first_token))
+
+    # ---- live migration (decode_worker/moves.py) ---------------------------------
+
+    async def take_over(self, job: Job, subscriber: str = "") -> Reservation | None:
+        reservation = await self._owned(job.request_id, subscriber, lambda: asyncio.wrap_future(
+            self.worker.take_over(job)))
+        if reservation is None:
+            self._owners.pop(job.request_id, None)
+        return reservation
+
+    async def expect_copy(self, request_id: str, transfer_id: str, block_ids: list[int]) -> None:
+        await asyncio.to_thread(self.worker.expect_copy, request_id, transfer_id, block_ids)
+
+    async def send_blocks(self, copy: BlockCopy) -> int:
+        return await asyncio.wrap_future(
+            await asyncio.to_thread(self.worker.send_blocks, copy))
+
+    async def pause(self, request_id: str) -> Paused | None:
+        return await asyncio.wrap_future(self.worker.pause(request_id))
+
+    async def grow(self, request_id: str, token_ids: list[int], text_sent: int) -> list[int]:
+        return await asyncio.to_thread(self.worker.grow, request_id, token_ids, text_sent)
+
+    async def resume(self, request_id: str) -> None:
+        await asyncio.wrap_future(self.worker.resume(request_id))
 
     async def abort(self, request_id: str, subscriber: str = "") -> None:
         """Another subscriber's request of the same id is not this caller's to end."""

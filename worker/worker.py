@@ -13,6 +13,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable
 
+from pdserve.decode_worker.moves import Moves
 from pdserve.decode_worker.role import DecodeRole, deltas
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -22,6 +23,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.profile import profile
 from pdserve.engine.telemetry import gauges, report
 from pdserve.engine.worker_messages import (
+    BlockCopy,
     Job,
     PrefillJob,
     StepBatch,
@@ -58,6 +60,8 @@ class Worker:
         self.prefill_role = PrefillRole(self.loop, self.sender)
         self.decode_role = DecodeRole(self.loop, self.receiver, transfer.begin_lease_s,
                                       self._publish_deltas)
+        self.moves = Moves(self.loop, self.receiver, self.prefill_role.send,
+                           self._publish_deltas)
 
     @property
     def address(self) -> str:
@@ -87,6 +91,27 @@ class Worker:
     def submit(self, job: Job) -> Future:
         self._require("submit", "both")
         return self.decode_role.submit(job)
+
+    # ---- live migration (decode_worker/moves.py) ---------------------------------
+
+    def take_over(self, job: Job) -> Future:
+        self._require("take_over", "decode", "both")
+        return self.decode_role.reserve(job, expect=False)
+
+    def expect_copy(self, request_id: str, transfer_id: str, block_ids: list[int]) -> None:
+        self.moves.expect(request_id, transfer_id, block_ids)
+
+    def send_blocks(self, copy: BlockCopy) -> Future:
+        return self.moves.send_blocks(copy)
+
+    def pause(self, request_id: str) -> Future:
+        return self.moves.pause(request_id)
+
+    def grow(self, request_id: str, token_ids: list[int], text_sent: int) -> list[int]:
+        return self.moves.grow(request_id, token_ids, text_sent)
+
+    def resume(self, request_id: str) -> Future:
+        return self.moves.resume(request_id)
 
     def abort(self, request_id: str) -> None:
         """Frees whatever the request holds here, in either role."""

@@ -44,7 +44,9 @@ from pdserve.engine.step_shape import StepShape, StepTiming
 from pdserve.engine.telemetry import IDLE_REPORT_INTERVAL_S, report
 from pdserve.engine.validation import check_length
 from pdserve.engine.worker_messages import (
+    BlockCopy,
     Job,
+    Paused,
     PrefillJob,
     PrefillResult,
     Reservation,
@@ -55,6 +57,7 @@ from pdserve.engine.worker_messages import (
 )
 from pdserve.router.errors import WorkerDied
 from pdserve.sim.itl import ItlHistogram
+from pdserve.sim.moves import SimMoves
 from pdserve.sim.profile import Profile
 from pdserve.sim.tokens import SyntheticTokens, TokenSource
 
@@ -125,6 +128,7 @@ class SimWorker:
         self._stretch: _Stretch | None = None
         self._itl = itl
         self._last_token_at: dict[str, float] = {}  # when its last token reached the router
+        self.moves = SimMoves(self)  # live migration's calls
 
     @property
     def _now(self) -> float:
@@ -413,6 +417,33 @@ class SimWorker:
             added.set_result(None)
         self._at_boundary(add)
         await added
+
+    # Live migration (pdserve/sim/moves.py)
+
+    async def take_over(self, job: Job, subscriber: str) -> Reservation | None:
+        self._check("take_over", "decode", "both")
+        return await self.moves.take_over(job, subscriber)
+
+    async def expect_copy(self, request_id: str, transfer_id: str, block_ids: list[int]
+                          ) -> None:
+        self._check("expect_copy")
+        self.moves.expect_copy(request_id, transfer_id, block_ids)
+
+    async def send_blocks(self, copy: BlockCopy) -> int:
+        self._check("send_blocks")
+        return await self.moves.send_blocks(copy)
+
+    async def pause(self, request_id: str) -> Paused | None:
+        self._check("pause")
+        return await self.moves.pause(request_id)
+
+    async def grow(self, request_id: str, token_ids: list[int], text_sent: int) -> list[int]:
+        self._check("grow")
+        return self.moves.grow(request_id, token_ids)
+
+    async def resume(self, request_id: str) -> None:
+        self._check("resume")
+        await self.moves.resume(request_id)
 
     async def abort(self, request_id: str, subscriber: str) -> None:
         """Another subscriber's request of the same id is not this caller's to end."""

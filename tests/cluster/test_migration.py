@@ -11,11 +11,13 @@ import asyncio
 import json
 import os
 import signal
+import time
 
 import httpx
 import pytest
 import ray
 
+from pdserve import LLM, SamplingParams
 from pdserve.client import AsyncClient
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
@@ -202,3 +204,91 @@ def eventually_serving(srv: RouterServer) -> bool:
         return await eventually(lambda: set(srv.router.worker_states().values())
                                 == {"serving"}, timeout_s=120)
     return asyncio.run_coroutine_threadsafe(check(), srv.loop).result(130)
+
+
+LONG_TOKENS = 160
+
+
+def _long_load(srv: RouterServer, during) -> tuple[list, object]:
+    """Every prompt through gRPC with LONG_TOKENS to make; `during(srv)` beside them."""
+    async def one(i):
+        async with AsyncClient(srv.grpc_target, timeout=300) as client:
+            out = await client.generate(PROMPTS[i], max_tokens=LONG_TOKENS, ignore_eos=True,
+                                        **_sampling(i))
+        return out.token_ids, out.finish_reason
+
+    async def scenario():
+        return await asyncio.gather(asyncio.gather(*[one(i) for i in range(len(PROMPTS))]),
+                                    during(srv))
+    return asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def long_expected(llama_dir):
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=16 << 20, max_model_len=512)
+    return [llm.generate([p], SamplingParams(max_tokens=LONG_TOKENS, ignore_eos=True,
+                                             **_sampling(i)))[0].token_ids
+            for i, p in enumerate(PROMPTS)]
+
+
+def test_a_drain_moves_long_requests_live_and_takes_about_their_copy(cluster, oracle,
+                                                                   long_expected):
+    """Hundreds of tokens left on the drained worker at 50 ms a step: its drain ends
+    once their KV moved, each paused for a step or two, and every output is exact."""
+    before = _live_moves(cluster)
+
+    async def drain(srv):
+        victim = await _holding(srv, "decode", lambda f: f.phase is Phase.STREAMING
+                                and f.num_output_tokens >= 5)
+        held = len(victim.flights)
+        began = time.monotonic()
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+            srv.router.pool.drain(victim.worker_id), srv.loop))
+        drain_s = time.monotonic() - began
+        srv.loop.call_soon_threadsafe(srv.router.pool.resume, victim.worker_id)
+        return held, drain_s
+
+    got, (held, drain_s) = _long_load(cluster, drain)
+    moved = _live_moves(cluster).get("moved", 0) - before.get("moved", 0)
+    assert [tokens for tokens, _ in got] == long_expected
+    for i, (tokens, _) in enumerate(got):
+        if i not in SEEDED:
+            assert tokens == oracle.generate(PROMPTS[i], LONG_TOKENS)[0]
+    assert held >= 1 and moved >= held
+    # what it held had >= 100 tokens (5 s at 50 ms a step) left: waiting would take that
+    assert drain_s < 3.0, drain_s
+    _check_free(cluster)
+
+
+def test_a_target_killed_during_a_live_move_costs_no_request(cluster, long_expected):
+    """The drained worker's copies are slowed, and the one worker they can go to (the
+    other decode worker) is SIGKILLed while they are under way: every request ends
+    exact all the same (the moves give up, or fall back to replay, and are tried again
+    once it is back), and every block ends free."""
+    async def drain_and_kill(srv):
+        victim = await _holding(srv, "decode", lambda f: f.phase is Phase.STREAMING
+                                and f.num_output_tokens >= 5)
+        await victim.client.actor.__ray_call__.remote(faults.slow_moves, 0.5)
+        target = next(w for w in srv.router.pool.decode.values() if w is not victim)
+        drained = asyncio.run_coroutine_threadsafe(srv.router.pool.drain(victim.worker_id),
+                                                   srv.loop)
+        assert await eventually(lambda: srv.router.mover.moving, timeout_s=30, every_s=0.01)
+        os.kill(_pid(target), signal.SIGKILL)
+        await asyncio.wrap_future(drained)
+        srv.loop.call_soon_threadsafe(srv.router.pool.resume, victim.worker_id)
+
+    got, _ = _long_load(cluster, drain_and_kill)
+    assert [tokens for tokens, _ in got] == long_expected
+    _check_free(cluster)
+
+
+def _live_moves(srv: RouterServer) -> dict:
+    return {s.labels["outcome"]: s.value
+            for s in srv.router.metrics.live_moves.collect()[0].samples
+            if s.name.endswith("_total")}
+
+
+def _check_free(srv: RouterServer) -> None:
+    assert eventually_serving(srv)
+    wait_all_blocks_free(srv, timeout_s=60)
+    assert srv.router.num_inflight == 0

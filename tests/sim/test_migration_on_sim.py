@@ -110,3 +110,74 @@ def test_migration_limit_0_fails_the_dead_worker_s_requests_with_a_typed_error(l
     failed = [o for o in outs if isinstance(o, BaseException)]
     assert failed and all(isinstance(o, WorkerError) for o in failed)
     assert not moved and free
+
+
+LONG = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+
+
+async def _drain_while_streaming(cluster: SimCluster, params: SamplingParams,
+                                 kill_target_at: str = ""):
+    """Streams every prompt; once each has a few tokens, drains the decode worker
+    holding the most (and kills the first worker a move copies to in its call
+    `kill_target_at`: take_over, before the source pauses; grow, after). Returns the
+    streams, the drain's virtual seconds, how many it still held then, whether every
+    surviving worker's blocks are free, and the live moves by outcome."""
+    router = await cluster.start()
+    seen = asyncio.Event()
+    streams = [asyncio.ensure_future(_stream(router, p, params, f"r{i}", seen, 8))
+               for i, p in enumerate(PROMPTS)]
+    await seen.wait()
+    await asyncio.sleep(0.05)  # every stream under way
+    victim = _victim(router, "decode")
+    killed = []
+    for worker in cluster.workers.values() if kill_target_at else ():
+        call = getattr(worker.moves, kill_target_at)
+
+        def dying(*args, worker=worker, call=call):
+            if not killed:
+                killed.append(worker.kill())
+            return call(*args)
+        setattr(worker.moves, kill_target_at, dying)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    await router.pool.drain(victim)
+    drain_s = loop.time() - began
+    held_then = len(router.pool.workers[victim].flights)
+    outs = await asyncio.gather(*streams, return_exceptions=True)
+    await asyncio.sleep(1.0)
+    survivors = [w for w in cluster.workers.values() if w.alive]
+    free = all(w.blocks.num_free_blocks == w.blocks.num_blocks and not w.scheduler.requests
+               for w in survivors)
+    moves = {s.labels["outcome"]: s.value
+             for s in router.metrics.live_moves.collect()[0].samples
+             if s.name.endswith("_total")}
+    await cluster.stop()
+    return outs, drain_s, held_then, free, moves
+
+
+@pytest.fixture(scope="module")
+def undisturbed_long(llama_dir):
+    llm = LLM(str(llama_dir), num_kv_blocks=256, max_model_len=512)
+    return [o.token_ids for o in llm.generate(PROMPTS, LONG)]
+
+
+def test_a_drain_moves_running_requests_live_and_ends_long_before_they_would(
+        llama_dir, undisturbed_long):
+    cluster = _cluster(llama_dir, PoolSpec(1, 3))
+    outs, drain_s, held, free, moves = virtual_time.run(_drain_while_streaming(cluster, LONG))
+    assert [o[0] for o in outs] == undisturbed_long and free and held == 0
+    assert moves.get("moved", 0) >= 1 and not moves.get("replayed")
+    # 120 tokens at >= 4 ms a step: a drain that waited would take the rest of them
+    assert drain_s < 0.25, drain_s
+
+
+@pytest.mark.parametrize("at", ["take_over", "grow"])
+def test_a_target_that_dies_during_a_live_move_costs_no_request(llama_dir, undisturbed_long,
+                                                                at):
+    """Before the source paused (take_over), the move gives up and is tried again
+    elsewhere; after it (grow), the request is placed again (replay)."""
+    cluster = _cluster(llama_dir, PoolSpec(1, 3))
+    outs, _, held, free, moves = virtual_time.run(
+        _drain_while_streaming(cluster, LONG, kill_target_at=at))
+    assert [o[0] for o in outs] == undisturbed_long and free and held == 0
+    assert moves.get("gave_up" if at == "take_over" else "replayed", 0) >= 1

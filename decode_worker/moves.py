@@ -1,0 +1,120 @@
+"""Live migration, the decode side of both ends: a running request's KV copied to
+another decode-capable worker while it keeps decoding here, then a short pause for the
+last copy. The router drives it (router/live_move.py):
+
+    target.take_over(job)           blocks for the request as it stands (no transfer
+                                    expected yet; its own prefix hits are not sent)
+    target.expect(...) + source.send_blocks(copy)
+                                    full blocks, while the source decodes on; repeated
+                                    for the blocks filled meanwhile
+    source.pause(id)                out of the batch at the next step boundary, KV kept;
+                                    a last delta marked `paused` follows its tokens on
+                                    the step stream
+    target.grow(id, tokens, text)   the tokens made since take_over, blocks for them
+    target.expect(...) + source.send_blocks(final copy)
+                                    the rest, its last block partly filled
+    target.resume(id)               it decodes on there; the source's copy is aborted
+
+Each copy is a kv_transfer of its own (BlockCopy.transfer_id), on the lane this
+worker uses for that peer. A copy of blocks that changed under it (the request was
+preempted meanwhile, and its blocks reused) fails, so the router falls back to replay."""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Callable
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.errors import MoveError
+from pdserve.engine.request import RequestStatus
+from pdserve.engine.worker_messages import BlockCopy, Paused, TokenDelta
+from pdserve.kv_transfer import KVReceiver
+
+# send(transfer_id, address, source blocks, target blocks) -> Future of the bytes sent
+Send = Callable[[str, str, list[int], list[int]], Future]
+
+
+class Moves:
+    def __init__(self, loop: EngineLoop, receiver: KVReceiver, send: Send,
+                 publish: Callable[[list[TokenDelta]], None]):
+        self.loop, self.receiver, self.send, self.publish = loop, receiver, send, publish
+
+    # ---- the source ------------------------------------------------------------------
+
+    def send_blocks(self, copy: BlockCopy) -> Future:
+        """Sends blocks of a request running (or, final, paused) here; resolves to the
+        bytes sent once they landed."""
+        def source_blocks(engine: LLMEngine) -> tuple[list[int], int]:
+            request = engine.scheduler.requests.get(copy.request_id)
+            wanted = RequestStatus.PAUSED if copy.final else RequestStatus.RUNNING
+            if request is None or request.status is not wanted:
+                raise MoveError(f"request {copy.request_id} is not {wanted.value} here")
+            bs = engine.block_manager.block_size
+            computed = request.num_computed_tokens
+            # blocks holding computed KV: whole ones only while it still decodes
+            held = -(-computed // bs) if copy.final else computed // bs
+            last = copy.first_block + len(copy.target_blocks)
+            if not 0 <= copy.first_block <= last <= held:
+                raise MoveError(f"request {copy.request_id} holds {held} computed blocks "
+                                f"here, not [{copy.first_block}, {last})")
+            return request.block_ids[copy.first_block:last], request.num_preemptions
+
+        src, preemptions = self.loop.call_concurrent(source_blocks)
+        sent: Future = Future()
+
+        def checked(transfer: Future) -> None:
+            if transfer.exception() is not None:
+                sent.set_exception(transfer.exception())
+            elif not copy.final and self.loop.call_concurrent(
+                    lambda engine: _preempted_since(engine, copy.request_id, preemptions)):
+                sent.set_exception(MoveError(f"request {copy.request_id} was preempted (or "
+                                             "ended) while its blocks were copied"))
+            else:
+                sent.set_result(transfer.result())
+        self.send(copy.transfer_id, copy.target_address, src,
+                  copy.target_blocks).add_done_callback(checked)
+        return sent
+
+    def pause(self, request_id: str) -> Future:
+        """At the next step boundary: out of the batch, KV kept; resolves to Paused, or
+        None when it is not running here (finished meanwhile). Its marker delta goes
+        out on the engine thread, after every token of its earlier steps."""
+        def pause(engine: LLMEngine) -> Paused | None:
+            paused = engine.pause(request_id)
+            if paused is not None:
+                self.publish([TokenDelta(request_id=request_id, token_ids=[], text="",
+                                         logprobs=[], finished=False, paused=True)])
+            return paused
+        return self.loop.call(pause)
+
+    # ---- the target ------------------------------------------------------------------
+
+    def expect(self, request_id: str, transfer_id: str, block_ids: list[int]) -> None:
+        """A copy of the request's KV into these of its blocks is coming."""
+        def check(engine: LLMEngine) -> None:
+            request = engine.scheduler.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
+                raise MoveError(f"request {request_id} is not taken over here")
+            if not set(block_ids) <= set(request.block_ids):
+                raise MoveError(f"blocks {block_ids} are not request {request_id}'s")
+            self.receiver.expect(transfer_id, block_ids, 0)
+        self.loop.call_concurrent(check)
+        self.receiver.landed(transfer_id)  # watched: forgotten once it landed, or failed
+
+    def grow(self, request_id: str, token_ids: list[int], text_sent: int) -> list[int]:
+        """The tokens it made on its source since take_over; its block ids now."""
+        blocks = self.loop.call_concurrent(
+            lambda engine: engine.grow(request_id, token_ids, text_sent))
+        if blocks is None:
+            raise MoveError(f"no room here for request {request_id}'s "
+                            f"{len(token_ids)} newer tokens")
+        return blocks
+
+    def resume(self, request_id: str) -> Future:
+        """It joins the batch at the next step boundary, and decodes on."""
+        return self.loop.call(lambda engine: engine.resume_moved(request_id))
+
+
+def _preempted_since(engine: LLMEngine, request_id: str, preemptions: int) -> bool:
+    request = engine.scheduler.requests.get(request_id)
+    return request is None or request.num_preemptions != preemptions

@@ -1,0 +1,233 @@
+"""Live migration: a draining worker's running requests move to other decode-capable
+workers while they keep decoding, so a drain (admin, the planner's scale-down, a role
+change) takes about as long as copying their KV, not as long as their longest
+remaining decode. Per request (Llumnix's stages; decode_worker/moves.py the workers'
+side):
+
+    1. the policy picks a target (placement.Placer.place_moved: the request as it
+       stands, off its source); the target takes it over (blocks, its own prefix hits
+       counted) under a new id (Flight.new_key)
+    2. the source's whole blocks are copied while it decodes on, then those filled
+       meanwhile (at most MAX_ROUNDS copies, while a round has MIN_ROUND_BLOCKS new)
+    3. the source pauses it; once its last delta (marked paused) came through the
+       source's step stream, the target is told the tokens made since (grow) and the
+       rest is copied, the last block partly filled
+    4. the router holds it on the target, which decodes on; the source's copy is
+       aborted. The pause its client sees: step 3 and this.
+
+A step that fails before the pause gives up the move (the target's blocks freed; the
+request decodes on where it was, and the drain waits for it); one that fails after it
+falls back to replay (request_runner: the request is placed again as its prompt plus
+its tokens). A request that ends meanwhile, or moves by replay, gives the move up."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Callable
+
+from pdserve.engine.worker_messages import BlockCopy, Job
+from pdserve.router.clock import Clock
+from pdserve.router.config import RouterConfig
+from pdserve.router.decision import Colocate
+from pdserve.router.errors import WorkerError, short_reason
+from pdserve.router.lifecycle import Flight, Phase
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placer import Placer
+from pdserve.router.pool import Pool
+from pdserve.router.workers import WorkerHandle
+
+log = logging.getLogger(__name__)
+
+MAX_ROUNDS = 3  # copies while the request decodes on (Llumnix: at most 3 stages)
+MIN_ROUND_BLOCKS = 2  # another round only when it has this many new blocks to copy
+MAX_TRIES = 3  # moves of one request off one draining worker
+
+
+class GaveUp(Exception):
+    """The move stops: the request ended, moved by replay, or a step failed before the
+    pause (it decodes on at its source)."""
+
+
+class LiveMover:
+    def __init__(self, pool: Pool, placer: Placer, metrics: RouterMetrics,
+                 config: RouterConfig, clock: Clock,
+                 abort_on: Callable[[WorkerHandle, str], None]):
+        """abort_on(worker, key): frees a request's id on a worker, bounded, in the
+        background (request_runner)."""
+        self.pool, self.placer, self.metrics = pool, placer, metrics
+        self.config, self.clock, self.abort_on = config, clock, abort_on
+        self._copies = itertools.count()
+        self.moving: dict[str, asyncio.Task] = {}  # request id -> its move
+
+    async def evacuate(self, source: WorkerHandle, drained: asyncio.Event) -> None:
+        """Moves this router's running requests off the draining `source` until it
+        holds none: each once it streams (a request still prefilling, or whose move
+        gave up, is looked at again when a move ends, or every second; MAX_TRIES
+        moves each at most, then it ends where it is)."""
+        tries: dict[str, int] = {}
+        try:
+            await self._evacuate(source, drained, tries)
+        finally:
+            if tries and source.state.role == "decode":
+                await self._unpair(source)
+
+    async def _evacuate(self, source: WorkerHandle, drained: asyncio.Event,
+                        tries: dict[str, int]) -> None:
+        while not drained.is_set():
+            for flight in list(source.flights.values()):
+                if flight.phase is Phase.STREAMING and flight.request_id not in self.moving \
+                        and tries.get(flight.key, 0) < MAX_TRIES:
+                    tries[flight.key] = tries.get(flight.key, 0) + 1
+                    self.moving[flight.request_id] = asyncio.ensure_future(
+                        self.move(flight, source))
+            wait = {asyncio.ensure_future(drained.wait()), *self.moving.values()}
+            done, pending = await asyncio.wait(wait, timeout=1.0,
+                                               return_when=asyncio.FIRST_COMPLETED)
+            for task in pending - set(self.moving.values()):
+                task.cancel()
+
+    async def _unpair(self, source: WorkerHandle) -> None:
+        """A worker in role decode sends KV only to move requests: the pairs it opened
+        for that close (a departing target could not tell it to: pairing.py tells the
+        workers that prefill)."""
+        targets = [w.address for w in self.pool.workers.values()
+                   if w is not source and w.state.decodes and w.address]
+        try:
+            await asyncio.wait_for(source.client.disconnect(targets),
+                                   self.config.control_timeout_s)
+        except Exception as exc:
+            log.warning("%s could not close the pairs it moved requests over: %s",
+                        source.worker_id, short_reason(exc))
+
+    async def move(self, flight: Flight, source: WorkerHandle) -> bool:
+        """True once the request decodes on another worker."""
+        try:
+            began = self.clock.monotonic()
+            paused_s = await self._move(flight, source)
+        except GaveUp as why:
+            log.info("request %s stays on %s: %s", flight.request_id, source.worker_id, why)
+            self.metrics.live_moves.labels(self.metrics.model_name, "gave_up").inc()
+            return False
+        except Exception as exc:  # after the pause: it is placed again (replay)
+            log.warning("request %s could not move off %s live (%s): it is placed again",
+                        flight.request_id, source.worker_id, short_reason(exc))
+            self.metrics.live_moves.labels(self.metrics.model_name, "replayed").inc()
+            if flight.decode is not None and not flight.released:
+                flight.queue.put_nowait(WorkerError(
+                    f"live migration off {source.worker_id} failed: {short_reason(exc)}"))
+            return False
+        finally:
+            self.moving.pop(flight.request_id, None)
+        self.metrics.live_moves.labels(self.metrics.model_name, "moved").inc()
+        self.metrics.migrations.labels(self.metrics.model_name, "drain", "decode").inc()
+        self.metrics.migration_pause.observe(paused_s)
+        log.info("request %s moved off %s live in %.3fs (paused %.1f ms)", flight.request_id,
+                 source.worker_id, self.clock.monotonic() - began, paused_s * 1e3)
+        return True
+
+    async def _move(self, flight: Flight, source: WorkerHandle) -> float:
+        """The stages; returns the pause. Raises GaveUp before the pause, anything
+        else after it."""
+        key_s, timeout_s = flight.key, self.config.control_timeout_s
+        target, key_t, res, job = await self._take_over(flight, source)
+        held = len(job.output_token_ids)  # outputs the target holds
+        blocks, copied = list(res.block_ids), res.num_cached_blocks
+        prompt, bs = len(flight.req.prompt_token_ids), self.placer.model.block_size
+        try:
+            for round_ in range(MAX_ROUNDS):  # while it decodes on at the source
+                self._still_there(flight, source, key_s)
+                seen = flight.num_output_tokens
+                if round_ and seen > held:
+                    blocks = await asyncio.wait_for(target.client.grow(
+                        key_t, flight.output_token_ids[held:seen], flight.text_sent), timeout_s)
+                    held = seen
+                whole = min((prompt + held - 1) // bs, len(blocks))  # computed at the source
+                if whole - copied < (1 if round_ == 0 else MIN_ROUND_BLOCKS):
+                    break
+                await self._copy(source, key_s, target, key_t, copied, blocks[copied:whole])
+                copied = whole
+            self._still_there(flight, source, key_s)
+            flight.paused = asyncio.Event()
+            pause_at = self.clock.monotonic()
+            paused = await asyncio.wait_for(source.client.pause(key_s), timeout_s)
+            if paused is None:
+                raise GaveUp("it is no longer running there")
+        except BaseException as exc:
+            flight.paused = None
+            self.abort_on(target, key_t)
+            if isinstance(exc, Exception) and not isinstance(exc, GaveUp):
+                raise GaveUp(f"a copy to {target.worker_id} failed: {short_reason(exc)}") \
+                    from None
+            raise
+        try:  # paused: from here a failure replays it
+            await asyncio.wait_for(flight.paused.wait(), timeout_s)  # its last tokens came
+            self._still_there(flight, source, key_s)
+            outputs = paused.output_token_ids
+            blocks = await asyncio.wait_for(target.client.grow(
+                key_t, outputs[held:], paused.text_sent), timeout_s)
+            last = -(-paused.num_computed_tokens // bs)
+            await self._copy(source, key_s, target, key_t, copied, blocks[copied:last],
+                             final=True)
+            self._still_there(flight, source, key_s)
+        except BaseException:
+            self.abort_on(target, key_t)
+            raise
+        finally:
+            flight.paused = None
+        source.unhold(flight)  # its deltas here end; the target's go to the same queue
+        flight.key, flight.decode = key_t, target
+        target.hold(flight)
+        self.abort_on(source, key_s)
+        await asyncio.wait_for(target.client.resume(key_t), timeout_s)
+        return self.clock.monotonic() - pause_at
+
+    async def _take_over(self, flight: Flight, source: WorkerHandle):
+        """The target chosen by the policy and its reservation, under a new id."""
+        req = flight.moved
+        refused: frozenset[str] = frozenset()
+        while True:
+            try:
+                decision = await self.placer.place_moved(flight, req, refused,
+                                                         frozenset({source.worker_id}))
+            except Exception as exc:
+                raise GaveUp(f"no target: {short_reason(exc)}") from None
+            target = self.pool.workers[decision.worker if isinstance(decision, Colocate)
+                                       else decision.decode]
+            if target is source:
+                raise GaveUp("no other worker can take it")
+            self._still_there(flight, source, flight.key)
+            key_t = flight.new_key()
+            job = Job(request_id=key_t, prompt_token_ids=flight.req.prompt_token_ids,
+                      sampling_params=flight.req.params, arrival_time=flight.req.arrival_time,
+                      output_token_ids=tuple(flight.output_token_ids),
+                      text_sent=flight.text_sent)
+            try:
+                res = await asyncio.wait_for(target.client.take_over(job, self.pool.subscriber),
+                                             self.config.reserve_timeout_s)
+            except Exception as exc:
+                self.abort_on(target, key_t)
+                raise GaveUp(f"{target.worker_id} could not take it over: "
+                             f"{short_reason(exc)}") from None
+            if res is not None:
+                return target, key_t, res, job
+            refused |= {target.worker_id}
+
+    async def _copy(self, source: WorkerHandle, key_s: str, target: WorkerHandle,
+                    key_t: str, first: int, target_blocks: list[int],
+                    final: bool = False) -> None:
+        if not target_blocks:
+            return
+        transfer_id = f"{key_t}\x1fcopy-{next(self._copies)}"
+        await asyncio.wait_for(target.client.expect_copy(key_t, transfer_id, target_blocks),
+                               self.config.control_timeout_s)
+        copy = BlockCopy(transfer_id=transfer_id, request_id=key_s, first_block=first,
+                         target_address=target.address, target_blocks=target_blocks,
+                         final=final)
+        await asyncio.wait_for(source.client.send_blocks(copy), self.config.prefill_timeout_s)
+
+    @staticmethod
+    def _still_there(flight: Flight, source: WorkerHandle, key: str) -> None:
+        if flight.released or flight.key != key or flight.decode is not source \
+                or flight.phase is not Phase.STREAMING or flight.cancelled.is_set():
+            raise GaveUp("it ended, or moved otherwise")
