@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import Field, dataclass, field, fields
 
 from pdserve.engine.options import option
+from pdserve.engine.spec_decode.config import SpeculativeConfig
 
 POLICIES = ("fcfs", "priority")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -58,6 +59,10 @@ class EngineConfig:
     num_threads: int | None = option(None, "torch intra-op threads on cpu; unset: torch's "
                                      "default")
     gpu_memory_utilization: float = option(0.9, "share of GPU memory the worker may use")
+    speculative_config: SpeculativeConfig | None = option(
+        None, 'speculative decoding, vLLM\'s shape: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} or '
+        '{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}')
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -69,6 +74,9 @@ class EngineConfig:
                "must be >= 1")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                "must be in (0, 1]")
+        if self.speculative_config is not None:  # a dict (JSON, kwargs) or the config
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.of(self.speculative_config))
 
     @property
     def resolved_dtype(self) -> str:

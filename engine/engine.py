@@ -32,6 +32,7 @@ from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.engine.spec_decode.proposer import build_proposer
 from pdserve.engine.step_shape import StepShape, StepTiming
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import check_length, prompt_token_ids
@@ -62,13 +63,21 @@ class LLMEngine:
         self.eos_token_ids = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        # Speculative decoding's proposer (a draft model loads here, before the KV
+        # cache is sized: its weights and its KV per block count against the budget).
+        self.proposer = build_proposer(config, self.model_config, self.max_model_len)
         cache = config.cache
         num_blocks = cache.num_kv_blocks or num_blocks_for_budget(
             self.model_config, cache.block_size, self.runner.dtype,
-            cache.kv_cache_memory_bytes or default_budget_bytes(config, self.model_config))
+            cache.kv_cache_memory_bytes or default_budget_bytes(config, self.model_config),
+            extra_bytes_per_block=self.proposer.bytes_per_block() if self.proposer else 0)
         self.runner.init_kv_cache(num_blocks)
+        if self.proposer is not None:
+            self.proposer.init_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        spec = config.speculative_config
+        self.scheduler = Scheduler(config.scheduler, self.block_manager,
+                                   num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0)
         self._tracked: dict[str, _Tracked] = {}
         # The last steps' shapes and durations (telemetry; the latency model's input).
         self.step_timings: deque[StepTiming] = deque(maxlen=256)
@@ -190,11 +199,30 @@ class LLMEngine:
             now = time.time()
             for rid in result.sampled_token_ids:
                 outputs.append(self._emit(self._tracked[rid], now))
+            for rid, verified in result.verified.items():
+                outputs.append(self._emit(self._tracked[rid], now, len(verified.token_ids)))
             for rid in result.failed:
                 outputs.append(self._output(self._tracked[rid], [], "", now))
-            self.step_timings.append(StepTiming(shape, time.perf_counter() - began, now))
+            if self.proposer is not None:
+                ready = self._ready_for_drafts(out)
+        if self.proposer is not None:
+            # Outside the lock, like the forward pass: a draft model runs here.
+            drafts = self.proposer.propose(ready)
+            with state_lock:
+                self.scheduler.propose(drafts)
+        with state_lock:
+            accepted = sum(v.num_accepted for v in result.verified.values())
+            self.step_timings.append(StepTiming(shape, time.perf_counter() - began, now,
+                                                decode_tokens=shape.decode_seqs + accepted))
             self.num_steps += 1
         return outputs
+
+    def _ready_for_drafts(self, out: SchedulerOutput) -> list[Request]:
+        """The running requests one token behind, after the step: the proposer's.
+        Preempted ones lost their KV, and what the proposer kept of them."""
+        for rid in out.preempted_request_ids:
+            self.proposer.forget(rid)
+        return [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Next-token logits [vocab] (float32) after `token_ids`, through the paged path.
@@ -237,12 +265,23 @@ class LLMEngine:
         self._tracked[request.request_id] = _Tracked(request, detokenizer,
                                                      RequestMetrics(request.arrival_time))
 
-    def _emit(self, tracked: _Tracked, now: float) -> RequestOutput:
+    def _emit(self, tracked: _Tracked, now: float, count: int = 1) -> RequestOutput:
+        """The output of a request that gained `count` tokens this step."""
         request, metrics = tracked.request, tracked.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
-        new_ids = request.output_token_ids[-1:]
-        new_text, stop = tracked.detokenizer.append(new_ids)
+        new_ids = request.output_token_ids[-count:]
+        if count == 1:
+            new_text, stop = tracked.detokenizer.append(new_ids)
+        else:  # a verified run, token by token: a stop string may end inside it
+            new_text, stop = "", None
+            for i, token in enumerate(new_ids):
+                text, stop = tracked.detokenizer.append([token])
+                new_text += text
+                if stop is not None:
+                    self.scheduler.drop_outputs(request, len(new_ids) - i - 1)
+                    new_ids = new_ids[:i + 1]
+                    break
         if stop is not None and not request.is_finished:
             self.scheduler.finish_requests([request.request_id], FinishReason.STOP)
         if stop is not None:
@@ -256,6 +295,8 @@ class LLMEngine:
             metrics.finished_time = now
             self._tracked.pop(request.request_id, None)
             self.runner.sampler.forget(request.request_id)
+            if self.proposer is not None:
+                self.proposer.forget(request.request_id)
             new_text += tracked.detokenizer.flush()
         return RequestOutput(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,

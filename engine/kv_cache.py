@@ -21,11 +21,13 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 
 
 def num_blocks_for_budget(model: ModelConfig, block_size: int, dtype: torch.dtype,
-                          budget_bytes: int) -> int:
-    n = budget_bytes // bytes_per_block(model, block_size, dtype)
+                          budget_bytes: int, extra_bytes_per_block: int = 0) -> int:
+    """extra_bytes_per_block: what else each block costs (a draft model's KV there)."""
+    each = bytes_per_block(model, block_size, dtype) + extra_bytes_per_block
+    n = budget_bytes // each
     if n < 1:
         raise ValueError(f"KV budget of {budget_bytes} bytes holds no block "
-                         f"({bytes_per_block(model, block_size, dtype)} bytes each)")
+                         f"({each} bytes each)")
     return n
 
 

@@ -18,7 +18,7 @@ from pdserve.engine.model.rope import RotaryEmbedding
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, Verified
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Decodes are attended in groups of similar context length, so padding stays small.
@@ -47,9 +47,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, on_layer_done: LayerHook | None = None
                 ) -> ModelRunnerOutput:
-        batch, samplers = self._order(out)
-        logits = self.forward_logits(batch, samplers, on_layer_done)
+        batch, samplers, verifiers = self._order(out)
+        logits = self.forward_logits(batch, samplers, on_layer_done, out.spec_token_ids)
         result = ModelRunnerOutput()
+        if verifiers:
+            self._verify(logits[len(samplers):], verifiers, out.spec_token_ids, result)
+            logits = logits[:len(samplers)]
         if not samplers:
             return result
         try:
@@ -64,6 +67,27 @@ class ModelRunner:
             if top is not None:
                 result.top_logprobs[rid] = top
         return result
+
+    def _verify(self, logits: torch.Tensor, verifiers: list[Request],
+                drafts: dict[str, list[int]], result: ModelRunnerOutput) -> None:
+        """logits: [sum(len(drafts) + 1), vocab], each verifier's rows in turn. A
+        request whose own verification raises fails alone."""
+        argmax = logits.argmax(dim=-1).tolist()  # the greedy rows' tokens, in one call
+        row = 0
+        for request in verifiers:
+            rid = request.request_id
+            own = drafts[rid]
+            end = row + len(own) + 1
+            try:
+                tokens, logprobs, tops = self.sampler.verify(logits[row:end], request, own,
+                                                             argmax[row:end])
+            except Exception as exc:
+                log.exception("verifying drafts failed for request %s", rid)
+                result.failed[rid] = f"sampling failed: {type(exc).__name__}: {exc}"[:200]
+            else:
+                result.verified[rid] = Verified(token_ids=tokens, num_accepted=len(tokens) - 1,
+                                                logprobs=logprobs, top_logprobs=tops)
+            row = end
 
     def _sample_each(self, logits: torch.Tensor, samplers: list[Request],
                      batch_error: Exception, failed: dict[str, str]) -> list[tuple]:
@@ -86,23 +110,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, batch: list[tuple[Request, int]], samplers: list[Request],
-                       on_layer_done: LayerHook | None = None) -> torch.Tensor:
-        """Computes `batch` (decodes first); logits [len(samplers), vocab] float32."""
-        input_ids, positions, meta, logits_indices = self._prepare(batch)
+                       on_layer_done: LayerHook | None = None,
+                       drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
+        """Computes `batch` (decodes first); logits [len(samplers), vocab] float32, then
+        every position of each request verifying `drafts` (rid -> its drafts)."""
+        input_ids, positions, meta, logits_indices = self._prepare(batch, drafts or {})
         hidden = self.model(input_ids, positions, self.rope, self.backend, self.kv_caches,
                             meta, on_layer_done)
         return self.model.compute_logits(hidden[logits_indices])
 
     def _order(self, out: SchedulerOutput):
-        decodes, prefills = [], []
+        """The batch as computed (decodes by context length, verifications, prompt
+        chunks), the requests sampling one token, those verifying drafts."""
+        decodes, verifications, prefills = [], [], []
+        drafts = out.spec_token_ids
         for request, n in zip(out.requests, out.num_scheduled):
-            (decodes if n == 1 else prefills).append((request, n))
+            if n == 1:
+                decodes.append((request, n))
+            elif drafts and request.request_id in drafts:
+                verifications.append((request, n))
+            else:
+                prefills.append((request, n))
         decodes.sort(key=lambda item: item[0].num_computed_tokens)
-        batch = decodes + prefills
-        samplers = [r for r, n in batch if r.num_computed_tokens + n == r.num_tokens]
-        return batch, samplers
+        batch = decodes + verifications + prefills
+        samplers = [r for r, n in decodes + prefills if r.num_computed_tokens + n == r.num_tokens]
+        return batch, samplers, [r for r, _ in verifications]
 
-    def _prepare(self, batch: list[tuple[Request, int]]):
+    def _prepare(self, batch: list[tuple[Request, int]], drafts: dict[str, list[int]]):
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -119,33 +153,74 @@ class ModelRunner:
             if pos + 1 == request.num_tokens:
                 logits_indices.append(num_decodes)
             num_decodes += 1
-        prefills = []
+        prefills, verify_indices = [], []
         for request, n in batch[num_decodes:]:
             start = request.num_computed_tokens
             blocks = request.block_ids
             prefills.append(PrefillSegment(len(input_ids), n, start + n,
                                            torch.tensor(blocks, device=self.device)))
-            input_ids.extend(request.token_ids(start, start + n))
+            own = drafts.get(request.request_id)
+            if own:  # its last known token, then the drafts: logits at every position
+                verify_indices.extend(range(len(input_ids), len(input_ids) + n))
+                input_ids.append(request.token_at(start))
+                input_ids.extend(own)
+            else:
+                input_ids.extend(request.token_ids(start, start + n))
+                if start + n == request.num_tokens:
+                    logits_indices.append(len(input_ids) - 1)
             span = range(start, start + n)
             positions.extend(span)
             slots.extend(blocks[p // bs] * bs + p % bs for p in span)
-            if start + n == request.num_tokens:
-                logits_indices.append(len(input_ids) - 1)
+        logits_indices += verify_indices
+        decodes = [r for r, _ in batch[:num_decodes]]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots), num_decode_tokens=num_decodes,
-            decode_groups=self._decode_groups(batch[:num_decodes]), prefills=prefills)
+            decode_groups=self._decode_groups([r.num_computed_tokens + 1 for r in decodes],
+                                              [r.block_ids for r in decodes]),
+            prefills=prefills)
         return (self._tensor(input_ids), self._tensor(positions), meta,
                 self._tensor(logits_indices))
 
-    def _decode_groups(self, decodes: list[tuple[Request, int]]) -> list[DecodeGroup]:
+    @torch.inference_mode()
+    def forward_tokens(self, decodes: list[tuple[int, int, list[int]]],
+                       chunks: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        """A forward pass over tokens given directly (a draft model's): decodes are
+        (token, position, block ids), chunks (tokens, first position, block ids), each
+        after the KV already in its blocks. Logits [len(decodes) + len(chunks), vocab]:
+        after each decode token, then after each chunk's last token."""
+        bs = self.block_size
+        input_ids = [token for token, _, _ in decodes]
+        positions = [pos for _, pos, _ in decodes]
+        slots = [blocks[pos // bs] * bs + pos % bs for _, pos, blocks in decodes]
+        logits_indices = list(range(len(decodes)))
+        prefills = []
+        for tokens, start, blocks in chunks:
+            n = len(tokens)
+            prefills.append(PrefillSegment(len(input_ids), n, start + n,
+                                           torch.tensor(blocks, device=self.device)))
+            input_ids.extend(tokens)
+            positions.extend(range(start, start + n))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            logits_indices.append(len(input_ids) - 1)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots), num_decode_tokens=len(decodes),
+            decode_groups=self._decode_groups([pos + 1 for _, pos, _ in decodes],
+                                              [blocks for _, _, blocks in decodes]),
+            prefills=prefills)
+        hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.rope,
+                            self.backend, self.kv_caches, meta)
+        return self.model.compute_logits(hidden[self._tensor(logits_indices)])
+
+    def _decode_groups(self, contexts: list[int], tables: list[list[int]]) -> list[DecodeGroup]:
+        """Decodes in groups of DECODE_GROUP_SIZE: each one's context length (its KV
+        including the token it computes) and block ids."""
         bs = self.block_size
         groups = []
-        for start in range(0, len(decodes), DECODE_GROUP_SIZE):
-            members = [r for r, _ in decodes[start:start + DECODE_GROUP_SIZE]]
-            context = [r.num_computed_tokens + 1 for r in members]
+        for start in range(0, len(contexts), DECODE_GROUP_SIZE):
+            context = contexts[start:start + DECODE_GROUP_SIZE]
             width = -(-max(context) // bs)
-            table = [r.block_ids[:width] + [0] * (width - len(r.block_ids[:width]))
-                     for r in members]
+            table = [blocks[:width] + [0] * (width - len(blocks[:width]))
+                     for blocks in tables[start:start + DECODE_GROUP_SIZE]]
             lens = self._tensor(context)
             mask = torch.arange(width * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1)
             groups.append(DecodeGroup(start, self._tensor(table), mask[:, None, None, :]))

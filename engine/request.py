@@ -50,6 +50,9 @@ class Request:
     # hashes of this request's full blocks (prefix caching).
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    # Speculative decoding: draft tokens proposed for the next step, taken (and
+    # cleared) by the scheduler when it schedules the request.
+    spec_token_ids: list[int] = field(default_factory=list)
     # Kept as plain attributes (not properties): read per request per step.
     num_tokens: int = field(init=False)  # prompt + output tokens
     max_num_tokens: int = field(init=False)  # where max_tokens / the context stops it
@@ -104,6 +107,17 @@ class Request:
         """Several sampled tokens at once (no logprobs): Scheduler.decode_steps."""
         self.output_token_ids.extend(token_ids)
         self.num_tokens += len(token_ids)
+
+    def drop_outputs(self, num: int) -> None:
+        """The last `num` output tokens (and their logprobs) taken back: a stop string
+        completed before the end of what a verification step accepted."""
+        if num <= 0:
+            return
+        kept = len(self.output_token_ids) - num
+        del self.output_token_ids[kept:]
+        self.num_tokens -= num
+        for values in (self.output_logprobs, self.output_top_logprobs):
+            del values[max(len(values) - num, 0):]
 
     def check_stop(self) -> FinishReason | None:
         """Stop conditions that need no text: eos, stop tokens, max_tokens, context."""

@@ -15,6 +15,7 @@ import torch
 
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.spec_decode import rejection_sampler
 
 _MASK64 = (1 << 64) - 1
 
@@ -67,6 +68,46 @@ class Sampler:
                     top = rows[j].topk(params[i].top_logprobs)
                     tops[i] = dict(zip(top.indices.tolist(), top.values.tolist()))
         return tokens, logprobs, tops
+
+    def verify(self, logits: torch.Tensor, request: Request, drafts: list[int],
+               argmax: list[int] | None = None
+               ) -> tuple[list[int], list[float] | None, list[dict[int, float]] | None]:
+        """logits: [len(drafts) + 1, vocab] float32, row j after the request's tokens
+        and drafts[:j] -> the tokens the step emits (accepted drafts, then the target's
+        own), their logprobs and top logprobs (None where not asked). Each row is
+        sampled as plain decoding samples that position (rejection_sampler.verify);
+        `argmax`: the rows' argmax, when the caller has it for a whole batch."""
+        p = request.sampling_params
+        output = request.output_token_ids
+        if p.penalized:
+            prompt_ids = self._distinct_prompt(request, logits)
+
+            def row(j: int) -> torch.Tensor:  # as plain decoding sees it: drafts as output
+                penalized = logits[j].clone()
+                _penalize(penalized, p, prompt_ids, output + drafts[:j])
+                return penalized
+        else:
+            row = logits.__getitem__
+        if p.greedy and not p.penalized:
+            best = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
+            sample_at = best.__getitem__
+        elif p.greedy:
+            def sample_at(j: int) -> int:
+                return int(row(j).argmax())
+        else:
+            def sample_at(j: int) -> int:
+                return self._sample_one(row(j), p, len(output) + j)
+        run = rejection_sampler.verify(drafts, sample_at)
+        if not p.logprobs:
+            return run, None, None
+        rows = torch.log_softmax(logits[:len(run)], dim=-1)
+        chosen = torch.tensor(run, device=logits.device).unsqueeze(1)
+        logprobs = rows.gather(1, chosen).squeeze(1).tolist()
+        if not p.top_logprobs:
+            return run, logprobs, None
+        top = rows.topk(p.top_logprobs, dim=-1)
+        return run, logprobs, [dict(zip(i, v)) for i, v in
+                               zip(top.indices.tolist(), top.values.tolist())]
 
     def _sample_one(self, logits: torch.Tensor, p: SamplingParams, output_index: int) -> int:
         logits = logits.cpu() / p.temperature

@@ -16,9 +16,13 @@ from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, 
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 num_lookahead_tokens: int = 0):
+        """num_lookahead_tokens: KV slots past its scheduled tokens a decoding request
+        keeps when they are free (a draft model writes its drafts' KV there)."""
         self.config = config
         self.block_manager = block_manager
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -121,6 +125,20 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return request
+
+    def propose(self, drafts: dict[str, list[int]]) -> None:
+        """Speculative decoding: draft tokens for running requests, verified in their
+        next step (vLLM's update_draft_token_ids)."""
+        for rid, tokens in drafts.items():
+            request = self.requests.get(rid)
+            if tokens and request is not None and request.status is RequestStatus.RUNNING:
+                request.spec_token_ids = tokens
+                self._steady = None
+
+    def drop_outputs(self, request: Request, num: int) -> None:
+        """A verified run's last `num` tokens taken back (a stop string ended it)."""
+        request.drop_outputs(num)
+        self.stats.generation_tokens -= max(num, 0)
 
     @property
     def num_unfinished(self) -> int:
@@ -239,8 +257,13 @@ class Scheduler:
         cache_full_blocks = self.block_manager.cache_full_blocks
         running = RequestStatus.RUNNING
         generated = 0
+        spec = out.spec_token_ids
         for request, n in zip(out.requests, out.num_scheduled):
             if request.status is not running:
+                continue
+            if spec and request.request_id in spec:
+                if self._update_verified(request, spec[request.request_id], result):
+                    finished.append(request)
                 continue
             before = request.num_computed_tokens
             request.num_computed_tokens = computed = before + n
@@ -277,6 +300,44 @@ class Scheduler:
                 finished.append(request)
         self.stats.generation_tokens += generated
         return finished
+
+    def _update_verified(self, request: Request, drafts: list[int],
+                         result: ModelRunnerOutput) -> bool:
+        """A request that verified drafts: its KV is kept up to the last accepted draft
+        (the rejected drafts' slots are written over later), the emitted tokens are
+        appended up to a stop, and the blocks they complete are cached. True when it
+        finished."""
+        rid = request.request_id
+        if rid in result.failed:
+            request.error = result.failed[rid]
+            self._finish(request, FinishReason.ERROR)
+            return True
+        verified = result.verified[rid]
+        stats, accepted = self.stats, verified.num_accepted
+        stats.spec_decode_num_drafts += 1
+        stats.spec_decode_num_draft_tokens += len(drafts)
+        stats.spec_decode_num_accepted_tokens += accepted
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(drafts) - len(per_pos)))
+        for j in range(accepted):
+            per_pos[j] += 1
+        computed = request.num_computed_tokens + 1 + accepted
+        tokens, logprobs, tops = verified.token_ids, verified.logprobs, verified.top_logprobs
+        reason = None
+        for i, token in enumerate(tokens):
+            request.append_output(token, logprobs[i] if logprobs else None,
+                                  tops[i] if tops else None)
+            reason = request.check_stop()
+            if reason is not None:
+                del tokens[i + 1:]  # what follows a stop is not output
+                break
+        stats.generation_tokens += len(tokens)
+        request.num_computed_tokens = computed = min(computed, request.num_tokens)
+        self.block_manager.cache_full_blocks(request, computed)
+        if reason is None:
+            return False
+        self._finish(request, reason)
+        return True
 
     # ---- steady decoding, many steps at once (the simulator's fast path) -----
 
@@ -343,6 +404,12 @@ class Scheduler:
                 continue  # preempted earlier in this step
             computed = request.num_computed_tokens
             n = request.num_tokens - computed
+            if n == 1 and (request.spec_token_ids or self.num_lookahead_tokens):
+                n = self._schedule_speculative(request, budget, out)
+                if n:
+                    budget -= n
+                    continue
+                n = 1  # no room for drafts or lookahead: a plain decode
             if n == 1:  # a decode: its last block has room, or one more block is free
                 room = len(request.block_ids) * bs - computed
                 if room > 0 or (room == 0 and append_block(request)):
@@ -365,6 +432,23 @@ class Scheduler:
                 add_count(n)
                 budget -= n
         return budget
+
+    def _schedule_speculative(self, request: Request, budget: int,
+                              out: SchedulerOutput) -> int:
+        """A decode with its drafts (as many as the budget leaves room for) and the
+        lookahead slots; the tokens scheduled, or 0 when the blocks are not free:
+        speculation never preempts."""
+        drafts, request.spec_token_ids = request.spec_token_ids[:budget - 1], []
+        n = 1 + len(drafts)
+        bm, lookahead = self.block_manager, self.num_lookahead_tokens
+        if not (bm.allocate_slots(request, n + lookahead)
+                or (lookahead and bm.allocate_slots(request, n))):
+            return 0
+        out.requests.append(request)
+        out.num_scheduled.append(n)
+        if drafts:
+            out.spec_token_ids[request.request_id] = drafts
+        return n
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         if out.preempted_request_ids:
@@ -403,6 +487,8 @@ class Scheduler:
         """Recompute-style preemption; returns the budget it gave back this step."""
         self.running.remove(request)
         self.block_manager.free(request)
+        request.spec_token_ids = []
+        out.spec_token_ids.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

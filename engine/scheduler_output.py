@@ -14,6 +14,9 @@ class SchedulerOutput:
     num_scheduled: list[int] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
+    # request id -> the draft tokens it verifies this step (speculative decoding): its
+    # num_scheduled is 1 + their number, its last known token then the drafts.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_running: int = 0  # running requests once scheduled: all in `requests` when equal
     steady: bool = False  # every running request decodes one token (Scheduler's fast path)
 
@@ -33,6 +36,19 @@ class ModelRunnerOutput:
     top_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # request id -> why sampling failed for it alone (it finishes with an error)
     failed: dict[str, str] = field(default_factory=dict)
+    # request id -> what verifying its drafts emitted (requests scheduled with drafts;
+    # they are not in sampled_token_ids)
+    verified: dict[str, "Verified"] = field(default_factory=dict)
+
+
+@dataclass
+class Verified:
+    """The tokens one verification step emits for a request: the accepted drafts, then
+    the target's own token (1 to k + 1), with their logprobs where asked."""
+    token_ids: list[int]
+    num_accepted: int  # drafts accepted by the sampler (a stop may end the run sooner)
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -42,3 +58,10 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens served from the cache
     num_preemptions: int = 0
+    # Speculative decoding, under vLLM's names: verification steps of one request,
+    # the draft tokens they verified and accepted, and accepted drafts by position
+    # (index j: steps whose j-th draft was accepted).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)

@@ -15,23 +15,30 @@ class StepShape:
     prefill_pairs: int = 0
     decode_seqs: int = 0  # requests computing their one newest token
     decode_context: int = 0  # keys those decodes attend to (their KV length)
+    # Speculative decoding: draft tokens some of those decodes verify beside it.
+    draft_tokens: int = 0
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> "StepShape":
         prefill = pairs = decode = context = 0
+        drafts = out.spec_token_ids
         for request, n in zip(out.requests, out.num_scheduled):
             computed = request.num_computed_tokens
-            if n == 1 and computed + 1 == request.num_tokens and request.num_output_tokens:
+            if (n == 1 or (drafts and request.request_id in drafts)) \
+                    and computed + 1 == request.num_tokens and request.num_output_tokens:
                 decode += 1
                 context += computed + 1
             else:
                 prefill += n
                 pairs += n * computed + n * (n + 1) // 2
-        return cls(prefill, pairs, decode, context)
+        num_drafts = sum(map(len, drafts.values())) if drafts else 0
+        return cls(prefill, pairs, decode, context, num_drafts)
 
 
 @dataclass(frozen=True)
 class StepTiming:
     shape: StepShape
-    duration_s: float  # schedule to outputs, the forward pass included
+    duration_s: float  # schedule to outputs, the forward pass (and drafting) included
     end_time: float  # wall clock on the worker
+    # Tokens the decodes emitted: one each, and what verifying drafts accepted.
+    decode_tokens: int = 0

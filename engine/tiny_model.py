@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -72,6 +73,32 @@ def make_tiny_model(out_dir: str | Path, spec: TinySpec = TINY,
         {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}, indent=2))
     save_file(_random_weights(spec, vocab), str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
+    tmp.replace(out) if not out.exists() else _merge(tmp, out)
+    return out
+
+
+def make_draft_model(target_dir: str | Path, out_dir: str | Path, num_layers: int = 1) -> Path:
+    """A draft model for speculative decoding built from a target: its first
+    `num_layers` layers, its embeddings, norm and head, its tokenizer. Smaller and
+    cheaper, and (unlike random weights) it often guesses what the target says."""
+    src, out = Path(target_dir), Path(out_dir)
+    config = json.loads((src / "config.json").read_text())
+    if not 1 <= num_layers <= config["num_hidden_layers"]:
+        raise ValueError(f"num_layers must be in [1, {config['num_hidden_layers']}]")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / name).exists():
+            (tmp / name).write_bytes((src / name).read_bytes())
+    (tmp / "config.json").write_text(json.dumps({**config, "num_hidden_layers": num_layers},
+                                                indent=2))
+    kept = {}
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            layer = name.split(".")[2] if name.startswith("model.layers.") else None
+            if layer is None or int(layer) < num_layers:
+                kept[name] = f.get_tensor(name)
+    save_file(kept, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tmp.replace(out) if not out.exists() else _merge(tmp, out)
     return out
 

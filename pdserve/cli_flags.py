@@ -4,6 +4,8 @@ the way vLLM derives its engine flags from EngineArgs."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import types
 import typing
 from dataclasses import Field, fields
@@ -40,7 +42,7 @@ def values(args: argparse.Namespace, cls) -> dict:
     return {f.name: getattr(args, f.name) for f in fields(cls)}
 
 
-def _add(group, f: Field, kind: type) -> None:
+def _add(group, f: Field, kind) -> None:
     flag = "--" + f.name.replace("_", "-")
     if kind is bool:  # --flag / --no-flag; argparse appends the default itself
         group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
@@ -51,10 +53,26 @@ def _add(group, f: Field, kind: type) -> None:
                        choices=f.metadata.get("choices"))
 
 
-def _scalar(hint) -> type:
-    """int | None -> int; a flag's value is one scalar."""
+def _scalar(hint):
+    """int | None -> int; a flag's value is one scalar, or a config dataclass as JSON
+    (--speculative-config '{"method": "ngram", ...}', as vLLM spells it)."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    if dataclasses.is_dataclass(hint):
+        return _json_of(hint)
     if hint not in (int, float, str, bool):
         raise TypeError(f"no flag for a field of type {hint!r}")
     return hint
+
+
+def _json_of(cls):
+    def parse(text: str):
+        try:
+            value = json.loads(text)
+            if not isinstance(value, dict):
+                raise ValueError("must be a JSON object")
+            return cls(**value)
+        except (ValueError, TypeError) as err:
+            raise argparse.ArgumentTypeError(f"{cls.__name__}: {err}") from None
+    parse.__name__ = f"{cls.__name__} JSON"  # argparse names the type in its errors
+    return parse

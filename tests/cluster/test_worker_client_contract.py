@@ -4,7 +4,9 @@ same model), each driven through the seam alone, as the router drives it. Same
 greedy tokens, before and after a pair is closed; a reservation aborted frees its
 blocks, and so do a gone router's requests (another's stay); a call of the wrong
 role raises the worker's own error; a role change is refused while the worker holds
-a request and taken once it does not; a killed worker's calls raise WorkerDied."""
+a request and taken once it does not; a killed worker's calls raise WorkerDied; a
+running request moves live from one decode worker to another (live migration's
+calls), its tokens the same as were it never moved."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +17,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig, SchedulerConfig
 from pdserve.engine.errors import WorkerBusyError, WrongRoleError
-from pdserve.engine.worker_messages import Job, PrefillJob
+from pdserve.engine.worker_messages import BlockCopy, Job, PrefillJob
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.errors import WorkerDied
 from pdserve.router.ray_worker_client import RayWorkerClient
@@ -100,6 +102,78 @@ async def contract(prefill, decode) -> dict:
     return out
 
 
+MOVED = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+
+
+async def live_move_contract(prefill, source, target) -> dict:
+    """A running request moved from `source` to `target` through the seam, as
+    router/live_move.py moves it: whole blocks copied while it decodes, then paused
+    (its marked last delta after its tokens), grown, the rest copied, resumed there.
+    Returns its tokens (as the router saw them from both; the source's blocks are all
+    free once its copy is aborted) and which streams sent a pause marker."""
+    streams = {"s": source, "t": target}
+    seen = {name: [] for name in streams}
+    finished, marked, free, arrived = set(), [], {}, asyncio.Event()
+
+    async def read(name, worker) -> None:
+        async for batch in worker.steps(30.0, "contract"):
+            for d in batch.deltas:
+                seen[name].extend(d.token_ids)
+                marked.extend([name] if d.paused else [])
+                finished.update([name] if d.finished else [])
+            if batch.telemetry is not None:
+                free[name] = batch.telemetry.free_blocks
+            arrived.set()
+    readers = [asyncio.ensure_future(read(n, w)) for n, w in streams.items()]
+
+    async def until(condition) -> None:
+        async def wait() -> None:
+            while not condition():
+                arrived.clear()
+                await arrived.wait()
+        await asyncio.wait_for(wait(), 30)
+    bs, total = 16, (await source.stats()).num_blocks
+    await prefill.connect([await source.address()])
+    job = _job("m", params=MOVED)
+    reservation = await source.reserve(job, "contract")
+    result = await prefill.prefill(PrefillJob(job=job, target=reservation))
+    await source.start("m", result.first_token)
+    await until(lambda: len(seen["s"]) >= 20)
+    so_far = [result.first_token] + seen["s"][1:]
+    taken = await target.take_over(Job(request_id="m2", prompt_token_ids=PROMPT,
+                                       sampling_params=MOVED, arrival_time=time.time(),
+                                       output_token_ids=tuple(so_far)), "contract")
+    whole = (len(PROMPT) + len(so_far) - 1) // bs
+    first = taken.num_cached_blocks
+    address = await target.address()
+    await target.expect_copy("m2", "m2/1", taken.block_ids[first:whole])
+    await source.send_blocks(BlockCopy(transfer_id="m2/1", request_id="m",
+                                       first_block=first, target_address=address,
+                                       target_blocks=taken.block_ids[first:whole]))
+    paused = await source.pause("m")
+    await until(lambda: "s" in marked)
+    outputs = paused.output_token_ids
+    assert outputs[:len(so_far)] == so_far and outputs == [result.first_token] + seen["s"][1:]
+    blocks = await target.grow("m2", outputs[len(so_far):], paused.text_sent)
+    last = -(-paused.num_computed_tokens // bs)
+    await target.expect_copy("m2", "m2/2", blocks[whole:last])
+    await source.send_blocks(BlockCopy(transfer_id="m2/2", request_id="m", first_block=whole,
+                                       target_address=address, target_blocks=blocks[whole:last],
+                                       final=True))
+    await target.resume("m2")
+    await source.abort("m", "contract")
+    await until(lambda: "t" in finished and free.get("s") == total)
+    for reader in readers:
+        reader.cancel()
+    return {"tokens": outputs + seen["t"], "marked": marked}
+
+
+@pytest.fixture(scope="module")
+def moved(llama_dir):
+    return LLM(str(llama_dir), num_kv_blocks=NUM_BLOCKS, max_model_len=512).generate(
+        [PROMPT], MOVED)[0].token_ids
+
+
 @pytest.fixture(scope="module")
 def expected(llama_dir):
     return LLM(str(llama_dir), num_kv_blocks=NUM_BLOCKS, max_model_len=512).generate(
@@ -142,3 +216,34 @@ def test_the_simulated_worker_holds_the_contract(llama_dir, expected):
     assert out["tokens after a disconnect"] == expected
     assert out["held_blocks"] == -(-len(PROMPT) // 16)
     assert out["orphans ended"] == 1
+
+
+def test_the_ray_client_moves_a_running_request_live(ray_local, llama_dir, moved):
+    from pdserve.worker.actor import WorkerActor
+
+    config = EngineConfig.from_kwargs(str(llama_dir), num_kv_blocks=NUM_BLOCKS,
+                                      max_model_len=512)
+    transfer = TransferConfig(timeout_s=30)
+    actors = [WorkerActor.options(num_cpus=1, max_restarts=0).remote(name, config, transfer,
+                                                                     role)
+              for name, role in (("lp", "prefill"), ("ls", "decode"), ("lt", "decode"))]
+    clients = [RayWorkerClient(a) for a in actors]
+    try:
+        out = asyncio.run(live_move_contract(*clients))
+    finally:
+        for client in clients:
+            client.kill()
+    assert out["tokens"] == moved and out["marked"] == ["s"]
+
+
+def test_the_simulated_worker_moves_a_running_request_live(llama_dir, moved):
+    async def scenario():
+        profile = model_profile(llama_dir, NUM_BLOCKS)
+        peers: dict[str, SimWorker] = {}
+        workers = [SimWorker(name, role, profile, SchedulerConfig(), peers,
+                             tokens=ModelTokens.load(str(llama_dir), NUM_BLOCKS, 16, 512))
+                   for name, role in (("lp", "prefill"), ("ls", "decode"), ("lt", "decode"))]
+        await asyncio.gather(*(w.boot() for w in workers))
+        return await live_move_contract(*workers)
+    out = virtual_time.run(scenario())
+    assert out["tokens"] == moved and out["marked"] == ["s"]
