@@ -4,16 +4,17 @@ last copy. The router drives it (router/live_move.py):
 
     target.take_over(job)           blocks for the request as it stands (no transfer
                                     expected yet; its own prefix hits are not sent)
-    target.expect(...) + source.send_blocks(copy)
-                                    full blocks, while the source decodes on; repeated
-                                    for the blocks filled meanwhile
+    target.expect_copy(incoming) + source.send_blocks(copy)
+                                    whole blocks, while the source decodes on; again
+                                    for those filled meanwhile (the target grows by the
+                                    tokens made since, as the router saw them)
     source.pause(id)                out of the batch at the next step boundary, KV kept;
                                     a last delta marked `paused` follows its tokens on
                                     the step stream
-    target.grow(id, tokens, text)   the tokens made since take_over, blocks for them
-    target.expect(...) + source.send_blocks(final copy)
-                                    the rest, its last block partly filled
-    target.resume(id)               it decodes on there; the source's copy is aborted
+    target.expect_copy(final) + source.send_blocks(final copy)
+                                    the tokens made since, and the rest of the KV, its
+                                    last block partly filled; it decodes on there once
+                                    the copy landed; the source's copy is aborted
 
 Each copy is a kv_transfer of its own (BlockCopy.transfer_id), on the lane this
 worker uses for that peer. A copy of blocks that changed under it (the request was
@@ -27,7 +28,13 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.errors import MoveError
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.worker_messages import BlockCopy, Paused, TokenDelta
+from pdserve.engine.worker_messages import (
+    BlockCopy,
+    IncomingCopy,
+    Paused,
+    TokenDelta,
+    copy_end,
+)
 from pdserve.kv_transfer import KVReceiver
 
 # send(transfer_id, address, source blocks, target blocks) -> Future of the bytes sent
@@ -49,10 +56,8 @@ class Moves:
             wanted = RequestStatus.PAUSED if copy.final else RequestStatus.RUNNING
             if request is None or request.status is not wanted:
                 raise MoveError(f"request {copy.request_id} is not {wanted.value} here")
-            bs = engine.block_manager.block_size
-            computed = request.num_computed_tokens
-            # blocks holding computed KV: whole ones only while it still decodes
-            held = -(-computed // bs) if copy.final else computed // bs
+            held = copy_end(request.num_computed_tokens, engine.block_manager.block_size,
+                            copy.final)
             last = copy.first_block + len(copy.target_blocks)
             if not 0 <= copy.first_block <= last <= held:
                 raise MoveError(f"request {copy.request_id} holds {held} computed blocks "
@@ -89,30 +94,41 @@ class Moves:
 
     # ---- the target ------------------------------------------------------------------
 
-    def expect(self, request_id: str, transfer_id: str, block_ids: list[int]) -> None:
-        """A copy of the request's KV into these of its blocks is coming."""
-        def check(engine: LLMEngine) -> None:
-            request = engine.scheduler.requests.get(request_id)
+    def expect_copy(self, incoming: IncomingCopy) -> list[int]:
+        """The request grows by the tokens its source made since (their text sent up to
+        incoming.text_sent), and a copy of its whole computed blocks from
+        incoming.first_block on (final: all of them, the last partly filled) is
+        expected as incoming.transfer_id; returns those blocks. Final: once the copy
+        lands, the request joins the batch at the next step boundary."""
+        def expect(engine: LLMEngine) -> list[int]:
+            request = engine.scheduler.requests.get(incoming.request_id)
             if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
-                raise MoveError(f"request {request_id} is not taken over here")
-            if not set(block_ids) <= set(request.block_ids):
-                raise MoveError(f"blocks {block_ids} are not request {request_id}'s")
-            self.receiver.expect(transfer_id, block_ids, 0)
-        self.loop.call_concurrent(check)
-        self.receiver.landed(transfer_id)  # watched: forgotten once it landed, or failed
-
-    def grow(self, request_id: str, token_ids: list[int], text_sent: int) -> list[int]:
-        """The tokens it made on its source since take_over; its block ids now."""
-        blocks = self.loop.call_concurrent(
-            lambda engine: engine.grow(request_id, token_ids, text_sent))
-        if blocks is None:
-            raise MoveError(f"no room here for request {request_id}'s "
-                            f"{len(token_ids)} newer tokens")
+                raise MoveError(f"request {incoming.request_id} is not taken over here")
+            if incoming.token_ids and engine.grow(incoming.request_id, incoming.token_ids,
+                                                  incoming.text_sent) is None:
+                raise MoveError(f"no room here for request {incoming.request_id}'s "
+                                f"{len(incoming.token_ids)} newer tokens")
+            blocks = request.block_ids[incoming.first_block:copy_end(
+                request.num_tokens - 1, engine.block_manager.block_size, incoming.final)]
+            if blocks:
+                self.receiver.expect(incoming.transfer_id, blocks, 0)
+            return blocks
+        blocks = self.loop.call_concurrent(expect)
+        if not blocks:
+            if incoming.final:
+                self._resume(incoming.request_id)
+            return blocks
+        landed = self.receiver.landed(incoming.transfer_id)  # forgotten once it landed
+        if incoming.final:
+            landed.add_done_callback(lambda done: done.exception() is None
+                                     and self._resume(incoming.request_id))
         return blocks
 
-    def resume(self, request_id: str) -> Future:
-        """It joins the batch at the next step boundary, and decodes on."""
-        return self.loop.call(lambda engine: engine.resume_moved(request_id))
+    def _resume(self, request_id: str) -> None:
+        def resume(engine: LLMEngine) -> None:
+            if request_id in engine.scheduler.requests:  # not aborted meanwhile
+                engine.resume_moved(request_id)
+        self.loop.call(resume)
 
 
 def _preempted_since(engine: LLMEngine, request_id: str, preemptions: int) -> bool:

@@ -108,6 +108,28 @@ class BlockCopy:
     final: bool = False  # the request is paused: its last, partly filled block goes too
 
 
+def copy_end(num_computed: int, block_size: int, final: bool) -> int:
+    """A live migration's copies: the blocks holding the KV of num_computed tokens,
+    whole ones only while the request decodes on at its source (final: the last,
+    partly filled, too)."""
+    return -(-num_computed // block_size) if final else num_computed // block_size
+
+
+@dataclass(frozen=True)
+class IncomingCopy:
+    """What a live migration's target is told before a copy: the tokens the request
+    made on its source since the target last heard (its outputs grow by them), how
+    much of their text its client has, and the copy to expect: the request's whole
+    computed blocks from first_block on (final: all, the last partly filled; it
+    decodes on once that copy landed)."""
+    request_id: str  # as the target knows it
+    transfer_id: str
+    first_block: int
+    token_ids: list[int] = field(default_factory=list)
+    text_sent: int = 0
+    final: bool = False
+
+
 @dataclass(frozen=True)
 class TokenDelta:
     request_id: str

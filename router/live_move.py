@@ -10,10 +10,10 @@ side):
     2. the source's whole blocks are copied while it decodes on, then those filled
        meanwhile (at most MAX_ROUNDS copies, while a round has MIN_ROUND_BLOCKS new)
     3. the source pauses it; once its last delta (marked paused) came through the
-       source's step stream, the target is told the tokens made since (grow) and the
-       rest is copied, the last block partly filled
-    4. the router holds it on the target, which decodes on; the source's copy is
-       aborted. The pause its client sees: step 3 and this.
+       source's step stream, the router holds it on the target, which is told the
+       tokens made since, and the rest is copied, the last block partly filled
+    4. once that copy landed the target decodes on; the source's copy is aborted.
+       The pause its client sees: steps 3 and 4.
 
 A step that fails before the pause gives up the move (the target's blocks freed; the
 request decodes on where it was, and the drain waits for it); one that fails after it
@@ -24,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
-from pdserve.engine.worker_messages import BlockCopy, Job
+from pdserve.engine.worker_messages import BlockCopy, IncomingCopy, Job
 from pdserve.router.clock import Clock
 from pdserve.router.config import RouterConfig
 from pdserve.router.decision import Colocate
@@ -44,6 +46,20 @@ MIN_ROUND_BLOCKS = 2  # another round only when it has this many new blocks to c
 MAX_TRIES = 3  # moves of one request off one draining worker
 
 
+@dataclass(frozen=True)
+class MoveRecord:
+    """One request moved live, as measured here (LiveMover.records)."""
+    request_id: str
+    source: str
+    target: str
+    rounds: int  # copies while it decoded on
+    blocks_before: int  # blocks those copied
+    blocks_final: int  # blocks the last copy moved, while it was paused
+    final_copy_s: float
+    pause_s: float  # from the pause asked to the last copy landed (the target decodes it
+    #                 from its next step boundary)
+
+
 class GaveUp(Exception):
     """The move stops: the request ended, moved by replay, or a step failed before the
     pause (it decodes on at its source)."""
@@ -59,6 +75,7 @@ class LiveMover:
         self.config, self.clock, self.abort_on = config, clock, abort_on
         self._copies = itertools.count()
         self.moving: dict[str, asyncio.Task] = {}  # request id -> its move
+        self.records: deque[MoveRecord] = deque(maxlen=256)  # the last moves made
 
     async def evacuate(self, source: WorkerHandle, drained: asyncio.Event) -> None:
         """Moves this router's running requests off the draining `source` until it
@@ -104,7 +121,7 @@ class LiveMover:
         """True once the request decodes on another worker."""
         try:
             began = self.clock.monotonic()
-            paused_s = await self._move(flight, source)
+            record = await self._move(flight, source)
         except GaveUp as why:
             log.info("request %s stays on %s: %s", flight.request_id, source.worker_id, why)
             self.metrics.live_moves.labels(self.metrics.model_name, "gave_up").inc()
@@ -121,32 +138,30 @@ class LiveMover:
             self.moving.pop(flight.request_id, None)
         self.metrics.live_moves.labels(self.metrics.model_name, "moved").inc()
         self.metrics.migrations.labels(self.metrics.model_name, "drain", "decode").inc()
-        self.metrics.migration_pause.observe(paused_s)
+        self.metrics.migration_pause.observe(record.pause_s)
+        self.records.append(record)
         log.info("request %s moved off %s live in %.3fs (paused %.1f ms)", flight.request_id,
-                 source.worker_id, self.clock.monotonic() - began, paused_s * 1e3)
+                 source.worker_id, self.clock.monotonic() - began, record.pause_s * 1e3)
         return True
 
-    async def _move(self, flight: Flight, source: WorkerHandle) -> float:
-        """The stages; returns the pause. Raises GaveUp before the pause, anything
-        else after it."""
+    async def _move(self, flight: Flight, source: WorkerHandle) -> MoveRecord:
+        """The stages. Raises GaveUp before the pause, anything else after it."""
         key_s, timeout_s = flight.key, self.config.control_timeout_s
         target, key_t, res, job = await self._take_over(flight, source)
         held = len(job.output_token_ids)  # outputs the target holds
-        blocks, copied = list(res.block_ids), res.num_cached_blocks
-        prompt, bs = len(flight.req.prompt_token_ids), self.placer.model.block_size
+        copied = cached = res.num_cached_blocks
+        prompt, bs, rounds = len(flight.req.prompt_token_ids), self.placer.model.block_size, 0
         try:
-            for round_ in range(MAX_ROUNDS):  # while it decodes on at the source
+            while rounds < MAX_ROUNDS:  # while it decodes on at the source
                 self._still_there(flight, source, key_s)
                 seen = flight.num_output_tokens
-                if round_ and seen > held:
-                    blocks = await asyncio.wait_for(target.client.grow(
-                        key_t, flight.output_token_ids[held:seen], flight.text_sent), timeout_s)
-                    held = seen
-                whole = min((prompt + held - 1) // bs, len(blocks))  # computed at the source
-                if whole - copied < (1 if round_ == 0 else MIN_ROUND_BLOCKS):
+                whole = (prompt + seen - 1) // bs  # computed at the source by now
+                if whole - copied < (MIN_ROUND_BLOCKS if rounds else 1):
                     break
-                await self._copy(source, key_s, target, key_t, copied, blocks[copied:whole])
-                copied = whole
+                copied += await self._copy(source, key_s, target, IncomingCopy(
+                    request_id=key_t, transfer_id=self._transfer_id(key_t), first_block=copied,
+                    token_ids=flight.output_token_ids[held:seen], text_sent=flight.text_sent))
+                held, rounds = seen, rounds + 1
             self._still_there(flight, source, key_s)
             flight.paused = asyncio.Event()
             pause_at = self.clock.monotonic()
@@ -163,24 +178,28 @@ class LiveMover:
         try:  # paused: from here a failure replays it
             await asyncio.wait_for(flight.paused.wait(), timeout_s)  # its last tokens came
             self._still_there(flight, source, key_s)
-            outputs = paused.output_token_ids
-            blocks = await asyncio.wait_for(target.client.grow(
-                key_t, outputs[held:], paused.text_sent), timeout_s)
-            last = -(-paused.num_computed_tokens // bs)
-            await self._copy(source, key_s, target, key_t, copied, blocks[copied:last],
-                             final=True)
-            self._still_there(flight, source, key_s)
+            # Held on the target before the last copy: once that lands the target decodes
+            # on, and its first delta must find the request there.
+            source.unhold(flight)
+            flight.key, flight.decode = key_t, target
+            target.hold(flight)
+            copy_at = self.clock.monotonic()
+            final_blocks = await self._copy(source, key_s, target, IncomingCopy(
+                request_id=key_t, transfer_id=self._transfer_id(key_t), first_block=copied,
+                token_ids=paused.output_token_ids[held:], text_sent=paused.text_sent,
+                final=True))
+            done_at = self.clock.monotonic()
         except BaseException:
             self.abort_on(target, key_t)
+            self.abort_on(source, key_s)
             raise
         finally:
             flight.paused = None
-        source.unhold(flight)  # its deltas here end; the target's go to the same queue
-        flight.key, flight.decode = key_t, target
-        target.hold(flight)
         self.abort_on(source, key_s)
-        await asyncio.wait_for(target.client.resume(key_t), timeout_s)
-        return self.clock.monotonic() - pause_at
+        return MoveRecord(request_id=flight.request_id, source=source.worker_id,
+                          target=target.worker_id, rounds=rounds,
+                          blocks_before=copied - cached, blocks_final=final_blocks,
+                          final_copy_s=done_at - copy_at, pause_s=done_at - pause_at)
 
     async def _take_over(self, flight: Flight, source: WorkerHandle):
         """The target chosen by the policy and its reservation, under a new id."""
@@ -213,18 +232,21 @@ class LiveMover:
                 return target, key_t, res, job
             refused |= {target.worker_id}
 
+    def _transfer_id(self, key: str) -> str:
+        return f"{key}\x1fcopy-{next(self._copies)}"
+
     async def _copy(self, source: WorkerHandle, key_s: str, target: WorkerHandle,
-                    key_t: str, first: int, target_blocks: list[int],
-                    final: bool = False) -> None:
-        if not target_blocks:
-            return
-        transfer_id = f"{key_t}\x1fcopy-{next(self._copies)}"
-        await asyncio.wait_for(target.client.expect_copy(key_t, transfer_id, target_blocks),
-                               self.config.control_timeout_s)
-        copy = BlockCopy(transfer_id=transfer_id, request_id=key_s, first_block=first,
-                         target_address=target.address, target_blocks=target_blocks,
-                         final=final)
-        await asyncio.wait_for(source.client.send_blocks(copy), self.config.prefill_timeout_s)
+                    incoming: IncomingCopy) -> int:
+        """The target grows and expects the copy; the source sends it. Returns the
+        blocks copied."""
+        blocks = await asyncio.wait_for(target.client.expect_copy(incoming),
+                                        self.config.control_timeout_s)
+        if blocks:
+            await asyncio.wait_for(source.client.send_blocks(BlockCopy(
+                transfer_id=incoming.transfer_id, request_id=key_s,
+                first_block=incoming.first_block, target_address=target.address,
+                target_blocks=blocks, final=incoming.final)), self.config.prefill_timeout_s)
+        return len(blocks)
 
     @staticmethod
     def _still_there(flight: Flight, source: WorkerHandle, key: str) -> None:

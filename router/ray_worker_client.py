@@ -12,6 +12,7 @@ from ray.exceptions import RayError, RayTaskError
 
 from pdserve.engine.worker_messages import (
     BlockCopy,
+    IncomingCopy,
     Job,
     Paused,
     PrefillJob,
@@ -54,21 +55,14 @@ class RayWorkerClient:
     async def take_over(self, job: Job, subscriber: str) -> Reservation | None:
         return await _answer(self.actor.take_over.remote(job, subscriber))
 
-    async def expect_copy(self, request_id: str, transfer_id: str, block_ids: list[int]
-                          ) -> None:
-        await _answer(self.actor.expect_copy.remote(request_id, transfer_id, block_ids))
+    async def expect_copy(self, incoming: IncomingCopy) -> list[int]:
+        return await _answer(self.actor.expect_copy.remote(incoming))
 
     async def send_blocks(self, copy: BlockCopy) -> int:
         return await _answer(self.actor.send_blocks.remote(copy))
 
     async def pause(self, request_id: str) -> Paused | None:
         return await _answer(self.actor.pause.remote(request_id))
-
-    async def grow(self, request_id: str, token_ids: list[int], text_sent: int) -> list[int]:
-        return await _answer(self.actor.grow.remote(request_id, token_ids, text_sent))
-
-    async def resume(self, request_id: str) -> None:
-        await _answer(self.actor.resume.remote(request_id))
 
     async def abort(self, request_id: str, subscriber: str) -> None:
         await _answer(self.actor.abort.remote(request_id, subscriber))

@@ -285,10 +285,12 @@ class RequestRunner:
         return result
 
     def _start(self, flight: Flight, first_token: int) -> None:
-        call = flight.decode.client.start(flight.key, first_token)
-        flight.starting = asyncio.ensure_future(
-            asyncio.wait_for(call, self.config.start_timeout_s))
-        flight.starting.add_done_callback(lambda done: self._started(flight, done))
+        # The call as a task of its own, so one cancelled before it ran is closed too.
+        flight.starting = task = asyncio.ensure_future(
+            flight.decode.client.start(flight.key, first_token))
+        timer = asyncio.get_running_loop().call_later(self.config.start_timeout_s,
+                                                      task.cancel)
+        task.add_done_callback(lambda done: (timer.cancel(), self._started(flight, done)))
 
     async def _submit(self, flight: Flight, worker: WorkerHandle) -> None:
         """The worker (role both) takes the whole request."""

@@ -14,6 +14,7 @@ from typing import AsyncIterator, Protocol
 
 from pdserve.engine.worker_messages import (
     BlockCopy,
+    IncomingCopy,
     Job,
     Paused,
     PrefillJob,
@@ -57,9 +58,10 @@ class WorkerClient(Protocol):
         """Target: blocks for the request as it stands (Job.output_token_ids), its own
         prefix hits counted; no transfer expected yet. None when it has no room."""
 
-    async def expect_copy(self, request_id: str, transfer_id: str, block_ids: list[int]
-                          ) -> None:
-        """Target: a copy into these of the request's blocks is coming, as transfer_id."""
+    async def expect_copy(self, incoming: IncomingCopy) -> list[int]:
+        """Target: the request grows by the tokens its source made since, and a copy of
+        its computed blocks from incoming.first_block on is coming (final: all of them;
+        it decodes on once that landed). Returns the blocks the copy goes into."""
 
     async def send_blocks(self, copy: BlockCopy) -> int:
         """Source: sends blocks of the request (running; or paused, for the final copy);
@@ -68,13 +70,6 @@ class WorkerClient(Protocol):
     async def pause(self, request_id: str) -> Paused | None:
         """Source: the request leaves the batch at the next step boundary, its KV kept;
         its last delta here (marked paused) follows its tokens. None: not running."""
-
-    async def grow(self, request_id: str, token_ids: list[int], text_sent: int) -> list[int]:
-        """Target: the tokens the request made on its source since take_over (and how
-        much of their text its client has); its block ids now."""
-
-    async def resume(self, request_id: str) -> None:
-        """Target: its KV landed; it decodes on here from the next step."""
 
     async def abort(self, request_id: str, subscriber: str) -> None:
         """Frees whatever `subscriber`'s request of that id holds here."""

@@ -25,6 +25,7 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.telemetry import IDLE_REPORT_INTERVAL_S
 from pdserve.engine.worker_messages import (
     BlockCopy,
+    IncomingCopy,
     Job,
     Paused,
     PrefillJob,
@@ -167,8 +168,8 @@ class WorkerActor:
             self._owners.pop(job.request_id, None)
         return reservation
 
-    async def expect_copy(self, request_id: str, transfer_id: str, block_ids: list[int]) -> None:
-        await asyncio.to_thread(self.worker.expect_copy, request_id, transfer_id, block_ids)
+    async def expect_copy(self, incoming: IncomingCopy) -> list[int]:
+        return await asyncio.to_thread(self.worker.expect_copy, incoming)
 
     async def send_blocks(self, copy: BlockCopy) -> int:
         return await asyncio.wrap_future(
@@ -176,12 +177,6 @@ class WorkerActor:
 
     async def pause(self, request_id: str) -> Paused | None:
         return await asyncio.wrap_future(self.worker.pause(request_id))
-
-    async def grow(self, request_id: str, token_ids: list[int], text_sent: int) -> list[int]:
-        return await asyncio.to_thread(self.worker.grow, request_id, token_ids, text_sent)
-
-    async def resume(self, request_id: str) -> None:
-        await asyncio.wrap_future(self.worker.resume(request_id))
 
     async def abort(self, request_id: str, subscriber: str = "") -> None:
         """Another subscriber's request of the same id is not this caller's to end."""

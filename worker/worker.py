@@ -24,6 +24,7 @@ from pdserve.engine.profile import profile
 from pdserve.engine.telemetry import gauges, report
 from pdserve.engine.worker_messages import (
     BlockCopy,
+    IncomingCopy,
     Job,
     PrefillJob,
     StepBatch,
@@ -98,20 +99,14 @@ class Worker:
         self._require("take_over", "decode", "both")
         return self.decode_role.reserve(job, expect=False)
 
-    def expect_copy(self, request_id: str, transfer_id: str, block_ids: list[int]) -> None:
-        self.moves.expect(request_id, transfer_id, block_ids)
+    def expect_copy(self, incoming: IncomingCopy) -> list[int]:
+        return self.moves.expect_copy(incoming)
 
     def send_blocks(self, copy: BlockCopy) -> Future:
         return self.moves.send_blocks(copy)
 
     def pause(self, request_id: str) -> Future:
         return self.moves.pause(request_id)
-
-    def grow(self, request_id: str, token_ids: list[int], text_sent: int) -> list[int]:
-        return self.moves.grow(request_id, token_ids, text_sent)
-
-    def resume(self, request_id: str) -> Future:
-        return self.moves.resume(request_id)
 
     def abort(self, request_id: str) -> None:
         """Frees whatever the request holds here, in either role."""

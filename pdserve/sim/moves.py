@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING
 
 from pdserve.engine.errors import InvalidRequestError, MoveError
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.worker_messages import BlockCopy, Job, Paused, Reservation, TokenDelta
+from pdserve.engine.worker_messages import (
+    BlockCopy,
+    IncomingCopy,
+    Job,
+    Paused,
+    Reservation,
+    TokenDelta,
+    copy_end,
+)
 
 if TYPE_CHECKING:
     from pdserve.sim.worker import SimWorker
@@ -20,7 +28,8 @@ class SimMoves:
 
     def __init__(self, worker: "SimWorker"):
         self.worker = worker
-        self.expected: dict[str, tuple[str, list[int]]] = {}  # transfer -> (request, blocks)
+        # transfer id -> (request id, its blocks the copy goes into, final)
+        self.expected: dict[str, tuple[str, list[int], bool]] = {}
 
     async def take_over(self, job: Job, subscriber: str) -> Reservation | None:
         w = self.worker
@@ -39,13 +48,23 @@ class SimMoves:
         return Reservation(request_id=rid, receiver_address=w.worker_id,
                            block_ids=list(request.block_ids), num_cached_blocks=cached)
 
-    def expect_copy(self, request_id: str, transfer_id: str, block_ids: list[int]) -> None:
-        request = self.worker.scheduler.requests.get(request_id)
+    def expect_copy(self, incoming: IncomingCopy) -> list[int]:
+        w = self.worker
+        w._cut()
+        request = w.scheduler.requests.get(incoming.request_id)
         if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
-            raise MoveError(f"request {request_id} is not taken over here")
-        if not set(block_ids) <= set(request.block_ids):
-            raise MoveError(f"blocks {block_ids} are not request {request_id}'s")
-        self.expected[transfer_id] = (request_id, list(block_ids))
+            raise MoveError(f"request {incoming.request_id} is not taken over here")
+        if incoming.token_ids and not w.scheduler.grow(incoming.request_id, incoming.token_ids):
+            raise MoveError(f"no room here for request {incoming.request_id}'s "
+                            f"{len(incoming.token_ids)} newer tokens")
+        blocks = request.block_ids[incoming.first_block:copy_end(
+            request.num_tokens - 1, w.blocks.block_size, incoming.final)]
+        if blocks:
+            self.expected[incoming.transfer_id] = (incoming.request_id, list(blocks),
+                                                   incoming.final)
+        elif incoming.final:
+            self._resume(incoming.request_id)
+        return list(blocks)
 
     async def send_blocks(self, copy: BlockCopy) -> int:
         w = self.worker
@@ -54,8 +73,7 @@ class SimMoves:
         wanted = RequestStatus.PAUSED if copy.final else RequestStatus.RUNNING
         if request is None or request.status is not wanted:
             raise MoveError(f"request {copy.request_id} is not {wanted.value} here")
-        bs, computed = w.blocks.block_size, request.num_computed_tokens
-        held = -(-computed // bs) if copy.final else computed // bs
+        held = copy_end(request.num_computed_tokens, w.blocks.block_size, copy.final)
         last = copy.first_block + len(copy.target_blocks)
         if not 0 <= copy.first_block <= last <= held:
             raise MoveError(f"request {copy.request_id} holds {held} computed blocks here, "
@@ -75,7 +93,9 @@ class SimMoves:
         # Whole blocks do not change while it decodes on; the last one is copied only
         # once it is paused: the KV as of now is the KV as of the copy's start.
         w.tokens.copy_kv(src, peer.tokens, copy.target_blocks)
-        del peer.moves.expected[copy.transfer_id]
+        request_id, _, final = peer.moves.expected.pop(copy.transfer_id)
+        if final:
+            peer.moves._resume(request_id)
         return nbytes
 
     async def pause(self, request_id: str) -> Paused | None:
@@ -96,25 +116,12 @@ class SimMoves:
         w._at_boundary(pause)
         return await paused
 
-    def grow(self, request_id: str, token_ids: list[int]) -> list[int]:
+    def _resume(self, request_id: str) -> None:
+        """The target: its KV is in; it decodes on from the next step boundary."""
         w = self.worker
-        w._cut()
-        if not w.scheduler.grow(request_id, token_ids):
-            raise MoveError(f"no room here for request {request_id}'s {len(token_ids)} "
-                            "newer tokens")
-        return list(w.scheduler.requests[request_id].block_ids)
-
-    async def resume(self, request_id: str) -> None:
-        w = self.worker
-        resumed = asyncio.get_running_loop().create_future()
 
         def resume() -> None:
-            try:
+            if request_id in w.scheduler.requests:  # not aborted meanwhile
                 w.scheduler.resume_moved(request_id)
-            except (KeyError, ValueError) as exc:  # aborted meanwhile
-                resumed.set_exception(MoveError(f"{request_id} cannot resume: {exc}"))
-                return
-            w._last_token_at[request_id] = w._now  # the router has its tokens so far
-            resumed.set_result(None)
+                w._last_token_at[request_id] = w._now  # the router has its tokens so far
         w._at_boundary(resume)
-        await resumed

@@ -45,6 +45,7 @@ from pdserve.engine.telemetry import IDLE_REPORT_INTERVAL_S, report
 from pdserve.engine.validation import check_length
 from pdserve.engine.worker_messages import (
     BlockCopy,
+    IncomingCopy,
     Job,
     Paused,
     PrefillJob,
@@ -424,10 +425,9 @@ class SimWorker:
         self._check("take_over", "decode", "both")
         return await self.moves.take_over(job, subscriber)
 
-    async def expect_copy(self, request_id: str, transfer_id: str, block_ids: list[int]
-                          ) -> None:
+    async def expect_copy(self, incoming: IncomingCopy) -> list[int]:
         self._check("expect_copy")
-        self.moves.expect_copy(request_id, transfer_id, block_ids)
+        return self.moves.expect_copy(incoming)
 
     async def send_blocks(self, copy: BlockCopy) -> int:
         self._check("send_blocks")
@@ -436,14 +436,6 @@ class SimWorker:
     async def pause(self, request_id: str) -> Paused | None:
         self._check("pause")
         return await self.moves.pause(request_id)
-
-    async def grow(self, request_id: str, token_ids: list[int], text_sent: int) -> list[int]:
-        self._check("grow")
-        return self.moves.grow(request_id, token_ids)
-
-    async def resume(self, request_id: str) -> None:
-        self._check("resume")
-        await self.moves.resume(request_id)
 
     async def abort(self, request_id: str, subscriber: str) -> None:
         """Another subscriber's request of the same id is not this caller's to end."""

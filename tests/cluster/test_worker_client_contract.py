@@ -17,7 +17,7 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig, SchedulerConfig
 from pdserve.engine.errors import WorkerBusyError, WrongRoleError
-from pdserve.engine.worker_messages import BlockCopy, Job, PrefillJob
+from pdserve.engine.worker_messages import BlockCopy, IncomingCopy, Job, PrefillJob
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.errors import WorkerDied
 from pdserve.router.ray_worker_client import RayWorkerClient
@@ -108,7 +108,8 @@ MOVED = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 async def live_move_contract(prefill, source, target) -> dict:
     """A running request moved from `source` to `target` through the seam, as
     router/live_move.py moves it: whole blocks copied while it decodes, then paused
-    (its marked last delta after its tokens), grown, the rest copied, resumed there.
+    (its marked last delta after its tokens), the rest copied with the tokens made
+    since; it decodes on there once that landed.
     Returns its tokens (as the router saw them from both; the source's blocks are all
     free once its copy is aborted) and which streams sent a pause marker."""
     streams = {"s": source, "t": target}
@@ -143,24 +144,25 @@ async def live_move_contract(prefill, source, target) -> dict:
     taken = await target.take_over(Job(request_id="m2", prompt_token_ids=PROMPT,
                                        sampling_params=MOVED, arrival_time=time.time(),
                                        output_token_ids=tuple(so_far)), "contract")
-    whole = (len(PROMPT) + len(so_far) - 1) // bs
     first = taken.num_cached_blocks
     address = await target.address()
-    await target.expect_copy("m2", "m2/1", taken.block_ids[first:whole])
-    await source.send_blocks(BlockCopy(transfer_id="m2/1", request_id="m",
-                                       first_block=first, target_address=address,
-                                       target_blocks=taken.block_ids[first:whole]))
+    blocks = await target.expect_copy(IncomingCopy(request_id="m2", transfer_id="m2/1",
+                                                   first_block=first))
+    assert len(blocks) == (len(PROMPT) + len(so_far) - 1) // bs - first  # its whole ones
+    await source.send_blocks(BlockCopy(transfer_id="m2/1", request_id="m", first_block=first,
+                                       target_address=address, target_blocks=blocks))
     paused = await source.pause("m")
     await until(lambda: "s" in marked)
     outputs = paused.output_token_ids
     assert outputs[:len(so_far)] == so_far and outputs == [result.first_token] + seen["s"][1:]
-    blocks = await target.grow("m2", outputs[len(so_far):], paused.text_sent)
-    last = -(-paused.num_computed_tokens // bs)
-    await target.expect_copy("m2", "m2/2", blocks[whole:last])
-    await source.send_blocks(BlockCopy(transfer_id="m2/2", request_id="m", first_block=whole,
-                                       target_address=address, target_blocks=blocks[whole:last],
-                                       final=True))
-    await target.resume("m2")
+    first += len(blocks)
+    blocks = await target.expect_copy(IncomingCopy(
+        request_id="m2", transfer_id="m2/2", first_block=first,
+        token_ids=outputs[len(so_far):], text_sent=paused.text_sent, final=True))
+    assert first + len(blocks) == -(-paused.num_computed_tokens // bs)
+    await source.send_blocks(BlockCopy(transfer_id="m2/2", request_id="m", first_block=first,
+                                       target_address=address, target_blocks=blocks,
+                                       final=True))  # the target decodes on once it landed
     await source.abort("m", "contract")
     await until(lambda: "t" in finished and free.get("s") == total)
     for reader in readers:

@@ -119,7 +119,8 @@ async def _drain_while_streaming(cluster: SimCluster, params: SamplingParams,
                                  kill_target_at: str = ""):
     """Streams every prompt; once each has a few tokens, drains the decode worker
     holding the most (and kills the first worker a move copies to in its call
-    `kill_target_at`: take_over, before the source pauses; grow, after). Returns the
+    `kill_target_at`: take_over, before the source pauses; final, as it is told of the
+    last copy, after the pause). Returns the
     streams, the drain's virtual seconds, how many it still held then, whether every
     surviving worker's blocks are free, and the live moves by outcome."""
     router = await cluster.start()
@@ -131,13 +132,14 @@ async def _drain_while_streaming(cluster: SimCluster, params: SamplingParams,
     victim = _victim(router, "decode")
     killed = []
     for worker in cluster.workers.values() if kill_target_at else ():
-        call = getattr(worker.moves, kill_target_at)
+        name = "take_over" if kill_target_at == "take_over" else "expect_copy"
+        call = getattr(worker.moves, name)
 
-        def dying(*args, worker=worker, call=call):
-            if not killed:
+        def dying(first, *args, worker=worker, call=call):
+            if not killed and (kill_target_at == "take_over" or first.final):
                 killed.append(worker.kill())
-            return call(*args)
-        setattr(worker.moves, kill_target_at, dying)
+            return call(first, *args)
+        setattr(worker.moves, name, dying)
     loop = asyncio.get_running_loop()
     began = loop.time()
     await router.pool.drain(victim)
@@ -171,11 +173,11 @@ def test_a_drain_moves_running_requests_live_and_ends_long_before_they_would(
     assert drain_s < 0.25, drain_s
 
 
-@pytest.mark.parametrize("at", ["take_over", "grow"])
+@pytest.mark.parametrize("at", ["take_over", "final"])
 def test_a_target_that_dies_during_a_live_move_costs_no_request(llama_dir, undisturbed_long,
                                                                 at):
     """Before the source paused (take_over), the move gives up and is tried again
-    elsewhere; after it (grow), the request is placed again (replay)."""
+    elsewhere; after it (final), the request is placed again (replay)."""
     cluster = _cluster(llama_dir, PoolSpec(1, 3))
     outs, _, held, free, moves = virtual_time.run(
         _drain_while_streaming(cluster, LONG, kill_target_at=at))
