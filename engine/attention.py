@@ -1,9 +1,10 @@
 """Attention over the paged KV cache for mixed batches.
 
-A batch is flat: [T] tokens. The first `num_decode_tokens` tokens each belong to a
-request computing exactly one token (decodes, and one-token prefill tails); they are
-attended in length-sorted groups against their gathered blocks. The rest are prefill
-chunks: causal inside the chunk, attending to everything already computed before it.
+A batch is flat: [T] tokens. The first `num_decode_tokens` tokens belong to requests
+computing one token (decodes, and one-token prefill tails) or a few (a decode with the
+draft tokens it verifies); they are attended in groups of requests with as many
+tokens, against their gathered blocks. The rest are prefill chunks: causal inside the
+chunk, attending to everything already computed before it.
 
 `AttentionBackend` is the interface; `TorchAttention` runs on CPU and CUDA. Faster
 CUDA backends (flash / paged kernels) plug in behind the same metadata.
@@ -18,9 +19,17 @@ import torch.nn.functional as F
 
 @dataclass
 class DecodeGroup:
-    start: int  # first token of the group in the flat batch
+    start: int  # first token of the group in the flat batch: B requests, S tokens each
     block_table: torch.Tensor  # [B, max_blocks] long
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    # [B, 1, S * G, max_blocks * block_size] bool, True = attend (G query heads per KV
+    # head; [B, 1, 1, L] when S == 1): query s of a request sees its KV up to itself.
+    mask: torch.Tensor
+    query_len: int = 1  # S
+
+    @property
+    def end(self) -> int:
+        """One past its last token in the flat batch."""
+        return self.start + self.block_table.shape[0] * self.query_len
 
 
 @dataclass
@@ -60,9 +69,8 @@ class TorchAttention(AttentionBackend):
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         for group in meta.decode_groups:
-            b = group.block_table.shape[0]
-            out[group.start:group.start + b] = self._decode(
-                q[group.start:group.start + b], k_cache, v_cache, group)
+            out[group.start:group.end] = self._decode(q[group.start:group.end], k_cache,
+                                                      v_cache, group)
         for seg in meta.prefills:
             end = seg.start + seg.num_tokens
             out[seg.start:end] = self._prefill(q[seg.start:end], k[seg.start:end],
@@ -70,15 +78,19 @@ class TorchAttention(AttentionBackend):
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _decode(self, q, k_cache, v_cache, group: DecodeGroup):
-        # q: [B, H, D]. A KV head's G query heads ride the query-length axis,
-        # [B, Hkv, G, D], so K/V ([B, Hkv, L, D]) are never expanded to H heads.
-        b = q.shape[0]
-        keys = self._gather(k_cache, group.block_table).view(b, -1, self.num_kv_heads, self.head_dim)
-        values = self._gather(v_cache, group.block_table).view(b, -1, self.num_kv_heads, self.head_dim)
+        # q: [B * S, H, D]. A KV head's G query heads at each of the S positions ride
+        # the query-length axis, [B, Hkv, S * G, D], so K/V ([B, Hkv, L, D]) are never
+        # expanded to H heads.
+        b, s, hkv, d = group.block_table.shape[0], group.query_len, self.num_kv_heads, self.head_dim
+        assert q.shape[0] == b * s
+        keys = self._gather(k_cache, group.block_table).view(b, -1, hkv, d)
+        values = self._gather(v_cache, group.block_table).view(b, -1, hkv, d)
+        q = q.view(b, s, hkv, -1, d).transpose(1, 2).reshape(b, hkv, -1, d)
         out = F.scaled_dot_product_attention(
-            q.view(b, self.num_kv_heads, -1, self.head_dim), keys.transpose(1, 2),
-            values.transpose(1, 2), attn_mask=group.mask, scale=self.scale)
-        return out.reshape(b, self.num_heads, self.head_dim)
+            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask,
+            scale=self.scale)
+        # [B, Hkv, S * G, D] -> [B * S, H, D]
+        return out.view(b, hkv, s, -1, d).transpose(1, 2).reshape(b * s, self.num_heads, d)
 
     def _prefill(self, q, k, v, k_cache, v_cache, seg: PrefillSegment):
         # q: [S, H, D]; the chunk's own k, v: [S, Hkv, D]

@@ -5,6 +5,7 @@ rows fail are the only ones to fail (ModelRunnerOutput.failed). An error no sing
 row reproduces, or one in the forward pass, belongs to the step: it propagates."""
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -23,6 +24,9 @@ from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Decodes are attended in groups of similar context length, so padding stays small.
 DECODE_GROUP_SIZE = 32
+# forward_tokens: chunks up to this long are attended in groups (a draft model
+# catching up on a verification's tokens); longer ones (a prompt) as prefill chunks.
+GROUPED_CHUNK = 16
 log = logging.getLogger(__name__)
 
 
@@ -132,6 +136,8 @@ class ModelRunner:
             else:
                 prefills.append((request, n))
         decodes.sort(key=lambda item: item[0].num_computed_tokens)
+        # Verifications of as many tokens are attended together (decode groups).
+        verifications.sort(key=lambda item: (item[1], item[0].num_computed_tokens))
         batch = decodes + verifications + prefills
         samplers = [r for r, n in decodes + prefills if r.num_computed_tokens + n == r.num_tokens]
         return batch, samplers, [r for r, _ in verifications]
@@ -153,77 +159,105 @@ class ModelRunner:
             if pos + 1 == request.num_tokens:
                 logits_indices.append(num_decodes)
             num_decodes += 1
-        prefills, verify_indices = [], []
-        for request, n in batch[num_decodes:]:
+        decodes = [r for r, _ in batch[:num_decodes]]
+        groups = self._decode_groups([r.num_computed_tokens + 1 for r in decodes],
+                                     [r.block_ids for r in decodes])
+        verifying = [(r, n) for r, n in batch[num_decodes:] if r.request_id in drafts]
+        for request, n in verifying:  # its last known token, then the drafts
+            start = request.num_computed_tokens
+            input_ids.append(request.token_at(start))
+            input_ids.extend(drafts[request.request_id])
+            positions.extend(range(start, start + n))
+            blocks = request.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+        for n, same in itertools.groupby(verifying, key=lambda item: item[1]):
+            same = [r for r, _ in same]
+            groups += self._decode_groups([r.num_computed_tokens + n for r in same],
+                                          [r.block_ids for r in same],
+                                          first=groups[-1].end if groups else 0, query_len=n)
+        verify_indices = list(range(num_decodes, len(input_ids)))  # logits at every position
+        num_decode_tokens = len(input_ids)
+        prefills = []
+        for request, n in batch[num_decodes + len(verifying):]:
             start = request.num_computed_tokens
             blocks = request.block_ids
             prefills.append(PrefillSegment(len(input_ids), n, start + n,
                                            torch.tensor(blocks, device=self.device)))
-            own = drafts.get(request.request_id)
-            if own:  # its last known token, then the drafts: logits at every position
-                verify_indices.extend(range(len(input_ids), len(input_ids) + n))
-                input_ids.append(request.token_at(start))
-                input_ids.extend(own)
-            else:
-                input_ids.extend(request.token_ids(start, start + n))
-                if start + n == request.num_tokens:
-                    logits_indices.append(len(input_ids) - 1)
+            input_ids.extend(request.token_ids(start, start + n))
             span = range(start, start + n)
             positions.extend(span)
             slots.extend(blocks[p // bs] * bs + p % bs for p in span)
-        logits_indices += verify_indices
-        decodes = [r for r, _ in batch[:num_decodes]]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots), num_decode_tokens=num_decodes,
-            decode_groups=self._decode_groups([r.num_computed_tokens + 1 for r in decodes],
-                                              [r.block_ids for r in decodes]),
-            prefills=prefills)
+            if start + n == request.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots),
+                                 num_decode_tokens=num_decode_tokens, decode_groups=groups,
+                                 prefills=prefills)
         return (self._tensor(input_ids), self._tensor(positions), meta,
-                self._tensor(logits_indices))
+                self._tensor(logits_indices + verify_indices))
 
     @torch.inference_mode()
-    def forward_tokens(self, decodes: list[tuple[int, int, list[int]]],
-                       chunks: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
-        """A forward pass over tokens given directly (a draft model's): decodes are
-        (token, position, block ids), chunks (tokens, first position, block ids), each
-        after the KV already in its blocks. Logits [len(decodes) + len(chunks), vocab]:
-        after each decode token, then after each chunk's last token."""
+    def forward_tokens(self, chunks: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        """A forward pass over tokens given directly (a draft model's): each chunk is
+        (tokens, first position, block ids), after the KV already in its blocks.
+        Logits [len(chunks), vocab], after each chunk's last token. Chunks of up to
+        GROUPED_CHUNK tokens are attended in decode groups of equal length (one
+        attention call per group, not per chunk), longer ones as prefill chunks."""
         bs = self.block_size
-        input_ids = [token for token, _, _ in decodes]
-        positions = [pos for _, pos, _ in decodes]
-        slots = [blocks[pos // bs] * bs + pos % bs for _, pos, blocks in decodes]
-        logits_indices = list(range(len(decodes)))
-        prefills = []
-        for tokens, start, blocks in chunks:
-            n = len(tokens)
-            prefills.append(PrefillSegment(len(input_ids), n, start + n,
-                                           torch.tensor(blocks, device=self.device)))
-            input_ids.extend(tokens)
-            positions.extend(range(start, start + n))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            logits_indices.append(len(input_ids) - 1)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots), num_decode_tokens=len(decodes),
-            decode_groups=self._decode_groups([pos + 1 for _, pos, _ in decodes],
-                                              [blocks for _, _, blocks in decodes]),
-            prefills=prefills)
+        order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i][0]) > GROUPED_CHUNK,
+                                                          len(chunks[i][0])))
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last = [0] * len(chunks)  # chunk -> the flat index of its last token
+        groups: list[DecodeGroup] = []
+        prefills: list[PrefillSegment] = []
+        for n, same in itertools.groupby(order, key=lambda i: len(chunks[i][0])):
+            same = list(same)
+            first = len(input_ids)
+            for i in same:
+                tokens, start, blocks = chunks[i]
+                if n > GROUPED_CHUNK:
+                    prefills.append(PrefillSegment(len(input_ids), n, start + n,
+                                                   torch.tensor(blocks, device=self.device)))
+                input_ids.extend(tokens)
+                positions.extend(range(start, start + n))
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+                last[i] = len(input_ids) - 1
+            if n <= GROUPED_CHUNK:
+                groups += self._decode_groups([chunks[i][1] + n for i in same],
+                                              [chunks[i][2] for i in same], first, n)
+        num_grouped = groups[-1].end if groups else 0
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=num_grouped,
+                                 decode_groups=groups, prefills=prefills)
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.rope,
                             self.backend, self.kv_caches, meta)
-        return self.model.compute_logits(hidden[self._tensor(logits_indices)])
+        return self.model.compute_logits(hidden[self._tensor(last)])
 
-    def _decode_groups(self, contexts: list[int], tables: list[list[int]]) -> list[DecodeGroup]:
-        """Decodes in groups of DECODE_GROUP_SIZE: each one's context length (its KV
-        including the token it computes) and block ids."""
-        bs = self.block_size
+    def _decode_groups(self, contexts: list[int], tables: list[list[int]], first: int = 0,
+                       query_len: int = 1) -> list[DecodeGroup]:
+        """Requests computing `query_len` tokens each (their tokens from `first` in the
+        flat batch, request after request), in groups of DECODE_GROUP_SIZE: each one's
+        context length (its KV including the tokens it computes) and block ids."""
+        bs, size = self.block_size, DECODE_GROUP_SIZE
         groups = []
-        for start in range(0, len(contexts), DECODE_GROUP_SIZE):
-            context = contexts[start:start + DECODE_GROUP_SIZE]
+        for i in range(0, len(contexts), size):
+            context = contexts[i:i + size]
             width = -(-max(context) // bs)
             table = [blocks[:width] + [0] * (width - len(blocks[:width]))
-                     for blocks in tables[start:start + DECODE_GROUP_SIZE]]
-            lens = self._tensor(context)
-            mask = torch.arange(width * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1)
-            groups.append(DecodeGroup(start, self._tensor(table), mask[:, None, None, :]))
+                     for blocks in tables[i:i + size]]
+            lens = self._tensor(context)  # [B]
+            keys = torch.arange(width * bs, device=self.device)
+            if query_len == 1:
+                mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            else:  # query j sees the keys up to its own position
+                ends = lens.unsqueeze(1) - query_len + 1 + torch.arange(
+                    query_len, device=self.device).unsqueeze(0)  # [B, S]
+                mask = keys[None, None, :] < ends[:, :, None]  # [B, S, L]
+                g = self.model_config.num_heads // self.model_config.num_kv_heads
+                mask = mask[:, :, None, :].expand(-1, -1, g, -1).reshape(
+                    len(context), 1, query_len * g, -1)
+            groups.append(DecodeGroup(first + i * query_len, self._tensor(table), mask,
+                                      query_len))
         return groups
 
     def _tensor(self, values) -> torch.Tensor:

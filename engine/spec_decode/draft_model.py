@@ -62,31 +62,21 @@ class DraftModelProposer:
                 plans.append((r, wanted))
         if not plans:
             return {}
-        drafts = {r.request_id: [] for r, _ in plans}
-        self._catch_up(plans, drafts)
-        for i in range(1, max(w for _, w in plans)):
-            going = [(r, w) for r, w in plans if w > i]
-            decodes = [(drafts[r.request_id][-1], r.num_tokens + i - 1, r.block_ids)
-                       for r, _ in going]
-            for (r, _), token in zip(going, self._argmax(decodes, [])):
+        # Catch up on each request's new tokens: its first guess.
+        chunks = []
+        for r, _ in plans:
+            done = min(self._computed.get(r.request_id, 0), r.num_tokens - 1)
+            chunks.append((r.token_ids(done, r.num_tokens), done, r.block_ids))
+            self._computed[r.request_id] = r.num_tokens
+        drafts = {r.request_id: [token] for (r, _), token in zip(plans, self._argmax(chunks))}
+        for i in range(1, max(w for _, w in plans)):  # the rest: one decode pass each
+            going = [r for r, w in plans if w > i]
+            guesses = self._argmax([([drafts[r.request_id][-1]], r.num_tokens + i - 1,
+                                     r.block_ids) for r in going])
+            for r, token in zip(going, guesses):
                 drafts[r.request_id].append(token)
         return drafts
 
-    def _catch_up(self, plans: list[tuple[Request, int]], drafts: dict[str, list[int]]) -> None:
-        """Its KV up to each request's last token; the first guess of each."""
-        decodes, chunks, order = [], [], ([], [])
-        for r, _ in plans:
-            done = min(self._computed.get(r.request_id, 0), r.num_tokens - 1)
-            if done == r.num_tokens - 1:  # one new token: a decode
-                decodes.append((r.token_at(done), done, r.block_ids))
-                order[0].append(r)
-            else:
-                chunks.append((r.token_ids(done, r.num_tokens), done, r.block_ids))
-                order[1].append(r)
-            self._computed[r.request_id] = r.num_tokens
-        for r, token in zip(order[0] + order[1], self._argmax(decodes, chunks)):
-            drafts[r.request_id].append(token)
-
-    def _argmax(self, decodes, chunks) -> list[int]:
-        # logits: [len(decodes) + len(chunks), vocab]
-        return self.runner.forward_tokens(decodes, chunks).argmax(dim=-1).tolist()
+    def _argmax(self, chunks) -> list[int]:
+        # logits: [len(chunks), vocab]
+        return self.runner.forward_tokens(chunks).argmax(dim=-1).tolist()
