@@ -51,9 +51,10 @@ def queue_compute_seconds(cost: StepCost, load: WorkerLoad) -> float:
 
 
 def decode_step_seconds(cost: StepCost, load: WorkerLoad) -> float:
-    """One step of the decode batch alone."""
+    """One step of the decode batch alone (the drafts its decodes verify included)."""
     return (cost.base_s + cost.decode_seq_s * load.decode_seqs
-            + cost.decode_context_s * load.decode_context)
+            + cost.decode_context_s * load.decode_context
+            + cost.draft_token_s * cost.drafts_per_decode * load.decode_seqs)
 
 
 def ttft_seconds(cost: StepCost, load: WorkerLoad, tokens: int, cached: int = 0) -> float:
@@ -72,11 +73,13 @@ def tpot_seconds(cost: StepCost, load: WorkerLoad, prompt_tokens: int,
     of the batch with it (its context at mid-generation), plus the prompt work queued
     there, which the steps carrying its decode compute too, spread over its output;
     all stretched by the prompts still to arrive while it decodes, at the worker's
-    recent prompt share s (of every second, s goes to them: 1 / (1 - s))."""
+    recent prompt share s (of every second, s goes to them: 1 / (1 - s)). With
+    speculative decoding a step gives it cost.decode_yield tokens."""
     joined = WorkerLoad(decode_seqs=load.decode_seqs + 1,
                         decode_context=load.decode_context + prompt_tokens + max_tokens // 2)
     stall = queue_compute_seconds(cost, load)
-    own = decode_step_seconds(cost, joined) + stall / max(1, max_tokens - 1)
+    own = (decode_step_seconds(cost, joined) / max(cost.decode_yield, 1.0)
+           + stall / max(1, max_tokens - 1))
     return own / (1.0 - min(max(load.prompt_share, 0.0), _MAX_PROMPT_SHARE))
 
 

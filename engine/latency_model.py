@@ -5,6 +5,7 @@ another stays exposed, each fitted online from what the workers measured. Pure
 
     step_s     = base + prefill_token * prefill_tokens + prefill_pair * prefill_pairs
                  + decode_seq * decode_seqs + decode_context * decode_context
+                 + draft_token * draft_tokens
     transfer_s = latency + per_byte * bytes
 
 Each fit is least squares over a sliding window, pulled gently toward a prior (the
@@ -18,6 +19,11 @@ A worker's prompt share is what arrives after a forecast: the share of its recen
 time its steps spent computing prompts. Prompts that arrive while a request decodes
 there stretch that request's steps; the forecast of its TPOT counts them at the
 rate they arrived lately.
+With speculative decoding a decode step also verifies draft tokens (draft_tokens;
+a draft model's own passes ride in the step's duration too) and a decoding request
+gains more than one token per step: the step model measures, over its window, the
+tokens a decode gains per step and the drafts it verifies, so that a TPOT forecast
+is a step's time over the tokens it yields.
 latency_forecast.py turns the costs into TTFT and TPOT predictions."""
 from __future__ import annotations
 
@@ -32,18 +38,29 @@ from pdserve.engine.step_shape import StepShape, StepTiming
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds per unit of each term of a step's shape."""
+    """Seconds per unit of each term of a step's shape (COEFFICIENTS), and how the
+    worker's decodes step (measured, not fitted)."""
     base_s: float
     prefill_token_s: float
     prefill_pair_s: float
     decode_seq_s: float
     decode_context_s: float
+    draft_token_s: float = 0.0
+    decode_yield: float = 1.0  # tokens a decoding request gains per step (1 + accepted)
+    drafts_per_decode: float = 0.0  # draft tokens a decoding request verifies per step
 
     def duration(self, shape: StepShape) -> float:
         return (self.base_s + self.prefill_token_s * shape.prefill_tokens
                 + self.prefill_pair_s * shape.prefill_pairs
                 + self.decode_seq_s * shape.decode_seqs
-                + self.decode_context_s * shape.decode_context)
+                + self.decode_context_s * shape.decode_context
+                + self.draft_token_s * shape.draft_tokens)
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        """The fitted terms, in features() order."""
+        return (self.base_s, self.prefill_token_s, self.prefill_pair_s, self.decode_seq_s,
+                self.decode_context_s, self.draft_token_s)
 
 
 @dataclass(frozen=True)
@@ -58,13 +75,13 @@ class TransferCost:
 # Priors for a worker nothing was measured of yet: a small model on a CPU core
 # (a decode step of a few ms, 20k prefill tokens/s) and a 1 GB/s link.
 DEFAULT_STEP_COST = StepCost(base_s=4e-3, prefill_token_s=5e-5, prefill_pair_s=1e-8,
-                             decode_seq_s=3e-4, decode_context_s=1e-7)
+                             decode_seq_s=3e-4, decode_context_s=1e-7, draft_token_s=5e-5)
 DEFAULT_TRANSFER_COST = TransferCost(latency_s=2e-3, per_byte_s=1e-9)
 
 
 def features(shape: StepShape) -> tuple[float, ...]:
     return (1.0, shape.prefill_tokens, shape.prefill_pairs, shape.decode_seqs,
-            shape.decode_context)
+            shape.decode_context, shape.draft_tokens)
 
 
 class OnlineFit:
@@ -152,8 +169,9 @@ class StepModel:
                  max_age_s: float | None = None, min_refit_interval_s: float = 0.0):
         """max_age_s: steps that ended longer ago than that (on the worker's clock,
         against `cost(now)`) no longer count. min_refit_interval_s: OnlineFit's."""
-        self._fit = OnlineFit(astuple(prior), window, max_age_s=max_age_s,
+        self._fit = OnlineFit(prior.coefficients, window, max_age_s=max_age_s,
                               min_refit_interval_s=min_refit_interval_s)
+        self._yield = DecodeYield(prior, window, max_age_s)
 
     @classmethod
     def seeded(cls, timings: Sequence[StepTiming], window: int = 512,
@@ -172,6 +190,7 @@ class StepModel:
     def observe(self, timings: Sequence[StepTiming]) -> None:
         for t in timings:
             self._fit.add(features(t.shape), t.duration_s, t.end_time)
+        self._yield.observe(timings)
 
     @property
     def num_samples(self) -> int:
@@ -179,7 +198,46 @@ class StepModel:
 
     def cost(self, now: float | None = None) -> StepCost:
         """As fitted; given `now` (the worker's clock), without the steps aged out."""
-        return StepCost(*(float(c) for c in self._fit.coefficients(now)))
+        decode_yield, drafts = self._yield.figures(now)
+        return StepCost(*(float(c) for c in self._fit.coefficients(now)),
+                        decode_yield=decode_yield, drafts_per_decode=drafts)
+
+
+class DecodeYield:
+    """What a worker's decodes gained and verified per step over its recent steps
+    (the same window and age as its step fit); the prior's figures until it decoded."""
+
+    def __init__(self, prior: StepCost, window: int = 512, max_age_s: float | None = None):
+        self.prior = (prior.decode_yield, prior.drafts_per_decode)
+        self.max_age_s = max_age_s
+        # (end time, decoding requests, tokens they gained, drafts they verified)
+        self._steps: deque[tuple[float, int, int, int]] = deque(maxlen=window)
+        self._sums = [0, 0, 0]
+
+    def observe(self, timings: Sequence[StepTiming]) -> None:
+        for t in timings:
+            seqs = t.shape.decode_seqs
+            if not seqs:
+                continue
+            gained = seqs if t.decode_tokens is None else t.decode_tokens
+            if len(self._steps) == self._steps.maxlen:
+                self._drop()
+            self._steps.append((t.end_time, seqs, gained, t.shape.draft_tokens))
+            for i, v in enumerate((seqs, gained, t.shape.draft_tokens)):
+                self._sums[i] += v
+
+    def figures(self, now: float | None = None) -> tuple[float, float]:
+        """(tokens a decode gains per step, drafts it verifies per step)."""
+        if now is not None and self.max_age_s is not None:
+            while self._steps and self._steps[0][0] < now - self.max_age_s:
+                self._drop()
+        seqs, gained, drafts = self._sums
+        return (gained / seqs, drafts / seqs) if seqs else self.prior
+
+    def _drop(self) -> None:
+        _, *values = self._steps.popleft()
+        for i, v in enumerate(values):
+            self._sums[i] -= v
 
 
 class TransferModel:

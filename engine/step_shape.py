@@ -40,5 +40,6 @@ class StepTiming:
     shape: StepShape
     duration_s: float  # schedule to outputs, the forward pass (and drafting) included
     end_time: float  # wall clock on the worker
-    # Tokens the decodes emitted: one each, and what verifying drafts accepted.
-    decode_tokens: int = 0
+    # Tokens the decodes gained: one each, and the drafts their verifications
+    # accepted (None: one each, a worker without speculative decoding).
+    decode_tokens: int | None = None

@@ -14,14 +14,19 @@ IDLE_REPORT_INTERVAL_S = 0.5
 def gauges(worker_id: str, role: str, scheduler: Scheduler, now: float) -> dict:
     """The load figures of a WorkerTelemetry, by field name."""
     blocks, running, waiting = scheduler.block_manager, scheduler.running, scheduler.waiting
+    stats = scheduler.stats
     return {"worker_id": worker_id, "role": role, "time": now, "waiting": len(waiting),
             "waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in waiting),
             "running": len(running),
             "context_tokens": sum(r.num_computed_tokens for r in running),
             "reserved": scheduler.num_unfinished - len(running) - len(waiting),
             "free_blocks": blocks.num_free_blocks, "num_blocks": blocks.num_blocks,
-            "num_preemptions": scheduler.stats.num_preemptions,
-            "token_budget": scheduler.config.max_num_batched_tokens}
+            "num_preemptions": stats.num_preemptions,
+            "token_budget": scheduler.config.max_num_batched_tokens,
+            "spec_num_drafts": stats.spec_decode_num_drafts,
+            "spec_num_draft_tokens": stats.spec_decode_num_draft_tokens,
+            "spec_num_accepted_tokens": stats.spec_decode_num_accepted_tokens,
+            "spec_accepted_per_pos": tuple(stats.spec_decode_num_accepted_tokens_per_pos)}
 
 
 def report(worker_id: str, role: str, scheduler: Scheduler, now: float,

@@ -176,6 +176,12 @@ class WorkerTelemetry:
     # the last report: its net change, so no hash is in both (net_prefix_events).
     prefix_stored: tuple[bytes, ...] = ()
     prefix_evicted: tuple[bytes, ...] = ()
+    # Speculative decoding, cumulative (SchedulerStats' spec_decode_*): verifications,
+    # draft tokens verified, accepted, and accepted by draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     def merged(self, later: "WorkerTelemetry") -> "WorkerTelemetry":
         """`later`'s gauges with both reports' steps, and their events' net change."""

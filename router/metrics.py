@@ -55,6 +55,16 @@ class RouterMetrics:
         self._prefix_events = Counter("pdserve:prefix_cache_block_events",
                                       "Prefix-cache blocks made findable / evicted",
                                       per_worker + ["event"], registry=r)
+        # Speculative decoding under vLLM's names: counters fed by the workers'
+        # cumulative figures (a restarted worker's start again from zero).
+        self._spec = {name: Counter(f"pdserve:spec_decode_{name}", doc, per_worker, registry=r)
+                      for name, doc in (
+                          ("num_drafts", "Verification steps of one request"),
+                          ("num_draft_tokens", "Draft tokens verified"),
+                          ("num_accepted_tokens", "Draft tokens accepted"))}
+        self._spec_per_pos = Counter("pdserve:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by their position in the draft",
+                                     per_worker + ["position"], registry=r)
         self._roles: dict[str, str] = {}  # worker -> the role its series carry
         self._series: dict[str, dict] = {}  # worker -> its labelled series
         self.lease_expiries = Gauge(
@@ -152,19 +162,39 @@ class RouterMetrics:
             series["stored"].inc(len(t.prefix_stored))
         if t.prefix_evicted:
             series["evicted"].inc(len(t.prefix_evicted))
+        if t.spec_num_drafts:
+            self._observe_spec(t, series)
+
+    def _observe_spec(self, t, series: dict) -> None:
+        """The growth of a worker's cumulative speculative-decoding figures."""
+        last = series.setdefault("spec_last", {})
+        key = (self._model, t.worker_id, t.role)
+        figures = {"num_drafts": t.spec_num_drafts, "num_draft_tokens": t.spec_num_draft_tokens,
+                   "num_accepted_tokens": t.spec_num_accepted_tokens,
+                   **{i: v for i, v in enumerate(t.spec_accepted_per_pos)}}
+        restarted = t.spec_num_drafts < last.get("num_drafts", 0)  # counting from 0 again
+        for name, value in figures.items():
+            grown = value if restarted else value - last.get(name, 0)
+            last[name] = value
+            if grown:
+                counter = (self._spec[name].labels(*key) if isinstance(name, str)
+                           else self._spec_per_pos.labels(*key, str(name)))
+                counter.inc(grown)
 
     def forget_worker(self, worker_id: str) -> None:
         """A worker that left (or changed role): its series end."""
         role = self._roles.pop(worker_id, None)
-        self._series.pop(worker_id, None)
+        series = self._series.pop(worker_id, None) or {}
         if role is None:
             return
         key = (self._model, worker_id, role)
-        for metric in [*self._worker_gauges.values(), self._step_seconds]:
+        for metric in [*self._worker_gauges.values(), self._step_seconds, *self._spec.values()]:
             try:
                 metric.remove(*key)
             except KeyError:
                 pass
+        for position in (p for p in series.get("spec_last", {}) if isinstance(p, int)):
+            self._spec_per_pos.remove(*key, str(position))
         for event in ("stored", "evicted"):
             try:
                 self._prefix_events.remove(*key, event)

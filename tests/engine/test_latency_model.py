@@ -149,3 +149,41 @@ def test_prompt_pairs_match_the_step_shapes_of_its_chunks():
     chunks = [(30, 0), (30, 30), (40, 60)]
     assert sum(n * c + n * (n + 1) // 2 for n, c in chunks) == prompt_pairs(100)
     assert prompt_pairs(100, cached=60) == 40 * 60 + 40 * 41 // 2
+
+
+def test_verification_steps_teach_the_draft_cost_and_the_tokens_a_step_yields():
+    """A worker speculating: its decode steps also verify drafts and each decode gains
+    more than a token a step. The fit recovers the per-draft cost; the model measures
+    the yield; a TPOT forecast is the step (drafts included) over the tokens it yields,
+    so it stays right with speculation on."""
+    true = StepCost(base_s=3e-3, prefill_token_s=4e-5, prefill_pair_s=2e-8,
+                    decode_seq_s=6e-4, decode_context_s=2e-7, draft_token_s=3e-4)
+    rng = random.Random(3)
+    steps = []
+    for t in synthetic_steps(true, 500, noise=0.02, rng=rng):  # within the window
+        s = t.shape
+        drafts = rng.randint(0, 4 * s.decode_seqs) if s.decode_seqs else 0
+        shape = StepShape(s.prefill_tokens, s.prefill_pairs, s.decode_seqs, s.decode_context,
+                          drafts)
+        accepted = drafts // 2  # half the drafts accepted
+        steps.append(StepTiming(shape, true.duration(shape) * (1 + rng.gauss(0, 0.02)), 0.0,
+                                decode_tokens=s.decode_seqs + accepted))
+    model = StepModel()
+    model.observe(steps)
+    fitted = model.cost()
+    assert fitted.draft_token_s == pytest.approx(true.draft_token_s, rel=0.05)
+    seqs = sum(t.shape.decode_seqs for t in steps)
+    drafts = sum(t.shape.draft_tokens for t in steps)
+    assert fitted.drafts_per_decode == pytest.approx(drafts / seqs)
+    assert fitted.decode_yield == pytest.approx(sum(t.decode_tokens for t in steps) / seqs)
+    assert 1.5 < fitted.decode_yield < 2.5  # 2 drafts a decode on average, half kept: ~2
+    # 4 decodes, 2 drafts each, 1.5 tokens a step each: (1 + 0.6 + 4 x 2 x 0.3) ms / 1.5
+    cost = StepCost(base_s=1e-3, prefill_token_s=0.0, prefill_pair_s=0.0, decode_seq_s=1.5e-4,
+                    decode_context_s=0.0, draft_token_s=1e-4, decode_yield=1.5,
+                    drafts_per_decode=2.0)
+    assert tpot_seconds(cost, WorkerLoad(decode_seqs=3), 10, 11) == pytest.approx(
+        (1e-3 + 4 * 1.5e-4 + 4 * 2 * 1e-4) / 1.5)
+    # steps without speculation (decode_tokens unset) yield a token each
+    plain = StepModel()
+    plain.observe(synthetic_steps(TRUE, 50, noise=0.0, rng=rng))
+    assert (plain.cost().decode_yield, plain.cost().drafts_per_decode) == (1.0, 0.0)

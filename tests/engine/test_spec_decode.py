@@ -74,6 +74,11 @@ def test_greedy_equals_hf_with_each_proposer(llama_dir, oracle, proposers, name)
     assert_drafts(llm, rejected=name != "self")
     if name == "self":  # all k drafts accepted: about k + 1 tokens a step
         assert llm.engine.num_steps < max(MAX_TOKENS) / 3
+    # What each step reports (the latency model's input) accounts for verification.
+    stats, timings = llm.engine.stats, llm.engine.step_timings
+    assert sum(t.shape.draft_tokens for t in timings) == stats.spec_decode_num_draft_tokens
+    assert sum(t.decode_tokens - t.shape.decode_seqs for t in timings) == \
+        stats.spec_decode_num_accepted_tokens
 
 
 @pytest.mark.parametrize("name", ["ngram", "draft"])

@@ -61,3 +61,32 @@ def test_the_ttft_error_is_of_the_part_after_a_wait_for_capacity():
     errors = _samples(metrics, "pdserve:router_prediction_relative_error_sum",
                       "metric", "kind", "direction")
     assert errors == {("ttft", "colocate", "under"): pytest.approx(0.5)}
+
+
+def test_speculative_decoding_counters_follow_the_workers_cumulative_figures():
+    """vLLM's names: drafts, draft tokens, accepted tokens and accepted per position,
+    per worker, grown by each report's cumulative figures (a restarted worker's start
+    from zero again)."""
+    from pdserve.engine.worker_messages import WorkerTelemetry
+    metrics = RouterMetrics("m")
+
+    def report(drafts, tokens, accepted, per_pos):
+        return WorkerTelemetry(worker_id="w", role="decode", time=0.0, waiting=0,
+                               waiting_tokens=0, running=1, context_tokens=10, reserved=0,
+                               free_blocks=1, num_blocks=2, num_preemptions=0,
+                               spec_num_drafts=drafts, spec_num_draft_tokens=tokens,
+                               spec_num_accepted_tokens=accepted,
+                               spec_accepted_per_pos=per_pos)
+    metrics.observe_worker(report(2, 8, 5, (2, 2, 1, 0)))
+    metrics.observe_worker(report(3, 12, 6, (3, 2, 1, 0)))
+    metrics.observe_worker(report(1, 4, 4, (1, 1, 1, 1)))  # restarted
+    total = {name: _samples(metrics, f"pdserve:spec_decode_{name}_total", "worker")
+             for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    assert total == {"num_drafts": {("w",): 4}, "num_draft_tokens": {("w",): 16},
+                     "num_accepted_tokens": {("w",): 10}}
+    per_pos = _samples(metrics, "pdserve:spec_decode_num_accepted_tokens_per_pos_total",
+                       "position")
+    assert per_pos == {("0",): 4, ("1",): 3, ("2",): 2, ("3",): 1}
+    metrics.forget_worker("w")
+    assert not _samples(metrics, "pdserve:spec_decode_num_accepted_tokens_per_pos_total",
+                        "position")
