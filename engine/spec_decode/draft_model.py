@@ -10,7 +10,15 @@ accepted drafts and the token after them; its whole prompt the first time, compu
 here, on the worker that decodes it, whether the target's KV for that prompt was
 computed here or sent by a prefill worker), which yields its first guess; then k - 1
 decode passes over the whole batch give the rest. What it computed past the verified
-tokens is written over the next time."""
+tokens is written over the next time.
+
+In a disaggregated cluster the draft's KV for a prompt is computed on the decode
+worker rather than sent with the target's: the draft's pass over a prompt costs a
+fraction of the target's and runs where that KV is read, while sending it would load
+the draft on every prefill worker, put a second layout on the wire and lengthen the
+transfer each request waits for. A request that hits the prefix cache still has the
+draft catch up from its first token (the draft's KV in a cached block may never have
+been computed: the block may have been filled by a transfer)."""
 from __future__ import annotations
 
 from dataclasses import replace

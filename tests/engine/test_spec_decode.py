@@ -4,6 +4,7 @@ max_tokens inside an accepted run; logprobs of accepted tokens; seeded sampling 
 as plain decoding draws it; KV blocks and prefix-cache hashes exact after rejections."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -191,3 +192,32 @@ def test_kv_blocks_and_prefix_hashes_after_rejections(llama_dir, oracle, propose
     assert again.num_cached_tokens == (len(follow) - 1) // bm.block_size * bm.block_size
     expected, _ = oracle.generate(follow, 16)
     assert again.token_ids == expected
+
+
+def test_the_config_is_validated_where_built_and_reaches_the_cli(llama_dir, tmp_path):
+    from pdserve import cli_flags
+    from pdserve.cli import build_parser
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.spec_decode.config import SpeculativeConfig
+    from pdserve.engine.tiny_model import TinySpec, make_tiny_model, train_tokenizer
+    for bad, field in [({"method": "eagle"}, "method"),
+                       ({"method": "draft_model"}, "model"),
+                       ({"method": "ngram", "model": "x"}, "model"),
+                       ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_max"),
+                       ({"k": 4}, "unknown")]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig.from_kwargs(str(llama_dir), speculative_config=bad)
+    args = build_parser().parse_args(
+        ["serve", "--speculative-config", json.dumps(NGRAM)])
+    assert cli_flags.engine_config(args, "tiny").speculative_config == SpeculativeConfig(**NGRAM)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", '{"method": "x"}'])
+    # A draft model must share the target's vocabulary.
+    other = make_tiny_model(tmp_path / "other", TinySpec(hidden_size=64, intermediate_size=128,
+                                                         num_layers=1, num_heads=2,
+                                                         num_kv_heads=1, vocab_size=600),
+                            tokenizer=train_tokenizer(600))
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(str(llama_dir), kv_cache_memory_bytes=KV_BYTES, speculative_config={
+            "method": "draft_model", "model": str(other), "num_speculative_tokens": 2})
