@@ -60,6 +60,7 @@ bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/decide.py
 	$(BIN)/python benchmarks/routing.py
 	$(BIN)/python benchmarks/replicas.py
+	$(BIN)/python benchmarks/migration.py
 
 # one hour of steady load: RSS, threads and fds of every process, and their slopes
 soak: $(VENV)/.dev

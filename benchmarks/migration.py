@@ -147,7 +147,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="benchmarks/results/migration.json")
+    ap.add_argument("--out", default="bench-results/migration.json")
     args = ap.parse_args()
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)

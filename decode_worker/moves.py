@@ -110,13 +110,13 @@ class Moves:
                                 f"{len(incoming.token_ids)} newer tokens")
             blocks = request.block_ids[incoming.first_block:copy_end(
                 request.num_tokens - 1, engine.block_manager.block_size, incoming.final)]
+            if incoming.final and not blocks:
+                raise MoveError(f"request {incoming.request_id}: a last copy of no block")
             if blocks:
                 self.receiver.expect(incoming.transfer_id, blocks, 0)
             return blocks
         blocks = self.loop.call_concurrent(expect)
         if not blocks:
-            if incoming.final:
-                self._resume(incoming.request_id)
             return blocks
         landed = self.receiver.landed(incoming.transfer_id)  # forgotten once it landed
         if incoming.final:

@@ -76,6 +76,7 @@ class LiveMover:
         self._copies = itertools.count()
         self.moving: dict[str, asyncio.Task] = {}  # request id -> its move
         self.records: deque[MoveRecord] = deque(maxlen=256)  # the last moves made
+        self._unpairing: set[asyncio.Task] = set()  # drained workers' pairs being closed
 
     async def evacuate(self, source: WorkerHandle, drained: asyncio.Event) -> None:
         """Moves this router's running requests off the draining `source` until it
@@ -83,31 +84,37 @@ class LiveMover:
         gave up, is looked at again when a move ends, or every second; MAX_TRIES
         moves each at most, then it ends where it is)."""
         tries: dict[str, int] = {}
+        started: set[asyncio.Task] = set()
         try:
-            await self._evacuate(source, drained, tries)
+            await self._evacuate(source, drained, tries, started)
         finally:
-            if tries and source.state.role == "decode":
-                await self._unpair(source)
+            if started and source.state.role == "decode":  # once its last copies are sent
+                task = asyncio.ensure_future(self._unpair(source, started))
+                self._unpairing.add(task)
+                task.add_done_callback(self._unpairing.discard)
 
     async def _evacuate(self, source: WorkerHandle, drained: asyncio.Event,
-                        tries: dict[str, int]) -> None:
+                        tries: dict[str, int], started: set[asyncio.Task]) -> None:
         while not drained.is_set():
             for flight in list(source.flights.values()):
                 if flight.phase is Phase.STREAMING and flight.request_id not in self.moving \
                         and tries.get(flight.key, 0) < MAX_TRIES:
                     tries[flight.key] = tries.get(flight.key, 0) + 1
-                    self.moving[flight.request_id] = asyncio.ensure_future(
+                    task = self.moving[flight.request_id] = asyncio.ensure_future(
                         self.move(flight, source))
+                    started.add(task)
             wait = {asyncio.ensure_future(drained.wait()), *self.moving.values()}
             done, pending = await asyncio.wait(wait, timeout=1.0,
                                                return_when=asyncio.FIRST_COMPLETED)
             for task in pending - set(self.moving.values()):
                 task.cancel()
 
-    async def _unpair(self, source: WorkerHandle) -> None:
+    async def _unpair(self, source: WorkerHandle, moves: set[asyncio.Task]) -> None:
         """A worker in role decode sends KV only to move requests: the pairs it opened
-        for that close (a departing target could not tell it to: pairing.py tells the
-        workers that prefill)."""
+        for that close once those moves are done (a departing target could not tell it
+        to: pairing.py tells the workers that prefill). Its drain is over by the time
+        the last move's request is held elsewhere, before its last copy is sent."""
+        await asyncio.wait(moves, timeout=self.config.prefill_timeout_s)
         targets = [w.address for w in self.pool.workers.values()
                    if w is not source and w.state.decodes and w.address]
         try:
@@ -172,11 +179,24 @@ class LiveMover:
             flight.paused = None
             self.abort_on(target, key_t)
             if isinstance(exc, Exception) and not isinstance(exc, GaveUp):
-                raise GaveUp(f"a copy to {target.worker_id} failed: {short_reason(exc)}") \
-                    from None
+                raise GaveUp(f"moving it to {target.worker_id} failed: "
+                             f"{short_reason(exc)}") from None
             raise
         try:  # paused: from here a failure replays it
-            await asyncio.wait_for(flight.paused.wait(), timeout_s)  # its last tokens came
+            # The rest of its KV, at least its last block (the target decodes on once a
+            # copy lands: there must be one).
+            end = -(-paused.num_computed_tokens // bs)
+            final = IncomingCopy(
+                request_id=key_t, transfer_id=self._transfer_id(key_t),
+                first_block=min(copied, end - 1),
+                token_ids=paused.output_token_ids[held:], text_sent=paused.text_sent,
+                final=True)
+            expecting = asyncio.ensure_future(asyncio.wait_for(
+                target.client.expect_copy(final), timeout_s))
+            try:  # while the target readies, its last tokens come through the stream
+                await asyncio.wait_for(flight.paused.wait(), timeout_s)
+            finally:
+                blocks = await expecting
             self._still_there(flight, source, key_s)
             # Held on the target before the last copy: once that lands the target decodes
             # on, and its first delta must find the request there.
@@ -184,10 +204,7 @@ class LiveMover:
             flight.key, flight.decode = key_t, target
             target.hold(flight)
             copy_at = self.clock.monotonic()
-            final_blocks = await self._copy(source, key_s, target, IncomingCopy(
-                request_id=key_t, transfer_id=self._transfer_id(key_t), first_block=copied,
-                token_ids=paused.output_token_ids[held:], text_sent=paused.text_sent,
-                final=True))
+            await self._send(source, key_s, target, final, blocks)
             done_at = self.clock.monotonic()
         except BaseException:
             self.abort_on(target, key_t)
@@ -198,7 +215,7 @@ class LiveMover:
         self.abort_on(source, key_s)
         return MoveRecord(request_id=flight.request_id, source=source.worker_id,
                           target=target.worker_id, rounds=rounds,
-                          blocks_before=copied - cached, blocks_final=final_blocks,
+                          blocks_before=copied - cached, blocks_final=len(blocks),
                           final_copy_s=done_at - copy_at, pause_s=done_at - pause_at)
 
     async def _take_over(self, flight: Flight, source: WorkerHandle):
@@ -241,12 +258,16 @@ class LiveMover:
         blocks copied."""
         blocks = await asyncio.wait_for(target.client.expect_copy(incoming),
                                         self.config.control_timeout_s)
+        await self._send(source, key_s, target, incoming, blocks)
+        return len(blocks)
+
+    async def _send(self, source: WorkerHandle, key_s: str, target: WorkerHandle,
+                    incoming: IncomingCopy, blocks: list[int]) -> None:
         if blocks:
             await asyncio.wait_for(source.client.send_blocks(BlockCopy(
                 transfer_id=incoming.transfer_id, request_id=key_s,
                 first_block=incoming.first_block, target_address=target.address,
                 target_blocks=blocks, final=incoming.final)), self.config.prefill_timeout_s)
-        return len(blocks)
 
     @staticmethod
     def _still_there(flight: Flight, source: WorkerHandle, key: str) -> None:

@@ -59,11 +59,11 @@ class SimMoves:
                             f"{len(incoming.token_ids)} newer tokens")
         blocks = request.block_ids[incoming.first_block:copy_end(
             request.num_tokens - 1, w.blocks.block_size, incoming.final)]
+        if incoming.final and not blocks:
+            raise MoveError(f"request {incoming.request_id}: a last copy of no block")
         if blocks:
             self.expected[incoming.transfer_id] = (incoming.request_id, list(blocks),
                                                    incoming.final)
-        elif incoming.final:
-            self._resume(incoming.request_id)
         return list(blocks)
 
     async def send_blocks(self, copy: BlockCopy) -> int:
