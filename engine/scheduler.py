@@ -438,7 +438,10 @@ class Scheduler:
         """A decode with its drafts (as many as the budget leaves room for) and the
         lookahead slots; the tokens scheduled, or 0 when the blocks are not free:
         speculation never preempts."""
-        drafts, request.spec_token_ids = request.spec_token_ids[:budget - 1], []
+        # At most what the budget leaves room for, and never past max_tokens or the
+        # context (drafts proposed before the request gained tokens may be stale).
+        room = min(budget - 1, request.max_num_tokens - request.num_tokens - 1)
+        drafts, request.spec_token_ids = request.spec_token_ids[:max(room, 0)], []
         n = 1 + len(drafts)
         bm, lookahead = self.block_manager, self.num_lookahead_tokens
         if not (bm.allocate_slots(request, n + lookahead)

@@ -236,3 +236,27 @@ def test_the_steady_batch_path_schedules_what_the_general_path_does():
         assert fast[3] > 50 and general[3] == 0  # the fast path ran, and often
         preemptions += fast[2]
     assert preemptions > 0  # blocks ran short along the way
+
+
+def test_drafts_are_scheduled_within_max_tokens_and_the_budget_and_never_preempt():
+    s = make(max_num_batched_tokens=64)
+    s.add_request(request("r", 5, max_tokens=4))
+    step(s)  # the prompt and its first token: 6 tokens, 3 more to go
+    s.propose({"r": [1, 2, 3, 4, 5, 6]})  # more than are left
+    out = s.schedule()
+    # the step emits the kept drafts and one token more: 2 drafts reach max_tokens
+    assert out.spec_token_ids == {"r": [1, 2]} and scheduled(out) == {"r": 3}
+    tight = make(max_num_batched_tokens=3)
+    tight.add_request(request("r", 2, max_tokens=40))
+    step(tight)
+    tight.propose({"r": [1, 2, 3, 4]})
+    assert tight.schedule().spec_token_ids == {"r": [1, 2]}  # 3 tokens of budget
+    # Drafts whose slots are not free are dropped: a plain decode, nobody preempted.
+    full = make(num_blocks=2, block_size=4)
+    full.add_request(request("a", 3, max_tokens=20))
+    full.add_request(request("b", 3, max_tokens=20))
+    step(full)  # each holds one block, 4 tokens: the next token needs a new block
+    full.propose({"a": [1, 2, 3]})
+    out = full.schedule()
+    assert not out.spec_token_ids and not out.preempted_request_ids
+    assert scheduled(out) == {"a": 1, "b": 1}
