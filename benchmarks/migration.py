@@ -110,8 +110,6 @@ def drain_round(srv: RouterServer, batch, max_tokens: int, live: bool) -> dict:
 
 
 def replay_round(srv: RouterServer, batch, max_tokens: int) -> dict:
-    router = srv.router
-
     async def kill(srv):
         victim, _ = await busiest_decode(srv, 20)
         ids = {f.request_id for f in victim.flights.values()}

@@ -37,8 +37,9 @@ from pdserve.engine.worker_messages import (
 )
 from pdserve.kv_transfer import KVReceiver
 
-# send(transfer_id, address, source blocks, target blocks) -> Future of the bytes sent
-Send = Callable[[str, str, list[int], list[int]], Future]
+# send(transfer_id, address, source blocks, target blocks, urgent) -> Future of the
+# bytes sent (urgent: a paused request's last copy, before the copies queued)
+Send = Callable[[str, str, list[int], list[int], bool], Future]
 
 
 class Moves:
@@ -76,8 +77,8 @@ class Moves:
                                              "ended) while its blocks were copied"))
             else:
                 sent.set_result(transfer.result())
-        self.send(copy.transfer_id, copy.target_address, src,
-                  copy.target_blocks).add_done_callback(checked)
+        self.send(copy.transfer_id, copy.target_address, src, copy.target_blocks,
+                  copy.final).add_done_callback(checked)
         return sent
 
     def pause(self, request_id: str) -> Future:

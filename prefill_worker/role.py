@@ -106,10 +106,11 @@ class PrefillRole:
                 lane.close(join=True)
 
     def send(self, transfer_id: str, address: str, src_blocks: list[int],
-             dst_blocks: list[int]) -> Future:
+             dst_blocks: list[int], urgent: bool = False) -> Future:
         """A transfer of KV already in the cache (a running request moving: live
         migration), on the decode worker's lane, every layer at once: resolves to the
-        bytes sent once the receiver confirmed them, or with the transfer's error."""
+        bytes sent once the receiver confirmed them, or with the transfer's error.
+        urgent: before the lane's other calls queued (a paused request's last copy)."""
         sent: Future = Future()
 
         def transfer() -> int:
@@ -127,7 +128,7 @@ class PrefillRole:
             if ready.exception() is not None:
                 sent.set_exception(ready.exception())
             else:
-                _chain(self._lane(address).submit(transfer), sent)
+                _chain(self._lane(address).submit(transfer, urgent=urgent), sent)
 
         self._pair(address).add_done_callback(paired)
         return sent
@@ -257,27 +258,28 @@ def _chain(source: Future, target: Future) -> None:
 
 
 class _Lane:
-    """One daemon thread running calls in order: a peer that hangs holds up only its
-    own lane, and never the process's exit."""
+    """One daemon thread running calls in order (urgent ones before the others queued):
+    a peer that hangs holds up only its own lane, and never the process's exit."""
 
     def __init__(self, name: str):
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._calls: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn, *args) -> Future:
+    def submit(self, fn, *args, urgent: bool = False) -> Future:
         future: Future = Future()
-        self._calls.put((fn, args, future))
+        self._calls.put((not urgent, next(self._order), (fn, args, future)))
         return future
 
     def close(self, join: bool = False) -> None:
         """Its thread ends once the calls queued before this ran (join: wait for it)."""
-        self._calls.put(None)
+        self._calls.put((True, next(self._order), None))
         if join and threading.current_thread() is not self._thread:
             self._thread.join()
 
     def _run(self) -> None:
-        while (call := self._calls.get()) is not None:
+        while (call := self._calls.get()[2]) is not None:
             fn, args, future = call
             try:
                 future.set_result(fn(*args))

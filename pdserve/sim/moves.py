@@ -7,14 +7,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from pdserve.engine.errors import InvalidRequestError, MoveError
+from pdserve.engine.errors import MoveError
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.worker_messages import (
     BlockCopy,
     IncomingCopy,
-    Job,
     Paused,
-    Reservation,
     TokenDelta,
     copy_end,
 )
@@ -30,23 +28,6 @@ class SimMoves:
         self.worker = worker
         # transfer id -> (request id, its blocks the copy goes into, final)
         self.expected: dict[str, tuple[str, list[int], bool]] = {}
-
-    async def take_over(self, job: Job, subscriber: str) -> Reservation | None:
-        w = self.worker
-        rid = job.request_id
-        if rid in w._aborted:
-            return None  # its abort overtook this call
-        if rid in w._owners:
-            raise InvalidRequestError("request_id", f"{rid!r} is already in use on this worker")
-        request = w._request(rid, job.prompt_token_ids, job.sampling_params,
-                                job.arrival_time, job.output_token_ids)
-        w._cut()  # the blocks a stretch in flight took are taken
-        if not w.scheduler.reserve(request):
-            return None
-        w._owners[rid] = subscriber
-        cached = request.num_cached_tokens // w.blocks.block_size
-        return Reservation(request_id=rid, receiver_address=w.worker_id,
-                           block_ids=list(request.block_ids), num_cached_blocks=cached)
 
     def expect_copy(self, incoming: IncomingCopy) -> list[int]:
         w = self.worker

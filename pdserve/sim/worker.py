@@ -359,6 +359,11 @@ class SimWorker:
 
     async def reserve(self, job: Job, subscriber: str) -> Reservation | None:
         self._check("reserve", "decode", "both")
+        return self._reserve(job, subscriber, expect=True)
+
+    def _reserve(self, job: Job, subscriber: str, expect: bool) -> Reservation | None:
+        """expect: its KV arrives as one transfer (a prefill's); else in parts (a live
+        migration's copies: moves.py)."""
         rid = job.request_id
         if rid in self._aborted:
             return None  # its abort overtook this call
@@ -370,7 +375,8 @@ class SimWorker:
         if not self.scheduler.reserve(request):
             return None
         self._owners[rid] = subscriber
-        self._landing[rid] = asyncio.get_running_loop().create_future()
+        if expect:
+            self._landing[rid] = asyncio.get_running_loop().create_future()
         cached = request.num_cached_tokens // self.blocks.block_size
         return Reservation(request_id=rid, receiver_address=self.worker_id,
                            block_ids=list(request.block_ids), num_cached_blocks=cached)
@@ -423,7 +429,7 @@ class SimWorker:
 
     async def take_over(self, job: Job, subscriber: str) -> Reservation | None:
         self._check("take_over", "decode", "both")
-        return await self.moves.take_over(job, subscriber)
+        return self._reserve(job, subscriber, expect=False)
 
     async def expect_copy(self, incoming: IncomingCopy) -> list[int]:
         self._check("expect_copy")

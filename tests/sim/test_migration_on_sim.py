@@ -132,14 +132,16 @@ async def _drain_while_streaming(cluster: SimCluster, params: SamplingParams,
     victim = _victim(router, "decode")
     killed = []
     for worker in cluster.workers.values() if kill_target_at else ():
+        # the seam's take_over; the target's part of expect_copy (past the seam's check)
+        owner = worker if kill_target_at == "take_over" else worker.moves
         name = "take_over" if kill_target_at == "take_over" else "expect_copy"
-        call = getattr(worker.moves, name)
+        call = getattr(owner, name)
 
         def dying(first, *args, worker=worker, call=call):
             if not killed and (kill_target_at == "take_over" or first.final):
                 killed.append(worker.kill())
             return call(first, *args)
-        setattr(worker.moves, name, dying)
+        setattr(owner, name, dying)
     loop = asyncio.get_running_loop()
     began = loop.time()
     await router.pool.drain(victim)
