@@ -52,9 +52,12 @@ class Sampler:
                 _penalize(logits[i], params[i], self._distinct_prompt(requests[i], logits),
                           requests[i].output_token_ids)
         tokens = logits.argmax(dim=-1).tolist()
-        for i, p in enumerate(params):
-            if not p.greedy:
-                tokens[i] = self._sample_one(logits[i], p, len(requests[i].output_token_ids))
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if drawn:
+            for i, token in zip(drawn, self._draw(
+                    logits[drawn], [params[i] for i in drawn],
+                    [len(requests[i].output_token_ids) for i in drawn])):
+                tokens[i] = token
         logprobs: list[float | None] = [None] * len(params)
         tops: list[dict[int, float] | None] = [None] * len(params)
         wanted = [i for i, p in enumerate(params) if p.logprobs]
@@ -96,7 +99,7 @@ class Sampler:
                 return int(row(j).argmax())
         else:
             def sample_at(j: int) -> int:
-                return self._sample_one(row(j), p, len(output) + j)
+                return self._draw(row(j).unsqueeze(0), [p], [len(output) + j])[0]
         run = rejection_sampler.verify(drafts, sample_at)
         if not p.logprobs:
             return run, None, None
@@ -109,32 +112,46 @@ class Sampler:
         return run, logprobs, [dict(zip(i, v)) for i, v in
                                zip(top.indices.tolist(), top.values.tolist())]
 
-    def _sample_one(self, logits: torch.Tensor, p: SamplingParams, output_index: int) -> int:
-        logits = logits.cpu() / p.temperature
-        if p.min_p > 0:
-            probs = logits.softmax(-1)
-            logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-        if p.top_k and p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams],
+              output_indices: list[int]) -> list[int]:
+        """logits: [R, vocab], the rows of requests that sample (not greedy) -> one
+        token each. Temperature, min-p, top-k and top-p apply to all rows at once;
+        each row's result depends on that row alone (so a seeded request draws the
+        same token in any batch), and a seeded row draws from its (seed, index)."""
+        x = logits.cpu() / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
+            probs = x.softmax(-1)
+            x = x.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+        vocab = x.shape[-1]
+        ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+        if any(ks):
+            values = torch.topk(x, max(ks)).values  # [R, max k], descending
+            kth = values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks]).unsqueeze(1))
+            kth = kth.masked_fill(torch.tensor([k == 0 for k in ks]).unsqueeze(1), float("-inf"))
+            x = x.masked_fill(x < kth, float("-inf"))
+        if any(p.top_p < 1.0 for p in params):
+            sorted_logits, order = torch.sort(x, descending=True, stable=True)
+            mass = sorted_logits.softmax(-1)
             # Keep the smallest prefix whose mass reaches top_p, the first token always
             # (a top_p below float32's range compares as 0 and would drop it too).
-            drop = cumulative - sorted_logits.softmax(-1) >= p.top_p
-            drop[0] = False
-            logits = logits.index_fill(0, order[drop], float("-inf"))
-        probs = logits.softmax(-1)
-        if not bool(torch.isfinite(probs).all()):
-            # Extreme penalties overflow a logit to inf (inf - inf is NaN in softmax):
-            # the distribution has collapsed onto those tokens, so take the first.
-            return int(logits.nan_to_num(nan=float("-inf")).argmax())
-        if p.seed is None:
-            generator = self._default
-        else:
-            generator = self._seeded.manual_seed(token_seed(p.seed, output_index))
-        return int(torch.multinomial(probs, 1, generator=generator))
+            top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+            drop = (mass.cumsum(-1) - mass >= top_p) & (top_p < 1.0)
+            drop[:, 0] = False
+            x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+        probs = x.softmax(-1)
+        finite = torch.isfinite(probs).all(-1).tolist()
+        tokens = []
+        for i, (p, index) in enumerate(zip(params, output_indices)):
+            if not finite[i]:
+                # Extreme penalties overflow a logit to inf (inf - inf is NaN in
+                # softmax): the distribution has collapsed onto those tokens; the first.
+                tokens.append(int(x[i].nan_to_num(nan=float("-inf")).argmax()))
+                continue
+            generator = (self._default if p.seed is None
+                         else self._seeded.manual_seed(token_seed(p.seed, index)))
+            tokens.append(int(torch.multinomial(probs[i], 1, generator=generator)))
+        return tokens
 
     def _distinct_prompt(self, request: Request, logits: torch.Tensor) -> torch.Tensor:
         ids = self._prompt_ids.get(request.request_id)

@@ -224,3 +224,30 @@ def test_extreme_values_sample_without_poisoning_the_batch(llm):
     assert outs[1].token_ids == alone  # below the epsilon: greedy
     assert outs[2].token_ids == alone  # top_p that small keeps only the top token
     assert all(len(o.token_ids) == 6 for o in outs)
+
+
+def test_rows_sampled_together_draw_what_each_draws_alone():
+    """Sampling rows are processed together (temperature, min-p, top-k, top-p over the
+    batch at once): each seeded row still draws exactly what it draws alone, whatever
+    rides with it."""
+    vocab = 300
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    params = [SamplingParams(temperature=0.7, seed=1),
+              SamplingParams(temperature=1.3, top_k=5, seed=2),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=3),
+              SamplingParams(temperature=0.9, min_p=0.2, seed=4),
+              SamplingParams(temperature=1.1, top_k=40, top_p=0.8, min_p=0.05, seed=5),
+              SamplingParams(temperature=0)]
+    requests = [Request(f"r{i}", [1], p, 0.0, output_token_ids=[2] * i)
+                for i, p in enumerate(params)]
+    for _ in range(3):
+        together = Sampler(seed=0).sample(logits, requests)[0]
+        alone = [Sampler(seed=9).sample(logits[i:i + 1], [r])[0][0]
+                 for i, r in enumerate(requests)]
+        assert together == alone
+        logits = logits.roll(17, dims=1)
+    # top-k and top-p keep what they say: a row limited to its 5 best draws among them
+    best5 = set(logits[1].topk(5).indices.tolist())
+    sampler, hot = Sampler(seed=0), Request("t", [1], SamplingParams(temperature=5.0, top_k=5), 0.0)
+    draws = {sampler.sample(logits[1:2], [hot])[0][0] for _ in range(40)}
+    assert draws <= best5 and len(draws) > 1
