@@ -7,17 +7,23 @@ carry a hash stay findable until the LRU free queue hands them out again.
 from __future__ import annotations
 
 import functools
-import hashlib
 import struct
 from collections import OrderedDict
+
+import xxhash
 
 from pdserve.engine.request import Request
 
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
-    """The chained hash of a block: its parent's hash and its token ids (as int64)."""
-    return hashlib.blake2b(parent + _packer(len(token_ids))(*token_ids),
-                           digest_size=16).digest()
+    """The chained hash of a block: its parent's hash and its token ids (as int64),
+    128-bit XXH3 (vLLM's `xxhash` choice: a non-cryptographic hash is enough because a
+    cache hit is served only when the block's token ids also match; blake2b cost 1.2 us
+    a block against 0.15 us, a block per request every 16 decode steps)."""
+    return _xxh3_128(parent + _packer(len(token_ids))(*token_ids))
+
+
+_xxh3_128 = xxhash.xxh3_128_digest
 
 
 @functools.cache

@@ -28,7 +28,7 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # a step failed for this request alone (Request.error says why)
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
