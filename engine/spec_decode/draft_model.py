@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import bytes_per_block
 from pdserve.engine.model_config import ModelConfig
