@@ -49,8 +49,8 @@ ifeq ($(REDIS_SERVER),)
 endif
 
 test: $(VENV)/.dev redis-server
-	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(RAY_TESTS))
-	$(foreach t,$(RAY_TESTS),$(BIN)/python -m pytest -q $(t) &&) true
+	$(BIN)/python -m pytest -q --durations=15 $(addprefix --ignore=,$(RAY_TESTS))
+	$(foreach t,$(RAY_TESTS),$(BIN)/python -m pytest -q --durations=15 $(t) &&) true
 
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/engine_throughput.py

@@ -65,12 +65,12 @@ class SlowSampler:
         self.real.forget(request_id)
 
 
-def slow_sampler(actor, delay_s: float = 0.02) -> None:
-    """In a worker actor: requests whose prompt starts with SLOW take delay_s more per
-    step."""
+def slow_sampler(actor, delay_s: float = 0.02, first_token: int = SLOW) -> None:
+    """In a worker actor: requests whose prompt starts with `first_token` (SLOW unless
+    said) take delay_s more per step."""
     runner = actor.worker.loop.engine.runner
-    runner.sampler = SlowSampler(runner.sampler,
-                                 lambda request: request.prompt_token_ids[0] == SLOW, delay_s)
+    runner.sampler = SlowSampler(
+        runner.sampler, lambda request: request.prompt_token_ids[0] == first_token, delay_s)
 
 
 def slow_prefill_layers(actor, delay_s: float = 0.1) -> None:

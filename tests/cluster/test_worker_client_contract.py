@@ -13,6 +13,7 @@ import asyncio
 import time
 
 import pytest
+import ray
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig, SchedulerConfig
@@ -24,6 +25,7 @@ from pdserve.router.ray_worker_client import RayWorkerClient
 from pdserve.sim import virtual_time
 from pdserve.sim.tokens import ModelTokens
 from pdserve.sim.worker import SimWorker
+from tests import faults
 from tests.sim.sims import model_profile
 
 PROMPT = list(range(40, 140))
@@ -230,6 +232,10 @@ def test_the_ray_client_moves_a_running_request_live(ray_local, llama_dir, moved
                                                                      role)
               for name, role in (("lp", "prefill"), ("ls", "decode"), ("lt", "decode"))]
     clients = [RayWorkerClient(a) for a in actors]
+    # The source decodes slowly enough (48 steps: 4.8 s) that the request is still
+    # running there through the calls of the move: at its own pace (a few ms a step)
+    # it could end before the first copy was sent, as it once did in a full run.
+    ray.get(actors[1].__ray_call__.remote(faults.slow_sampler, 0.1, PROMPT[0]))
     try:
         out = asyncio.run(live_move_contract(*clients))
     finally:
