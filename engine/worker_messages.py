@@ -82,6 +82,9 @@ class PrefillResult:
     prefill_seconds: float  # first scheduled -> KV confirmed on the decode worker
     # The transfer's exposed part: the last prefill step's end -> KV confirmed.
     transfer_seconds: float = 0.0
+    # Prompt tokens the prefill worker's prefix cache served: the request's cached
+    # tokens (usage), which the decode side, its KV sent, cannot see.
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,9 @@ class Flight:
     # another worker goes on from exactly there: Job.output_token_ids, text_sent).
     output_token_ids: list[int] = field(default_factory=list)
     text_sent: int = 0
+    # Prompt tokens a prefill worker's prefix cache served: its usage's cached tokens
+    # when its KV was sent (the decode worker's own count does not see them).
+    num_cached_tokens: int = 0
     migrations: int = 0  # times it moved off a failed worker
     failure: str = ""  # why it last moved
     # The id its workers know it by: its own, and after each move (replay, or live) a

@@ -116,6 +116,8 @@ class RequestRunner:
     def _progress(self, flight: Flight, delta: TokenDelta) -> TokenDelta:
         if delta.request_id != flight.request_id:  # a moved request's (Flight.key)
             delta = replace(delta, request_id=flight.request_id)
+        if delta.num_cached_tokens < flight.num_cached_tokens:  # its prefill worker's hit
+            delta = replace(delta, num_cached_tokens=flight.num_cached_tokens)
         if delta.token_ids:
             if flight.first_token_at is None:
                 flight.first_token_at = self.clock.time()
@@ -220,6 +222,8 @@ class RequestRunner:
                                     result.kv_bytes_sent, result.transfer_seconds,
                                     self.clock.monotonic())
         self.metrics.prompt_tokens.inc(num_tokens)
+        flight.num_cached_tokens = max(flight.num_cached_tokens, min(
+            result.num_cached_tokens, len(flight.req.prompt_token_ids)))
         self._start(flight, result.first_token)
         return self._first_delta(flight, result)
 
@@ -238,7 +242,8 @@ class RequestRunner:
         first = TokenDelta(request_id=req.request_id, token_ids=[result.first_token],
                            text=text, logprobs=logprobs, finished=False,
                            num_prompt_tokens=len(req.prompt_token_ids),
-                           num_output_tokens=flight.num_output_tokens + 1, top_logprobs=tops)
+                           num_output_tokens=flight.num_output_tokens + 1, top_logprobs=tops,
+                           num_cached_tokens=flight.num_cached_tokens)
         return first, len(text)
 
     async def _reserve(self, flight: Flight, worker: WorkerHandle) -> Reservation | None:

@@ -94,6 +94,7 @@ class _Prefill:
     job: PrefillJob
     done: asyncio.Future  # its PrefillResult
     started_at: float | None = None  # when first scheduled
+    num_cached_tokens: int = 0  # its prompt's prefix-cache hit here
 
 
 class SimWorker:
@@ -550,6 +551,7 @@ class SimWorker:
             * self.profile.kv_bytes_per_block
         seconds = self.profile.transfer_cost.seconds(nbytes)
         first_token = request.output_token_ids[-1] if request.output_token_ids else None
+        job.num_cached_tokens = request.num_cached_tokens
         asyncio.get_running_loop().call_later(
             seconds, self._transferred, job, first_token, nbytes, seconds)
 
@@ -570,7 +572,8 @@ class SimWorker:
             job.done.set_result(PrefillResult(
                 request_id=rid, first_token=first_token, first_logprob=None,
                 first_top_logprobs=None, kv_bytes_sent=nbytes,
-                prefill_seconds=self._now - started, transfer_seconds=seconds))
+                prefill_seconds=self._now - started, transfer_seconds=seconds,
+                num_cached_tokens=job.num_cached_tokens))
 
     def _landed(self, request_id: str) -> bool:
         """The decode side: a transfer's KV is in; False if it no longer expects it."""

@@ -201,3 +201,31 @@ def test_an_add_that_does_not_wait_names_the_worker_at_once_and_shows_it_startin
     assert worker_id == "decode-1"
     assert at_once == ("starting", False)  # booting: not a member yet
     assert after == (False, "serving")
+
+
+def test_a_split_request_s_usage_counts_its_prefill_worker_s_prefix_hit(monkeypatch):
+    """Turn 1 runs whole on worker a (its 6 prompt blocks cached there); turn 2, turn
+    1's prompt and more, is split: prefilled on a, where the 96 tokens are a hit, and
+    decoded on b, which received its KV and cached nothing of its own. Its usage
+    counts the hit (the decode worker's count alone said 0: a cluster test saw it)."""
+    from pdserve.router import placer as placer_module
+    from pdserve.router.decision import Colocate, Disaggregate
+
+    first = list(range(100, 196))  # 6 full blocks
+    second = first + list(range(400, 440))
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        cluster = SimCluster(small_profile(), PoolSpec(1, 1, mode="adaptive"))
+        router = await cluster.start()
+        a, b = sorted(router.workers)
+        placements = iter([Colocate(a), Disaggregate(a, b)])
+        monkeypatch.setattr(placer_module, "decide", lambda view, state, policy: next(placements))
+        usages = []
+        for prompt in (first, second):
+            accepted = await router.accept(prompt, params, "")
+            deltas = [d async for d in router.generate(accepted)]
+            usages.append(deltas[-1].num_cached_tokens)
+        await cluster.stop()
+        return usages
+    assert virtual_time.run(scenario()) == [0, 96]
