@@ -27,14 +27,8 @@ from typing import Callable
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.errors import MoveError
-from pdserve.engine.request import RequestStatus
-from pdserve.engine.worker_messages import (
-    BlockCopy,
-    IncomingCopy,
-    Paused,
-    TokenDelta,
-    copy_end,
-)
+from pdserve.engine.move_blocks import source_blocks, target_blocks
+from pdserve.engine.worker_messages import BlockCopy, IncomingCopy, Paused, TokenDelta
 from pdserve.kv_transfer import KVReceiver
 
 # send(transfer_id, address, source blocks, target blocks, urgent) -> Future of the
@@ -52,20 +46,12 @@ class Moves:
     def send_blocks(self, copy: BlockCopy) -> Future:
         """Sends blocks of a request running (or, final, paused) here; resolves to the
         bytes sent once they landed."""
-        def source_blocks(engine: LLMEngine) -> tuple[list[int], int]:
+        def read(engine: LLMEngine) -> tuple[list[int], int]:
             request = engine.scheduler.requests.get(copy.request_id)
-            wanted = RequestStatus.PAUSED if copy.final else RequestStatus.RUNNING
-            if request is None or request.status is not wanted:
-                raise MoveError(f"request {copy.request_id} is not {wanted.value} here")
-            held = copy_end(request.num_computed_tokens, engine.block_manager.block_size,
-                            copy.final)
-            last = copy.first_block + len(copy.target_blocks)
-            if not 0 <= copy.first_block <= last <= held:
-                raise MoveError(f"request {copy.request_id} holds {held} computed blocks "
-                                f"here, not [{copy.first_block}, {last})")
-            return request.block_ids[copy.first_block:last], request.num_preemptions
+            src = source_blocks(request, copy, engine.block_manager.block_size)
+            return src, request.num_preemptions
 
-        src, preemptions = self.loop.call_concurrent(source_blocks)
+        src, preemptions = self.loop.call_concurrent(read)
         sent: Future = Future()
 
         def checked(transfer: Future) -> None:
@@ -102,17 +88,11 @@ class Moves:
         expected as incoming.transfer_id; returns those blocks. Final: once the copy
         lands, the request joins the batch at the next step boundary."""
         def expect(engine: LLMEngine) -> list[int]:
-            request = engine.scheduler.requests.get(incoming.request_id)
-            if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
-                raise MoveError(f"request {incoming.request_id} is not taken over here")
-            if incoming.token_ids and engine.grow(incoming.request_id, incoming.token_ids,
-                                                  incoming.text_sent) is None:
-                raise MoveError(f"no room here for request {incoming.request_id}'s "
-                                f"{len(incoming.token_ids)} newer tokens")
-            blocks = request.block_ids[incoming.first_block:copy_end(
-                request.num_tokens - 1, engine.block_manager.block_size, incoming.final)]
-            if incoming.final and not blocks:
-                raise MoveError(f"request {incoming.request_id}: a last copy of no block")
+            blocks = target_blocks(
+                engine.scheduler.requests.get(incoming.request_id), incoming,
+                lambda: engine.grow(incoming.request_id, incoming.token_ids,
+                                    incoming.text_sent) is not None,
+                engine.block_manager.block_size)
             if blocks:
                 self.receiver.expect(incoming.transfer_id, blocks, 0)
             return blocks

@@ -111,13 +111,6 @@ class BlockCopy:
     final: bool = False  # the request is paused: its last, partly filled block goes too
 
 
-def copy_end(num_computed: int, block_size: int, final: bool) -> int:
-    """A live migration's copies: the blocks holding the KV of num_computed tokens,
-    whole ones only while the request decodes on at its source (final: the last,
-    partly filled, too)."""
-    return -(-num_computed // block_size) if final else num_computed // block_size
-
-
 @dataclass(frozen=True)
 class IncomingCopy:
     """What a live migration's target is told before a copy: the tokens the request

@@ -8,14 +8,8 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from pdserve.engine.errors import MoveError
-from pdserve.engine.request import RequestStatus
-from pdserve.engine.worker_messages import (
-    BlockCopy,
-    IncomingCopy,
-    Paused,
-    TokenDelta,
-    copy_end,
-)
+from pdserve.engine.move_blocks import source_blocks, target_blocks
+from pdserve.engine.worker_messages import BlockCopy, IncomingCopy, Paused, TokenDelta
 
 if TYPE_CHECKING:
     from pdserve.sim.worker import SimWorker
@@ -32,16 +26,10 @@ class SimMoves:
     def expect_copy(self, incoming: IncomingCopy) -> list[int]:
         w = self.worker
         w._cut()
-        request = w.scheduler.requests.get(incoming.request_id)
-        if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
-            raise MoveError(f"request {incoming.request_id} is not taken over here")
-        if incoming.token_ids and not w.scheduler.grow(incoming.request_id, incoming.token_ids):
-            raise MoveError(f"no room here for request {incoming.request_id}'s "
-                            f"{len(incoming.token_ids)} newer tokens")
-        blocks = request.block_ids[incoming.first_block:copy_end(
-            request.num_tokens - 1, w.blocks.block_size, incoming.final)]
-        if incoming.final and not blocks:
-            raise MoveError(f"request {incoming.request_id}: a last copy of no block")
+        blocks = target_blocks(
+            w.scheduler.requests.get(incoming.request_id), incoming,
+            lambda: w.scheduler.grow(incoming.request_id, incoming.token_ids),
+            w.blocks.block_size)
         if blocks:
             self.expected[incoming.transfer_id] = (incoming.request_id, list(blocks),
                                                    incoming.final)
@@ -51,15 +39,8 @@ class SimMoves:
         w = self.worker
         w._cut()
         request = w.scheduler.requests.get(copy.request_id)
-        wanted = RequestStatus.PAUSED if copy.final else RequestStatus.RUNNING
-        if request is None or request.status is not wanted:
-            raise MoveError(f"request {copy.request_id} is not {wanted.value} here")
-        held = copy_end(request.num_computed_tokens, w.blocks.block_size, copy.final)
-        last = copy.first_block + len(copy.target_blocks)
-        if not 0 <= copy.first_block <= last <= held:
-            raise MoveError(f"request {copy.request_id} holds {held} computed blocks here, "
-                            f"not [{copy.first_block}, {last})")
-        src, preemptions = request.block_ids[copy.first_block:last], request.num_preemptions
+        src = source_blocks(request, copy, w.blocks.block_size)
+        preemptions = request.num_preemptions
         nbytes = len(src) * w.profile.kv_bytes_per_block
         await asyncio.sleep(w.profile.transfer_cost.seconds(nbytes))
         peer = w.peers.get(copy.target_address)
