@@ -6,7 +6,7 @@ actors, KV over kv_transfer), same run, alternating arms:
    (its requests move to the other decode worker with their KV) and without (the
    drain waits for them to end, the baseline). Ratio: wait / live.
 2. The pause of each request moved live, as the router measured it (pause asked ->
-   the target decodes it) and as its client saw it (its longest gap between tokens),
+   its last copy landed on the target, which decodes it at its next step) and as its client saw it (its longest gap between tokens),
    both in decode steps (the median gap between tokens of the same run's requests
    that did not move). Goal: p99 pause within two decode steps plus the final copy.
 3. Replay: the decode worker holding the requests SIGKILLed mid-stream; each moves
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import random
 import signal
@@ -42,16 +43,20 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
 
 
+_IDS = itertools.count()
+
+
 async def stream(srv: RouterServer, prompt: list[int], max_tokens: int) -> dict:
-    """The request's tokens and the times they came."""
-    times, count = [], 0
+    """The request's id, its tokens and the times they came."""
+    times, count, request_id = [], 0, f"bench-{next(_IDS)}"
     async with AsyncClient(srv.grpc_target, timeout=600) as client:
         async for chunk in client.generate_stream(prompt, max_tokens=max_tokens,
-                                                  temperature=0, ignore_eos=True):
+                                                  temperature=0, ignore_eos=True,
+                                                  request_id=request_id):
             if chunk.token_ids:
                 times.append(time.perf_counter())
                 count += len(chunk.token_ids)
-    return {"tokens": count, "times": times}
+    return {"id": request_id, "tokens": count, "times": times}
 
 
 def run(srv: RouterServer, batch: list[list[int]], max_tokens: int, during) -> tuple:
@@ -62,16 +67,19 @@ def run(srv: RouterServer, batch: list[list[int]], max_tokens: int, during) -> t
     return asyncio.run(scenario())
 
 
-async def busiest_decode(srv: RouterServer, after_tokens: int):
+async def busiest_decode(srv: RouterServer, after_tokens: int, timeout_s: float = 300):
     """The decode worker holding the most streaming requests, once every request
     streams with `after_tokens` tokens."""
-    while True:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         flights = list(srv.router.requests.flights.values())
         if flights and all(f.phase is Phase.STREAMING and f.num_output_tokens >= after_tokens
                            for f in flights):
             held = [f.decode for f in flights]
             return max(set(held), key=held.count), len(flights)
         await asyncio.sleep(0.01)  # a benchmark's probe: the router offers no event for it
+    raise RuntimeError(f"the requests did not all stream {after_tokens} tokens within "
+                       f"{timeout_s:g}s")
 
 
 def gaps(times: list[float]) -> list[float]:
@@ -97,8 +105,7 @@ def drain_round(srv: RouterServer, batch, max_tokens: int, live: bool) -> dict:
     records = list(router.mover.records)[before:]
     steady = [g for o in outs for g in gaps([t for t in o["times"] if t < began])]
     step_s = statistics.median(steady)
-    moved_gaps = [max(gaps(o["times"])) for o in outs
-                  if any(t > began for t in o["times"])] if live else []
+    moved_gaps = [max(gaps(o["times"])) for o in outs if o["id"] in held] if live else []
     return {"live": live, "drain_s": drain_s, "held": len(held), "decode_step_s": step_s,
             "moved": len(records),
             "pause_ms": [r.pause_s * 1e3 for r in records],
@@ -122,7 +129,7 @@ def replay_round(srv: RouterServer, batch, max_tokens: int) -> dict:
     steady = statistics.median(g for o in outs for g in gaps([t for t in o["times"]
                                                               if t < killed_at]))
     stalls = [max(b - a for a, b in zip(o["times"], o["times"][1:]) if b > killed_at)
-              for o in outs if any(t > killed_at for t in o["times"][1:])]
+              for o in outs if o["id"] in ids]
     wait_serving(srv)
     return {"decode_step_s": steady, "affected": len(ids),
             "replay_gap_ms": [s * 1e3 for s in stalls]}

@@ -91,7 +91,7 @@ class Moves:
             blocks = target_blocks(
                 engine.scheduler.requests.get(incoming.request_id), incoming,
                 lambda: engine.grow(incoming.request_id, incoming.token_ids,
-                                    incoming.text_sent) is not None,
+                                    incoming.text_sent),
                 engine.block_manager.block_size)
             if blocks:
                 self.receiver.expect(incoming.transfer_id, blocks, 0)

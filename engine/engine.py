@@ -142,14 +142,14 @@ class LLMEngine:
                       text_sent=self._tracked[request_id].detokenizer.emitted,
                       num_computed_tokens=request.num_computed_tokens)
 
-    def grow(self, request_id: str, token_ids: list[int], text_sent: int) -> list[int] | None:
+    def grow(self, request_id: str, token_ids: list[int], text_sent: int) -> bool:
         """Live migration, the target: the tokens the request made on its source since
-        its reservation here, and how much of their text its client has. Its block ids
-        then (None: no room)."""
+        its reservation here, and how much of their text its client has (False: no
+        room for them)."""
         if not self.scheduler.grow(request_id, token_ids):
-            return None
+            return False
         self._tracked[request_id].detokenizer.resume(token_ids, text_sent)
-        return list(self.scheduler.requests[request_id].block_ids)
+        return True
 
     def resume_moved(self, request_id: str) -> None:
         """Live migration, the target: its KV landed; it decodes on from here."""

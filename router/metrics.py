@@ -122,8 +122,8 @@ class RouterMetrics:
             "its pause, so it was placed again)", labels + ["outcome"], registry=r)
         self.migration_pause = Histogram(
             "pdserve:router_migration_pause_seconds",
-            "How long a request moved live stopped decoding: its pause, the last copy, "
-            "its resumption on the target", labels, buckets=_LATENCY,
+            "How long a request moved live stopped decoding, as far as the router sees: "
+            "from its pause asked to its last copy landed on the target", labels, buckets=_LATENCY,
             registry=r).labels(model)
         self.planner_decisions = Counter(
             "pdserve:planner_decisions", "The SLO planner's actions: add, remove, flip (to "

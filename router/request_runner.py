@@ -116,7 +116,9 @@ class RequestRunner:
     def _progress(self, flight: Flight, delta: TokenDelta) -> TokenDelta:
         if delta.request_id != flight.request_id:  # a moved request's (Flight.key)
             delta = replace(delta, request_id=flight.request_id)
-        if delta.num_cached_tokens < flight.num_cached_tokens:  # its prefill worker's hit
+        if delta.finished and delta.num_cached_tokens < flight.num_cached_tokens:
+            # the usage (on the last delta; the first, the router's, has it too)
+            # counts its prefill worker's prefix hit
             delta = replace(delta, num_cached_tokens=flight.num_cached_tokens)
         if delta.token_ids:
             if flight.first_token_at is None:

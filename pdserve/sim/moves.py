@@ -20,8 +20,8 @@ class SimMoves:
 
     def __init__(self, worker: "SimWorker"):
         self.worker = worker
-        # transfer id -> (request id, its blocks the copy goes into, final)
-        self.expected: dict[str, tuple[str, list[int], bool]] = {}
+        # transfer id -> (request id, final): the copies expected here
+        self.expected: dict[str, tuple[str, bool]] = {}
 
     def expect_copy(self, incoming: IncomingCopy) -> list[int]:
         w = self.worker
@@ -31,8 +31,7 @@ class SimMoves:
             lambda: w.scheduler.grow(incoming.request_id, incoming.token_ids),
             w.blocks.block_size)
         if blocks:
-            self.expected[incoming.transfer_id] = (incoming.request_id, list(blocks),
-                                                   incoming.final)
+            self.expected[incoming.transfer_id] = (incoming.request_id, incoming.final)
         return list(blocks)
 
     async def send_blocks(self, copy: BlockCopy) -> int:
@@ -55,7 +54,7 @@ class SimMoves:
         # Whole blocks do not change while it decodes on; the last one is copied only
         # once it is paused: the KV as of now is the KV as of the copy's start.
         w.tokens.copy_kv(src, peer.tokens, copy.target_blocks)
-        request_id, _, final = peer.moves.expected.pop(copy.transfer_id)
+        request_id, final = peer.moves.expected.pop(copy.transfer_id)
         if final:
             peer.moves._resume(request_id)
         return nbytes
@@ -77,6 +76,11 @@ class SimMoves:
                                      num_computed_tokens=request.num_computed_tokens))
         w._at_boundary(pause)
         return await paused
+
+    def forget(self, request_id: str) -> None:
+        """The request was aborted here: a copy into its blocks, freed, fails."""
+        for transfer_id in [t for t, (rid, _) in self.expected.items() if rid == request_id]:
+            del self.expected[transfer_id]
 
     def _resume(self, request_id: str) -> None:
         """The target: its KV is in; it decodes on from the next step boundary."""

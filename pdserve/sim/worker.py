@@ -460,6 +460,7 @@ class SimWorker:
         job = self._prefills.pop(request_id, None)
         if job is not None and not job.done.done():
             job.done.set_exception(TransferFailed(f"{request_id} was aborted"))
+        self.moves.forget(request_id)
         self._at_boundary(lambda: self._finish_aborted(request_id))
 
     async def abort_all(self, subscriber: str) -> int:

@@ -185,3 +185,45 @@ def test_a_target_that_dies_during_a_live_move_costs_no_request(llama_dir, undis
         _drain_while_streaming(cluster, LONG, kill_target_at=at))
     assert [o[0] for o in outs] == undisturbed_long and free and held == 0
     assert moves.get("gave_up" if at == "take_over" else "replayed", 0) >= 1
+
+
+def test_a_copy_into_a_move_aborted_on_its_target_fails_and_writes_nothing():
+    """The target expected a copy, then the move was aborted there (its blocks freed,
+    maybe reused): the source's late send of that copy fails instead of writing KV
+    into them."""
+    import time
+
+    from pdserve.engine.config import SchedulerConfig
+    from pdserve.engine.errors import MoveError
+    from pdserve.engine.worker_messages import BlockCopy, IncomingCopy, Job, PrefillJob
+    from pdserve.sim.worker import SimWorker
+    from tests.sim.sims import small_profile
+
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    prompt = list(range(100, 164))  # 4 full blocks
+
+    async def scenario():
+        peers: dict = {}
+        prefill, source, target = [SimWorker(name, role, small_profile(), SchedulerConfig(),
+                                             peers)
+                                   for name, role in (("p", "prefill"), ("s", "decode"),
+                                                      ("t", "decode"))]
+        await asyncio.gather(*(w.boot() for w in (prefill, source, target)))
+        await prefill.connect([await source.address()])
+        job = Job(request_id="m", prompt_token_ids=prompt, sampling_params=params,
+                  arrival_time=time.time())
+        reservation = await source.reserve(job, "test")
+        result = await prefill.prefill(PrefillJob(job=job, target=reservation))
+        await source.start("m", result.first_token)
+        await asyncio.sleep(0.5)  # virtual time: it decodes on at the source
+        await target.take_over(Job(request_id="m2", prompt_token_ids=prompt,
+                                   sampling_params=params, arrival_time=time.time()), "test")
+        blocks = await target.expect_copy(IncomingCopy(request_id="m2", transfer_id="m2/1",
+                                                       first_block=0))
+        await target.abort("m2", "test")
+        with pytest.raises(MoveError, match="does not expect"):
+            await source.send_blocks(BlockCopy(
+                transfer_id="m2/1", request_id="m", first_block=0,
+                target_address=await target.address(), target_blocks=blocks))
+        return blocks
+    assert len(virtual_time.run(scenario())) == 3  # its whole computed blocks (63 tokens)
