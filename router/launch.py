@@ -27,7 +27,6 @@ from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec, RouterConfig, SharedStateSpec
 from pdserve.router.model_info import ModelInfo
 from pdserve.router.placement import PlacementError, fmt_resources, unplaceable, until_placeable
-from pdserve.router.pool import Progress
 from pdserve.router.pool_registry import (
     LocalRegistry,
     PoolRecord,
@@ -38,6 +37,7 @@ from pdserve.router.pool_registry import (
 )
 from pdserve.router.ray_worker_client import RayWorkerClient
 from pdserve.router.router import Router
+from pdserve.router.spawner import Progress
 from pdserve.router.workers import WorkerHandle
 from pdserve.worker.actor import WorkerActor
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Awaitable
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.worker_messages import Job
 from pdserve.router.slo import Slo
 
 
@@ -133,6 +134,25 @@ class Flight:
     @property
     def max_tokens(self) -> int:
         return self.req.params.max_tokens
+
+    def job(self, key: str | None = None) -> Job:
+        """The request as a worker runs it, under `key` (default: its key now): its
+        prompt, and the tokens made so far as its outputs (their text sent)."""
+        req = self.req
+        return Job(request_id=key or self.key, prompt_token_ids=req.prompt_token_ids,
+                   sampling_params=req.params, arrival_time=req.arrival_time,
+                   output_token_ids=tuple(self.output_token_ids), text_sent=self.text_sent)
+
+    def flush(self) -> None:
+        """Drops what its queue holds from a worker it no longer runs on (an abort's
+        Cancelled stays)."""
+        kept = []
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, Cancelled):
+                kept.append(item)
+        for item in kept:
+            self.queue.put_nowait(item)
 
     def holders(self) -> list:
         """The workers holding something of this request now, to abort on release."""

@@ -1,72 +1,36 @@
-"""The workers this router serves with, and their supervision.
+"""The workers this router serves with: live membership.
 
-Membership is live: a worker joins paired and subscribed, drains, changes role (its
-weights stay loaded) and leaves once this router's requests on it are done. A
-worker whose process died is out of service at once and back once its restart
-answers; one silent past the stall bound is out of service until it reports again;
-one not back within revive_timeout_s is evicted and, when the pool can spawn
-workers, replaced. Workers are paired as they join, change role or come back, and
-their pairs closed as they leave (pairing.py). Every call to a worker goes through
-its WorkerClient.
+A worker joins paired and subscribed, drains, changes role (its weights stay loaded)
+and leaves once this router's requests on it are done (moved off live, when a mover
+is set). Workers are paired as they join, change role or come back, and their pairs
+closed as they leave (pairing.py). Every call to a worker goes through its
+WorkerClient. Deaths, stalls, revivals and evictions: supervision.py.
 
-With other router replicas over the same workers (pool_registry.py), every change this
-pool makes is recorded in the registry and every change another replica makes is
-applied here: the replica that makes a change does what the workers must do for it
-(spawning, pairing, the role change, the kill); the others follow. A drain waits for
-every replica's requests on the worker (its own reports say when it holds none), and
-of the replicas that see a worker evicted only one replaces it (`may_replace`)."""
+Every change this pool makes is recorded in its registry (pool_registry.py); with
+other router replicas over the same workers, their changes are applied here
+(replica_follower.py). A drain then waits for every replica's requests on the worker
+(its own reports say when it holds none), and of the replicas that see a worker
+evicted only one replaces it (`may_replace`)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Callable
 
 from pdserve.engine.worker_messages import check_role
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import short_reason
 from pdserve.router.pairing import Pairing
 from pdserve.router.pool_registry import LocalRegistry, PoolRegistry, WorkerEntry
-from pdserve.router.worker_client import WorkerClient
+from pdserve.router.replica_follower import ReplicaFollower
+from pdserve.router.spawner import KEPT_FAILURES, Joining, Progress, Spawner
+from pdserve.router.supervision import Supervision
 from pdserve.router.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
 
-# progress(worker_id, state): a worker being started is "pending" (not yet placed)
-# or "starting" (placed, loading).
-Progress = Callable[[str, str], None]
-
-
-class Spawner(Protocol):
-    """Starts workers: launch.WorkerSpawner on Ray, SimCluster in the simulator."""
-
-    async def __call__(self, role: str, progress: Progress) -> WorkerHandle:
-        """A fresh worker of `role`, loaded and ready, not yet paired or subscribed,
-        telling its progress."""
-
-    def wanted(self, workers: dict[str, int]) -> None:
-        """The pool's workers by role, those being added included, whenever that
-        changes: a cluster that adds nodes on demand keeps room for them."""
-
-    async def attach(self, locator: str) -> WorkerClient:
-        """A client of a worker another router replica started (WorkerEntry.locator)."""
-
-
 Hook = Callable[[WorkerHandle], None]
-# Workers that failed to start, kept to be shown (admin list) with their reason.
-KEPT_FAILURES = 16
-
-
-@dataclass
-class Joining:
-    """A worker being added, not yet a member: "pending" (Ray has not placed it),
-    "starting" (loading, then pairing) or "failed" (abandoned; `error` says why)."""
-    worker_id: str
-    role: str
-    state: str
-    since: float  # monotonic, when it was asked for
-    error: str = ""
 
 
 class MembershipError(RuntimeError):
@@ -101,18 +65,16 @@ class Pool:
         # Seconds from asked for to serving, of the last workers added.
         self.startup_times: deque[float] = deque(maxlen=8)
         self.on_change: list[Callable[[], None]] = []  # a worker left or rejoined service
-        self._reviving: dict[str, asyncio.Task] = {}  # worker id -> its revival
         # Eviction timers of silent workers and fresh workers for evicted ones.
         self._background: set[asyncio.Task] = set()
         self._started = False
-        self.pairing = Pairing(self.workers, config, on_dead=self.died)
+        self.supervision = Supervision(self)  # deaths, stalls, revivals, evictions
+        self.replicas = ReplicaFollower(self)  # changes other replicas make
+        self.pairing = Pairing(self.workers, config, on_dead=self.supervision.died)
         self.closing = asyncio.Event()  # set by close(): the router is shutting down
         self.registry = registry or LocalRegistry()
         self.may_replace = may_replace
         self._idle: dict[str, tuple[float, asyncio.Event]] = {}  # drains awaiting reports
-        # Workers another replica added, being reached: the latest entry heard for each.
-        self._attaching: dict[str, WorkerEntry] = {}
-        self.orphans_ended = 0  # requests of replicas gone, ended on the workers here
         # evacuate(worker, drained): moves this router's running requests off a
         # draining worker (live_move.LiveMover.evacuate); None: a drain waits for them
         self.evacuate: Callable[[WorkerHandle, asyncio.Event], Awaitable[None]] | None = None
@@ -158,7 +120,7 @@ class Pool:
         fail too), "restarting" (its process died and is being restarted) or "dead"
         (given up; evicted soon)."""
         def state(w: WorkerHandle) -> str:
-            if w.worker_id in self._reviving:
+            if w.worker_id in self.supervision.reviving:
                 return "restarting"
             if w.state.alive and not w.state.silent:
                 return "draining" if w.state.draining else "serving"
@@ -173,11 +135,11 @@ class Pool:
         when it joins one registered already (or shares nothing)."""
         self._started = True
         for worker in self.workers.values():
-            self._subscribe(worker)
+            self.subscribe(worker)
         await self.registry.start(record, [self.entry(w) for w in self.workers.values()],
-                                  self.apply, self.replica_gone)
+                                  self.replicas.apply, self.replicas.replica_gone)
         if self.registry.shared:
-            self._in_background(self._keeping_alive())
+            self.in_background(self.replicas.keep_alive())
 
     def close(self) -> None:
         """The router is shutting down: membership operations under way end now (the
@@ -188,7 +150,8 @@ class Pool:
         """Stops supervising and following; True when no other replica serves these
         workers any more (whoever stops the last router ends them)."""
         self.close()
-        for task in [*self._reviving.values(), *self._background]:
+        self.supervision.stop()
+        for task in self._background:
             task.cancel()
         for worker in self.workers.values():
             worker.stop_pump()
@@ -218,7 +181,7 @@ class Pool:
             entry = self.joining.get(worker_id)
             if entry is None:
                 self.joining[worker_id] = Joining(worker_id=worker_id, role=role,
-                                                  state=state, since=self._now())
+                                                  state=state, since=self.now())
                 self._spawns[worker_id] = spawn
                 spawn.add_done_callback(lambda _: self._spawns.pop(worker_id, None))
                 self._tell_wanted()
@@ -226,7 +189,7 @@ class Pool:
                 entry.state = state
             if not named.done():
                 named.set_result(worker_id)
-        spawn = self._in_background(self._spawn(role, progress))
+        spawn = self.in_background(self._spawn(role, progress))
         if wait:
             return await spawn
         spawn.add_done_callback(lambda t: t.cancelled() or t.exception())  # logged there
@@ -256,7 +219,7 @@ class Pool:
             raise
         entry = self.joining.pop(worker.worker_id, None)
         if entry is not None:
-            self.startup_times.append(self._now() - entry.since)
+            self.startup_times.append(self.now() - entry.since)
         self._tell_wanted()  # a member now, no longer also counted as joining
         return worker.worker_id
 
@@ -269,7 +232,7 @@ class Pool:
             del self.joining[stale]
 
     @staticmethod
-    def _now() -> float:
+    def now() -> float:
         return asyncio.get_running_loop().time()
 
     async def join(self, worker: WorkerHandle) -> None:
@@ -280,13 +243,12 @@ class Pool:
         worker.update(draining=True)  # no traffic until paired and subscribed
         self.admit(worker)
         await self.pairing.join(worker)
-        if self._started:
-            self._subscribe(worker)
+        self.subscribe(worker)
         worker.update(draining=False)
-        worker.serving_since = self._now()
+        worker.serving_since = self.now()
         log.warning("worker %s (%s) joined", worker.worker_id, worker.state.role)
         self.registry.changed(self.entry(worker))
-        self._changed()
+        self.changed()
 
     async def drain(self, worker_id: str, timeout_s: float | None = None) -> None:
         """Stops new work on the worker and waits until this router's requests on it
@@ -295,9 +257,9 @@ class Pool:
         draining then."""
         worker = self.member(worker_id)
         drained = worker.drain()
-        since = self._now()
+        since = self.now()
         self.registry.changed(self.entry(worker))
-        self._changed()
+        self.changed()
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         moving = (asyncio.ensure_future(self.evacuate(worker, drained))
                   if self.evacuate is not None and worker.state.decodes else None)
@@ -341,7 +303,7 @@ class Pool:
         worker = self.member(worker_id)
         worker.update(draining=False)
         self.registry.changed(self.entry(worker))
-        self._changed()
+        self.changed()
 
     async def set_role(self, worker_id: str, role: str) -> None:
         """Drains the worker, changes its role (its weights stay loaded), pairs it for
@@ -359,7 +321,7 @@ class Pool:
         if stopped_decoding and not worker.state.decodes:
             await self.pairing.leave(worker, worker.address)
         await self.pairing.join(worker)
-        worker.serving_since = self._now()
+        worker.serving_since = self.now()
         self.resume(worker_id)
         log.warning("worker %s is now in role %s", worker_id, role)
 
@@ -375,7 +337,7 @@ class Pool:
         worker = self.member(worker_id)
         if worker.state.alive:
             await self.drain(worker_id, timeout_s)
-        unpaired = self._leave(worker, kill)
+        unpaired = self.leave(worker, kill)
         if unpaired is not None:
             await unpaired  # it has left already; its pairs are closed by the time this returns
 
@@ -385,117 +347,30 @@ class Pool:
             raise MembershipError(f"no worker {worker_id!r}", 404)
         return worker
 
-    def _subscribe(self, worker: WorkerHandle) -> None:
-        worker.start_pump(self.config.stall_timeout_s, self.subscriber, self._reported,
-                          self.died, self._stalled, self.config.telemetry_stale_s)
+    def subscribe(self, worker: WorkerHandle) -> None:
+        """Streams the worker's steps and reports to this router, once it has started
+        (start() subscribes every member then)."""
+        if self._started:
+            worker.start_pump(self.config.stall_timeout_s, self.subscriber, self._reported,
+                              self.supervision.died, self.supervision.stalled,
+                              self.config.telemetry_stale_s)
+
+    def spawning(self, worker_id: str) -> bool:
+        """Whether this router is adding the worker (its spawn is under way)."""
+        return worker_id in self._spawns
 
     def _reported(self, worker: WorkerHandle, telemetry) -> None:
         self.on_report(worker, telemetry)  # looked up per report: a hook may be replaced
         self.reported(worker)
 
-    # ---- changes another replica made -------------------------------------------------
-
-    def apply(self, worker_id: str, entry: WorkerEntry | None) -> None:
-        """Another replica changed the worker (entry None: it left through it): the
-        change is applied here, without doing again what that replica did to the
-        workers (spawn, pair, change role, kill)."""
-        worker = self.workers.get(worker_id)
-        if entry is None:
-            self._attaching.pop(worker_id, None)
-            if worker is not None:
-                self._leave(worker, kill=False, here=False)
-            return
-        if worker is None:
-            if self.spawner is None:
-                log.error("worker %s joined through another router, but this one cannot "
-                          "reach workers it did not start", worker_id)
-            elif worker_id in self._attaching:
-                self._attaching[worker_id] = entry  # it joins as this says
-            elif worker_id not in self._spawns and not self.closing.is_set():
-                self._attaching[worker_id] = entry
-                self._in_background(self._attach(entry))
-            return
-        if entry.generation and entry.generation != worker.generation \
-                and worker.worker_id not in self._reviving:
-            # restarted: what was learned of its earlier process goes (as _rejoin does)
-            worker.generation, worker.address = entry.generation, entry.address
-            worker.update(num_blocks=entry.num_blocks)
-            self.on_restart(worker)
-            if self._started:
-                self._subscribe(worker)
-        if entry.role != worker.state.role:
-            worker.update(role=entry.role)
-            worker.serving_since = self._now()
-        worker.address = entry.address or worker.address
-        if entry.draining != worker.state.draining:
-            worker.update(draining=entry.draining)
-        self._changed()
-
-    async def _keeping_alive(self) -> None:
-        """A shared pool's workers end themselves when no router has asked them for
-        their stats for a while (their every replica gone): each replica asks every
-        third of the registry's TTL."""
-        while True:
-            await asyncio.sleep(self.config.shared.registry_ttl_s / 3)  # the period
-            await asyncio.gather(*[
-                asyncio.wait_for(w.client.stats(), self.config.control_timeout_s)
-                for w in list(self.workers.values()) if w.state.alive],
-                return_exceptions=True)  # a worker that does not answer: its pump says
-
-    def replica_gone(self, replica_id: str) -> None:
-        """Another replica died: its requests on every worker end and free their KV (a
-        worker cannot tell that a subscriber stopped reading its stream)."""
-        async def end_its_requests() -> None:
-            workers = list(self.workers.values())
-            ended = await asyncio.gather(*[
-                asyncio.wait_for(w.client.abort_all(replica_id), self.config.control_timeout_s)
-                for w in workers], return_exceptions=True)
-            counts = {w.worker_id: n for w, n in zip(workers, ended)
-                      if not isinstance(n, BaseException)}
-            self.orphans_ended += sum(counts.values())
-            log.warning("router replica %s is gone: %d of its requests ended on %d "
-                        "worker(s)", replica_id, sum(counts.values()), len(counts))
-        self._in_background(end_its_requests())
-
-    async def _attach(self, entry: WorkerEntry) -> None:
-        """A worker another replica added: reached through its locator, subscribed,
-        in service here as it is there."""
-        try:
-            client = await asyncio.wait_for(self.spawner.attach(entry.locator),
-                                            self.config.control_timeout_s)
-        except asyncio.CancelledError:
-            self._attaching.pop(entry.worker_id, None)
-            raise
-        except Exception as exc:
-            self._attaching.pop(entry.worker_id, None)
-            log.error("worker %s, added by another router, cannot be reached: %s",
-                      entry.worker_id, short_reason(exc))
-            return
-        entry = self._attaching.pop(entry.worker_id, None)
-        if entry is None or entry.worker_id in self.workers:
-            return  # it left meanwhile
-        worker = WorkerHandle.of(entry.worker_id, client, entry.role,
-                                 num_blocks=entry.num_blocks, address=entry.address,
-                                 locator=entry.locator, generation=entry.generation)
-        worker.update(draining=entry.draining)
-        worker.serving_since = self._now()
-        self.admit(worker)
-        if self._started:
-            self._subscribe(worker)
-        log.warning("worker %s (%s) joined through another router", entry.worker_id,
-                    entry.role)
-        self._changed()
-
-    def _leave(self, worker: WorkerHandle, kill: bool, here: bool = True
+    def leave(self, worker: WorkerHandle, kill: bool, here: bool = True
                ) -> asyncio.Task | None:
         """Returns the closing of the pairs with it, which goes on in the background.
         here False: it left through another replica, which closed its pairs."""
         worker.stop_pump()
-        revival = self._reviving.pop(worker.worker_id, None)
-        if revival is not None:
-            revival.cancel()
+        self.supervision.forget(worker.worker_id)
         self.workers.pop(worker.worker_id, None)
-        unpaired = (self._in_background(self.pairing.leave(worker, worker.address))
+        unpaired = (self.in_background(self.pairing.leave(worker, worker.address))
                     if worker.address and here else None)
         self.on_leave(worker)
         if kill:
@@ -503,105 +378,16 @@ class Pool:
         if here:
             self.registry.left(worker.worker_id)
         log.warning("worker %s left", worker.worker_id)
-        self._changed()
+        self.changed()
         return unpaired
 
-    # ---- workers leaving and rejoining service ---------------------------------------
-
-    def died(self, worker: WorkerHandle) -> None:
-        """Its process died: out of service now, back once it has been restarted, or
-        evicted (and replaced) if it is not back within revive_timeout_s."""
-        if worker.worker_id in self._reviving or worker.worker_id not in self.workers:
-            return
-        worker.update(alive=False)
-        log.error("worker %s died; waiting for its restart", worker.worker_id)
-        self._reviving[worker.worker_id] = asyncio.get_running_loop().create_task(
-            self._revive(worker))
-        self._changed()
-
-    def _stalled(self, worker: WorkerHandle) -> None:
-        """Silent (out of placement), or silent past the stall bound (its requests
-        failed already), until it reports again (this is called again then); evicted
-        (and replaced) if it stays stalled for revive_timeout_s more."""
-        self._changed()
-        if worker.state.alive:
-            return
-
-        async def evict_if_silent() -> None:
-            await asyncio.sleep(self.config.revive_timeout_s)  # a bound, not a sync
-            if not worker.state.alive and self.workers.get(worker.worker_id) is worker \
-                    and worker.worker_id not in self._reviving:
-                log.error("worker %s stayed silent for %gs more; evicting it",
-                          worker.worker_id, self.config.revive_timeout_s)
-                self._evict(worker)
-        self._in_background(evict_if_silent())
-
-    async def _revive(self, worker: WorkerHandle) -> None:
-        """Waits for the restarted process to answer (its model loads first), pairs it
-        with the live workers of the other side, and puts it back in service. Gives
-        up after revive_timeout_s (its restarts spent, or it cannot be placed): the
-        worker is evicted and, if the pool can spawn, replaced by a fresh one."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.revive_timeout_s
-        backoff = 0.05
-        while True:
-            try:
-                await self._rejoin(worker)
-                break
-            except asyncio.CancelledError:
-                self._reviving.pop(worker.worker_id, None)
-                raise
-            except Exception as exc:
-                if loop.time() + backoff > deadline:
-                    log.error("worker %s did not come back within %gs: %s; evicting it",
-                              worker.worker_id, self.config.revive_timeout_s,
-                              short_reason(exc))
-                    self._reviving.pop(worker.worker_id, None)
-                    self._evict(worker)
-                    return
-                await asyncio.sleep(backoff)  # polling: a restart sends no event
-                backoff = min(2 * backoff, 2.0)
-        self._reviving.pop(worker.worker_id, None)
-        log.warning("worker %s is back in service", worker.worker_id)
-        self._changed()
-
-    def _evict(self, worker: WorkerHandle) -> None:
-        self._leave(worker, kill=True)
-        if self.spawner is not None and self.may_replace():
-            self._in_background(self._replace(worker.state.role))
-
-    async def _replace(self, role: str) -> None:
-        try:
-            worker_id = await self.add(role)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.error("no replacement %s worker could be started: %s", role,
-                      short_reason(exc))
-            return
-        log.warning("worker %s replaces an evicted %s worker", worker_id, role)
-
-    async def _rejoin(self, worker: WorkerHandle) -> None:
-        stats = await asyncio.wait_for(worker.client.stats(), self.config.control_timeout_s)
-        # A new process, maybe on another node, listening on a new rendezvous: what
-        # was learned of the old one (steps, transfers, calibration, prefixes) goes,
-        # and so do the pairs with its old rendezvous.
-        await self.pairing.leave(worker, worker.address)
-        worker.address, worker.generation = "", stats.incarnation
-        worker.update(num_blocks=stats.num_blocks)
-        self.on_restart(worker)
-        await self.pairing.join(worker)
-        worker.serving_since = self._now()
-        self._subscribe(worker)
-        self.registry.changed(self.entry(worker))
-
-    def _in_background(self, coro) -> asyncio.Task:
+    def in_background(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
 
-    def _changed(self) -> None:
+    def changed(self) -> None:
         self._tell_wanted()
         for listener in self.on_change:
             listener()

@@ -21,7 +21,6 @@ from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.errors import InvalidRequestError, RequestFailedError
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.worker_messages import (
-    Job,
     PrefillJob,
     PrefillResult,
     Reservation,
@@ -150,7 +149,7 @@ class RequestRunner:
         self._let_go(flight)
         flight.key = flight.new_key()
         flight.prefill, flight.phase = None, Phase.ACCEPTED
-        _flush(flight)  # what the failed worker sent after the failure
+        flight.flush()  # what the failed worker sent after the failure
         flight.migrations += 1
         flight.failure = str(failure)
         reason = ("worker_died" if isinstance(failure, WorkerDied) else "worker_stalled"
@@ -253,21 +252,21 @@ class RequestRunner:
         self._hold(flight, worker, Phase.RESERVING)
         try:
             reservation = await until(flight, worker.client.reserve(
-                _job(flight), self.pool.subscriber), self.config.reserve_timeout_s)
+                flight.job(), self.pool.subscriber), self.config.reserve_timeout_s)
         except Cancelled:
             raise
         except InvalidRequestError:
             raise  # it can never fit: 400, not 429
         except Exception as exc:
             if isinstance(exc, WorkerDied):
-                self.pool.died(worker)
+                self.pool.supervision.died(worker)
             reservation = None  # no answer in time: the worker may reserve late
             self.abort_on(worker, flight.key)
         if reservation is not None:
             flight.phase = Phase.RESERVED
             return reservation
         self._unhold(flight)
-        _flush(flight)  # what the worker's pump failed it with while it was held there
+        flight.flush()  # what the worker's pump failed it with while it was held there
         return None
 
     async def _prefill(self, flight: Flight, worker: WorkerHandle,
@@ -276,7 +275,7 @@ class RequestRunner:
         flight.prefill, flight.phase = worker, Phase.PREFILLING
         try:
             result = await until(flight, worker.client.prefill(
-                PrefillJob(job=_job(flight), target=target)), self.config.prefill_timeout_s)
+                PrefillJob(job=flight.job(), target=target)), self.config.prefill_timeout_s)
         except (Cancelled, asyncio.CancelledError, InvalidRequestError, RequestFailedError):
             raise
         except asyncio.TimeoutError:
@@ -285,7 +284,7 @@ class RequestRunner:
         except Exception as exc:
             died = isinstance(exc, WorkerDied)
             if died:
-                self.pool.died(worker)
+                self.pool.supervision.died(worker)
             raise (WorkerDied if died else WorkerError)(
                 f"prefill of {req.request_id} failed: {short_reason(exc)}") from None
         flight.phase = Phase.STARTING  # the KV landed; the prefill worker holds nothing
@@ -304,14 +303,14 @@ class RequestRunner:
         req = flight.req
         self._hold(flight, worker, Phase.SUBMITTING)
         try:
-            await until(flight, worker.client.submit(_job(flight), self.pool.subscriber),
+            await until(flight, worker.client.submit(flight.job(), self.pool.subscriber),
                         self.config.start_timeout_s)
         except (Cancelled, asyncio.CancelledError, InvalidRequestError):
             raise
         except Exception as exc:
             died = isinstance(exc, WorkerDied)
             if died:
-                self.pool.died(worker)
+                self.pool.supervision.died(worker)
             raise (WorkerDied if died else WorkerError)(
                 f"engine worker {worker.worker_id} could not take {req.request_id}: "
                 f"{short_reason(exc)}") from None
@@ -414,21 +413,3 @@ class RequestRunner:
         if not task.cancelled():
             task.exception()  # a failed abort: the worker frees it by its lease
 
-
-def _flush(flight: Flight) -> None:
-    """Drops what its queue holds from a worker it no longer runs on (an abort's
-    Cancelled stays)."""
-    kept = []
-    while not flight.queue.empty():
-        item = flight.queue.get_nowait()
-        if isinstance(item, Cancelled):
-            kept.append(item)
-    for item in kept:
-        flight.queue.put_nowait(item)
-
-
-def _job(flight: Flight) -> Job:
-    req = flight.req
-    return Job(request_id=flight.key, prompt_token_ids=req.prompt_token_ids,
-               sampling_params=req.params, arrival_time=req.arrival_time,
-               output_token_ids=tuple(flight.output_token_ids), text_sent=flight.text_sent)

@@ -26,17 +26,18 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.decision import Decision
 from pdserve.router.intake import Intake
 from pdserve.router.leader_lease import lease_for
-from pdserve.router.live_move import LiveMover
 from pdserve.router.lifecycle import Accepted, Flight
+from pdserve.router.live_move import LiveMover
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_info import ModelInfo
 from pdserve.router.placer import Placer
 from pdserve.router.planner_runner import PlannerRunner
-from pdserve.router.pool import Pool, Spawner
+from pdserve.router.pool import Pool
 from pdserve.router.pool_registry import PoolRecord, PoolRegistry, registry_for
 from pdserve.router.request_directory import RequestDirectory, directory_for
 from pdserve.router.request_runner import RequestRunner
 from pdserve.router.shared_load import load_board_for
+from pdserve.router.spawner import Spawner
 from pdserve.router.traffic import TrafficWindow
 from pdserve.router.workers import WorkerHandle
 

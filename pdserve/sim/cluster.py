@@ -15,9 +15,9 @@ from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.config import PoolSpec, RouterConfig
 from pdserve.router.model_info import ModelInfo
-from pdserve.router.pool import Progress
 from pdserve.router.pool_registry import PoolRegistry
 from pdserve.router.router import Router
+from pdserve.router.spawner import Progress
 from pdserve.router.workers import WorkerHandle
 from pdserve.sim.itl import ItlHistogram
 from pdserve.sim.profile import Profile

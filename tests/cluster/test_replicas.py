@@ -154,10 +154,10 @@ def test_a_replica_killed_mid_stream_loses_only_its_own_requests_and_frees_their
     finally:
         if process.poll() is None:
             process.kill()
-    ended_before = sum(srv.router.pool.orphans_ended for srv in replicas)
+    ended_before = sum(srv.router.pool.replicas.orphans_ended for srv in replicas)
     with Client(replicas[1].grpc_target, api_key=KEY) as client:  # the others serve on
         assert len(client.generate([3, 4], max_tokens=3, ignore_eos=True).token_ids) == 3
-    assert until(lambda: sum(srv.router.pool.orphans_ended for srv in replicas)
+    assert until(lambda: sum(srv.router.pool.replicas.orphans_ended for srv in replicas)
                  == ended_before + 1, timeout_s=REGISTRY_TTL_S * 3)
     wait_all_blocks_free(replicas[0])
 

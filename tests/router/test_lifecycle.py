@@ -252,7 +252,7 @@ def test_finished_requests_calibrate_the_forecasts_of_the_workers_they_ran_on(to
         factors = (router.workers["p0"].state.calibration.factors,
                    router.workers["d0"].state.calibration.factors,
                    router.placer.snapshot().workers)
-        await router.pool._rejoin(router.workers["d0"])  # as after Ray restarted its process
+        await router.pool.supervision.rejoin(router.workers["d0"])  # as after Ray restarted its process
         after = {w.worker_id: w.calibration.factors for w in router.placer.snapshot().workers}
         await router.stop()
         return factors, after, router.models
