@@ -110,6 +110,8 @@ def drain_round(srv: RouterServer, batch, max_tokens: int, live: bool) -> dict:
             "moved": len(records),
             "pause_ms": [r.pause_s * 1e3 for r in records],
             "final_copy_ms": [r.final_copy_s * 1e3 for r in records],
+            "pause_call_ms": [r.pause_call_s * 1e3 for r in records],
+            "held_ms": [r.held_s * 1e3 for r in records],
             "blocks_before": [r.blocks_before for r in records],
             "blocks_final": [r.blocks_final for r in records],
             "rounds": [r.rounds for r in records],
@@ -200,6 +202,11 @@ def main() -> int:
             g for d in result["replay"] for g in d["replay_gap_ms"]) / step_ms,
     }
     summary["pause_goal_ms"] = 2 * step_ms + summary["final_copy_ms_p50"]
+    # Each move against its own last copy, and where its pause went.
+    summary["pause_less_copy_steps"] = spread([
+        (p - f) / step_ms for d in live for p, f in zip(d["pause_ms"], d["final_copy_ms"])])
+    summary["pause_call_ms"] = spread([c for d in live for c in d["pause_call_ms"]])
+    summary["held_ms"] = spread([h for d in live for h in d["held_ms"]])
     summary["drain_ratio"] = spread([w["drain_s"] / lv["drain_s"] for w, lv in zip(wait, live)])
     result["summary"] = summary
     save_json(args.out, result)
@@ -207,6 +214,9 @@ def main() -> int:
     print(f"pause per moved request: p50 {summary['pause_ms_p50']:.1f} ms, p99 {p99:.1f} ms "
           f"({summary['pause_steps_p99']:.2f} steps; goal <= 2 steps + final copy "
           f"{summary['final_copy_ms_p50']:.1f} ms = {summary['pause_goal_ms']:.1f} ms)")
+    print(f"pause less its own last copy (steps): {show(summary['pause_less_copy_steps'])}; "
+          f"pause asked -> answered {show(summary['pause_call_ms'], 1)} ms, -> last delta "
+          f"through and target grown {show(summary['held_ms'], 1)} ms")
     print(f"client's longest gap, moved requests (ms): {show(summary['client_max_gap_ms'], 1)}")
     print(f"replay's added gap (ms): {show(summary['replay_gap_ms'], 1)} "
           f"({summary['replay_gap_steps_p50']:.1f} decode steps at p50)")

@@ -8,7 +8,8 @@ side):
        stands, off its source); the target takes it over (blocks, its own prefix hits
        counted) under a new id (Flight.new_key)
     2. the source's whole blocks are copied while it decodes on, then those filled
-       meanwhile (at most MAX_ROUNDS copies, while a round has MIN_ROUND_BLOCKS new)
+       meanwhile (at most MAX_ROUNDS copies, while a round has MIN_ROUND_BLOCKS new);
+       the moves off one worker then wait for each other (PauseGate)
     3. the source pauses it; once its last delta (marked paused) came through the
        source's step stream, the router holds it on the target, which is told the
        tokens made since, and the rest is copied, the last block partly filled
@@ -28,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from pdserve.engine.worker_messages import BlockCopy, IncomingCopy, Job
+from pdserve.engine.worker_messages import BlockCopy, IncomingCopy
 from pdserve.router.clock import Clock
 from pdserve.router.config import RouterConfig
 from pdserve.router.decision import Colocate
@@ -56,8 +57,45 @@ class MoveRecord:
     blocks_before: int  # blocks those copied
     blocks_final: int  # blocks the last copy moved, while it was paused
     final_copy_s: float
+    pause_call_s: float  # the pause asked -> the source answered (at its step boundary)
+    held_s: float  # the pause asked -> its last delta came through, the target grown
     pause_s: float  # from the pause asked to the last copy landed (the target decodes it
     #                 from its next step boundary)
+
+
+class PauseGate:
+    """The moves off one draining worker pause together, once each has made the copies
+    it makes while decoding on (or given up): a pause then overlaps no other move's
+    bulk copy from the same source, which shares its process and its lanes, and the
+    pauses land at the same step boundaries. Measured with 8 moves at once, a pause
+    asked while the other moves' first copies were under way took up to 3.5 decode
+    steps to be answered. The wait is bounded (timeout_s), and a move that starts once
+    the gate opened passes at once."""
+
+    def __init__(self) -> None:
+        self._moves = self._arrived = 0
+        self._open = asyncio.Event()
+
+    def enter(self) -> None:
+        """A move that will arrive, or leave."""
+        self._moves += 1
+
+    def leave(self) -> None:
+        """A move that ends without arriving (it gave up, or failed)."""
+        self._moves -= 1
+        self._check()
+
+    async def arrive(self, timeout_s: float) -> None:
+        self._arrived += 1
+        self._check()
+        try:
+            await asyncio.wait_for(self._open.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass  # the others are slow: this one pauses on its own
+
+    def _check(self) -> None:
+        if self._arrived >= self._moves:
+            self._open.set()
 
 
 class GaveUp(Exception):
@@ -86,7 +124,7 @@ class LiveMover:
         tries: dict[str, int] = {}
         started: set[asyncio.Task] = set()
         try:
-            await self._evacuate(source, drained, tries, started)
+            await self._evacuate(source, drained, tries, started, PauseGate())
         finally:
             if started and source.state.role == "decode":  # once its last copies are sent
                 task = asyncio.ensure_future(self._unpair(source, started))
@@ -94,14 +132,16 @@ class LiveMover:
                 task.add_done_callback(self._unpairing.discard)
 
     async def _evacuate(self, source: WorkerHandle, drained: asyncio.Event,
-                        tries: dict[str, int], started: set[asyncio.Task]) -> None:
+                        tries: dict[str, int], started: set[asyncio.Task],
+                       gate: PauseGate) -> None:
         while not drained.is_set():
             for flight in list(source.flights.values()):
                 if flight.phase is Phase.STREAMING and flight.request_id not in self.moving \
                         and tries.get(flight.key, 0) < MAX_TRIES:
                     tries[flight.key] = tries.get(flight.key, 0) + 1
+                    gate.enter()  # now: the moves started together wait for each other
                     task = self.moving[flight.request_id] = asyncio.ensure_future(
-                        self.move(flight, source))
+                        self.move(flight, source, gate))
                     started.add(task)
             wait = {asyncio.ensure_future(drained.wait()), *self.moving.values()}
             done, pending = await asyncio.wait(wait, timeout=1.0,
@@ -124,11 +164,17 @@ class LiveMover:
             log.warning("%s could not close the pairs it moved requests over: %s",
                         source.worker_id, short_reason(exc))
 
-    async def move(self, flight: Flight, source: WorkerHandle) -> bool:
-        """True once the request decodes on another worker."""
+    async def move(self, flight: Flight, source: WorkerHandle,
+                   gate: PauseGate | None = None) -> bool:
+        """True once the request decodes on another worker. gate: the moves off
+        `source` it pauses with, entered already (default: it pauses on its own)."""
+        if gate is None:
+            gate = PauseGate()
+            gate.enter()
+        arrived: list[bool] = []
         try:
             began = self.clock.monotonic()
-            record = await self._move(flight, source)
+            record = await self._move(flight, source, gate, arrived)
         except GaveUp as why:
             log.info("request %s stays on %s: %s", flight.request_id, source.worker_id, why)
             self.metrics.live_moves.labels(self.metrics.model_name, "gave_up").inc()
@@ -143,6 +189,8 @@ class LiveMover:
             return False
         finally:
             self.moving.pop(flight.request_id, None)
+            if not arrived:
+                gate.leave()
         self.metrics.live_moves.labels(self.metrics.model_name, "moved").inc()
         self.metrics.migrations.labels(self.metrics.model_name, "drain", "decode").inc()
         self.metrics.migration_pause.observe(record.pause_s)
@@ -151,7 +199,8 @@ class LiveMover:
                  source.worker_id, self.clock.monotonic() - began, record.pause_s * 1e3)
         return True
 
-    async def _move(self, flight: Flight, source: WorkerHandle) -> MoveRecord:
+    async def _move(self, flight: Flight, source: WorkerHandle, gate: PauseGate,
+                    arrived: list[bool]) -> MoveRecord:
         """The stages. Raises GaveUp before the pause, anything else after it."""
         key_s, timeout_s = flight.key, self.config.control_timeout_s
         target, key_t, res, job = await self._take_over(flight, source)
@@ -169,10 +218,13 @@ class LiveMover:
                     request_id=key_t, transfer_id=self._transfer_id(key_t), first_block=copied,
                     token_ids=flight.output_token_ids[held:seen], text_sent=flight.text_sent))
                 held, rounds = seen, rounds + 1
+            arrived.append(True)
+            await gate.arrive(timeout_s)
             self._still_there(flight, source, key_s)
             flight.paused = asyncio.Event()
             pause_at = self.clock.monotonic()
             paused = await asyncio.wait_for(source.client.pause(key_s), timeout_s)
+            paused_at = self.clock.monotonic()
             if paused is None:
                 raise GaveUp("it is no longer running there")
         except BaseException as exc:
@@ -198,6 +250,7 @@ class LiveMover:
             finally:
                 blocks = await expecting
             self._still_there(flight, source, key_s)
+            held_at = self.clock.monotonic()
             # Held on the target before the last copy: once that lands the target decodes
             # on, and its first delta must find the request there.
             source.unhold(flight)
@@ -216,7 +269,8 @@ class LiveMover:
         return MoveRecord(request_id=flight.request_id, source=source.worker_id,
                           target=target.worker_id, rounds=rounds,
                           blocks_before=copied - cached, blocks_final=len(blocks),
-                          final_copy_s=done_at - copy_at, pause_s=done_at - pause_at)
+                          final_copy_s=done_at - copy_at, pause_call_s=paused_at - pause_at,
+                          held_s=held_at - pause_at, pause_s=done_at - pause_at)
 
     async def _take_over(self, flight: Flight, source: WorkerHandle):
         """The target chosen by the policy and its reservation, under a new id."""
@@ -234,10 +288,7 @@ class LiveMover:
                 raise GaveUp("no other worker can take it")
             self._still_there(flight, source, flight.key)
             key_t = flight.new_key()
-            job = Job(request_id=key_t, prompt_token_ids=flight.req.prompt_token_ids,
-                      sampling_params=flight.req.params, arrival_time=flight.req.arrival_time,
-                      output_token_ids=tuple(flight.output_token_ids),
-                      text_sent=flight.text_sent)
+            job = flight.job(key_t)
             try:
                 res = await asyncio.wait_for(target.client.take_over(job, self.pool.subscriber),
                                              self.config.reserve_timeout_s)
