@@ -106,9 +106,16 @@ class Moves:
         return blocks
 
     def _resume(self, request_id: str) -> None:
+        """Into the batch at the next step boundary; one that cannot be is freed, and
+        its stream's last delta tells the router to place it again."""
         def resume(engine: LLMEngine) -> None:
-            if request_id in engine.scheduler.requests:  # not aborted meanwhile
+            if request_id not in engine.scheduler.requests:  # aborted meanwhile
+                return
+            try:
                 engine.resume_moved(request_id)
+            except Exception as exc:
+                engine.abort(request_id)
+                self.publish([TokenDelta.not_resumed(request_id, exc)])
         self.loop.call(resume)
 
 

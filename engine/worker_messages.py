@@ -142,6 +142,19 @@ class TokenDelta:
     # The request left the batch to move (live migration): its last delta here, sent
     # on the step stream after every token it made here.
     paused: bool = False
+    # With finish_reason "error": this worker failed the request, not the request
+    # itself (it was freed here): the router may place it again (migration by replay).
+    worker_failed: bool = False
+
+    @staticmethod
+    def not_resumed(request_id: str, exc: Exception) -> "TokenDelta":
+        """The last delta of a request moved live whose target could not take it into
+        its batch once its KV landed: freed there, to be placed again."""
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        return TokenDelta(request_id=request_id, token_ids=[], text="", logprobs=[],
+                          finished=True, finish_reason="error",
+                          error=f"it could not resume after its move ({type(exc).__name__}: "
+                                f"{reason})", worker_failed=True)
 
     def merged(self, later: "TokenDelta") -> "TokenDelta":
         """This delta followed by `later`, as one (for a consumer that fell behind)."""

@@ -328,6 +328,8 @@ class RequestRunner:
             if skip_text:
                 cut = min(skip_text, len(item.text))
                 item, skip_text = replace(item, text=item.text[cut:]), skip_text - cut
+            if item.worker_failed:  # the worker's failure: placed again if it may be
+                raise WorkerError(f"{flight.request_id} failed on its worker: {item.error}")
             if item.finished:
                 flight.phase = Phase.DONE  # the worker freed it
             if item.finish_reason == "error":

@@ -73,6 +73,19 @@ def slow_sampler(actor, delay_s: float = 0.02, first_token: int = SLOW) -> None:
         runner.sampler, lambda request: request.prompt_token_ids[0] == first_token, delay_s)
 
 
+def failing_resume(scheduler) -> None:
+    """A scheduler (a worker actor's, or a simulated worker's) whose every resume of a
+    request moved live fails, as if its state had gone wrong."""
+    def resume_moved(request_id: str):
+        raise ValueError(f"request {request_id} cannot resume here (injected)")
+    scheduler.resume_moved = resume_moved
+
+
+def actor_scheduler(actor):
+    """In a worker actor: its engine's scheduler."""
+    return actor.worker.loop.engine.scheduler
+
+
 def slow_prefill_layers(actor, delay_s: float = 0.1) -> None:
     """In a worker actor: every prefill step that sends KV waits `delay_s` as each
     layer's KV goes out, so its requests stay mid-transfer that much longer."""

@@ -87,7 +87,13 @@ class SimMoves:
         w = self.worker
 
         def resume() -> None:
-            if request_id in w.scheduler.requests:  # not aborted meanwhile
+            if request_id not in w.scheduler.requests:  # aborted meanwhile
+                return
+            try:
                 w.scheduler.resume_moved(request_id)
-                w._last_token_at[request_id] = w._now  # the router has its tokens so far
+            except Exception as exc:  # freed; the router places it again
+                w._publish([TokenDelta.not_resumed(request_id, exc)])
+                w._finish_aborted(request_id)  # its owner forgotten: no second delta
+                return
+            w._last_token_at[request_id] = w._now  # the router has its tokens so far
         w._at_boundary(resume)

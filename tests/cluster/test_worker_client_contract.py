@@ -111,12 +111,15 @@ async def live_move_contract(prefill, source, target) -> dict:
     """A running request moved from `source` to `target` through the seam, as
     router/live_move.py moves it: whole blocks copied while it decodes, then paused
     (its marked last delta after its tokens), the rest copied with the tokens made
-    since; it decodes on there once that landed.
+    since; it decodes on there once that landed (or, where the target cannot resume
+    it, it is freed there and its last delta says so, worker_failed).
     Returns its tokens (as the router saw them from both; the source's blocks are all
-    free once its copy is aborted) and which streams sent a pause marker."""
+    free once its copy is aborted), which streams sent a pause marker, the target's
+    last delta and whether its blocks are all free at the end."""
     streams = {"s": source, "t": target}
     seen = {name: [] for name in streams}
     finished, marked, free, arrived = set(), [], {}, asyncio.Event()
+    last = {}
 
     async def read(name, worker) -> None:
         async for batch in worker.steps(30.0, "contract"):
@@ -124,6 +127,8 @@ async def live_move_contract(prefill, source, target) -> dict:
                 seen[name].extend(d.token_ids)
                 marked.extend([name] if d.paused else [])
                 finished.update([name] if d.finished else [])
+                if d.finished:
+                    last[name] = d
             if batch.telemetry is not None:
                 free[name] = batch.telemetry.free_blocks
             arrived.set()
@@ -166,10 +171,10 @@ async def live_move_contract(prefill, source, target) -> dict:
                                        target_address=address, target_blocks=blocks,
                                        final=True))  # the target decodes on once it landed
     await source.abort("m", "contract")
-    await until(lambda: "t" in finished and free.get("s") == total)
+    await until(lambda: "t" in finished and free.get("s") == total and free.get("t") == total)
     for reader in readers:
         reader.cancel()
-    return {"tokens": outputs + seen["t"], "marked": marked}
+    return {"tokens": outputs + seen["t"], "marked": marked, "last": last["t"]}
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +227,9 @@ def test_the_simulated_worker_holds_the_contract(llama_dir, expected):
     assert out["orphans ended"] == 1
 
 
-def test_the_ray_client_moves_a_running_request_live(ray_local, llama_dir, moved):
+@pytest.mark.parametrize("resume_fails", [False, True])
+def test_the_ray_client_moves_a_running_request_live(ray_local, llama_dir, moved,
+                                                     resume_fails):
     from pdserve.worker.actor import WorkerActor
 
     config = EngineConfig.from_kwargs(str(llama_dir), num_kv_blocks=NUM_BLOCKS,
@@ -236,15 +243,28 @@ def test_the_ray_client_moves_a_running_request_live(ray_local, llama_dir, moved
     # running there through the calls of the move: at its own pace (a few ms a step)
     # it could end before the first copy was sent, as it once did in a full run.
     ray.get(actors[1].__ray_call__.remote(faults.slow_sampler, 0.1, PROMPT[0]))
+    if resume_fails:
+        ray.get(actors[2].__ray_call__.remote(
+            lambda actor: faults.failing_resume(faults.actor_scheduler(actor))))
     try:
         out = asyncio.run(live_move_contract(*clients))
     finally:
         for client in clients:
             client.kill()
-    assert out["tokens"] == moved and out["marked"] == ["s"]
+    _moved_as_told(out, moved, resume_fails)
 
 
-def test_the_simulated_worker_moves_a_running_request_live(llama_dir, moved):
+def _moved_as_told(out: dict, moved: list[int], resume_fails: bool) -> None:
+    assert out["marked"] == ["s"]
+    if resume_fails:  # freed on the target, the router told to place it again
+        assert out["last"].finish_reason == "error" and out["last"].worker_failed
+        assert out["tokens"] == moved[:len(out["tokens"])]
+    else:
+        assert out["tokens"] == moved and out["last"].finish_reason == "length"
+
+
+@pytest.mark.parametrize("resume_fails", [False, True])
+def test_the_simulated_worker_moves_a_running_request_live(llama_dir, moved, resume_fails):
     async def scenario():
         profile = model_profile(llama_dir, NUM_BLOCKS)
         peers: dict[str, SimWorker] = {}
@@ -252,6 +272,8 @@ def test_the_simulated_worker_moves_a_running_request_live(llama_dir, moved):
                              tokens=ModelTokens.load(str(llama_dir), NUM_BLOCKS, 16, 512))
                    for name, role in (("lp", "prefill"), ("ls", "decode"), ("lt", "decode"))]
         await asyncio.gather(*(w.boot() for w in workers))
+        if resume_fails:
+            faults.failing_resume(workers[2].scheduler)
         return await live_move_contract(*workers)
     out = virtual_time.run(scenario())
-    assert out["tokens"] == moved and out["marked"] == ["s"]
+    _moved_as_told(out, moved, resume_fails)

@@ -116,11 +116,12 @@ LONG = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
 
 
 async def _drain_while_streaming(cluster: SimCluster, params: SamplingParams,
-                                 kill_target_at: str = ""):
+                                 kill_target_at: str = "", fail_resume: bool = False):
     """Streams every prompt; once each has a few tokens, drains the decode worker
     holding the most (and kills the first worker a move copies to in its call
     `kill_target_at`: take_over, before the source pauses; final, as it is told of the
-    last copy, after the pause). Returns the
+    last copy, after the pause; fail_resume: the first target to resume a moved
+    request fails to). Returns the
     streams, the drain's virtual seconds, how many it still held then, whether every
     surviving worker's blocks are free, and the live moves by outcome."""
     router = await cluster.start()
@@ -142,12 +143,21 @@ async def _drain_while_streaming(cluster: SimCluster, params: SamplingParams,
                 killed.append(worker.kill())
             return call(first, *args)
         setattr(owner, name, dying)
+    failed_resumes = []
+    for worker in cluster.workers.values() if fail_resume else ():
+        def failing(request_id, resume=worker.scheduler.resume_moved):
+            if not failed_resumes:
+                failed_resumes.append(request_id)
+                raise ValueError(f"request {request_id} could not resume")
+            return resume(request_id)
+        worker.scheduler.resume_moved = failing
     loop = asyncio.get_running_loop()
     began = loop.time()
     await router.pool.drain(victim)
     drain_s = loop.time() - began
     held_then = len(router.pool.workers[victim].flights)
-    outs = await asyncio.gather(*streams, return_exceptions=True)
+    # bounded: a request left parked on a worker would never end
+    outs = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), 60)
     await asyncio.sleep(1.0)
     survivors = [w for w in cluster.workers.values() if w.alive]
     free = all(w.blocks.num_free_blocks == w.blocks.num_blocks and not w.scheduler.requests
@@ -185,6 +195,18 @@ def test_a_target_that_dies_during_a_live_move_costs_no_request(llama_dir, undis
         _drain_while_streaming(cluster, LONG, kill_target_at=at))
     assert [o[0] for o in outs] == undisturbed_long and free and held == 0
     assert moves.get("gave_up" if at == "take_over" else "replayed", 0) >= 1
+
+
+def test_a_moved_request_that_fails_to_resume_on_its_target_is_placed_again(
+        llama_dir, undisturbed_long):
+    """Its last copy landed, but the target could not take it into its batch: the
+    target frees it and says so on its stream, and the router replays it (it used to
+    sit parked there, its stream waiting for ever)."""
+    cluster = _cluster(llama_dir, PoolSpec(1, 3))
+    outs, _, held, free, moves = virtual_time.run(
+        _drain_while_streaming(cluster, LONG, fail_resume=True))
+    assert [o[0] for o in outs] == undisturbed_long and free and held == 0
+    assert moves.get("moved", 0) >= 1
 
 
 def test_a_copy_into_a_move_aborted_on_its_target_fails_and_writes_nothing():
