@@ -59,7 +59,8 @@ def router(n: int, running: int, policy: str, rng: random.Random, tok: Tokenizer
         if role == "decode":
             for j in range(running):
                 flight = Flight(_accepted(f"{handle.worker_id}-r{j}", 700))
-                flight.first_token_at, flight.num_output_tokens = time.time(), rng.randrange(100)
+                flight.first_token_at = time.time()
+                flight.output_token_ids = [0] * rng.randrange(100)
                 handle.hold(flight)
         handles.append(handle)
     config = RouterConfig(routing=RoutingSpec(routing_policy=policy))
