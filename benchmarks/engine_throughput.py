@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.bench.report import show, spread
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.model_path import resolve_model_path
@@ -191,9 +192,8 @@ def main() -> int:
               "num_requests": args.num_requests, "prompt_range": args.prompt_range,
               "output_range": args.output_range}
     result["scheduler"] = scheduler_overhead()
-    runs = result["scheduler"]["us_per_step_runs"]
-    print(f"scheduler: {result['scheduler']['us_per_step']:.0f} us per step "
-          f"[{min(runs):.0f}, {max(runs):.0f}]", flush=True)
+    print(f"scheduler: {show(spread(result['scheduler']['us_per_step_runs']), 0)} us per "
+          "step", flush=True)
     result["prefill"] = prefill_efficiency(llm, args.prefill_requests, args.prompt_range,
                                            args.seed)
     print(f"prefill: {result['prefill']['prefill_tok_s']:.0f} tok/s", flush=True)
@@ -215,14 +215,12 @@ def main() -> int:
     if "throughput_ratio" in result:
         print(f"throughput ratio pdserve / HF static batches of {args.hf_batch_size}: "
               f"{result['throughput_ratio']:.2f} (target >= 3.3)")
-    runs = result["prefill"]["efficiency_runs"]
-    print(f"prefill efficiency: {result['prefill_efficiency']:.2f} [{min(runs):.2f}, "
-          f"{max(runs):.2f}] (target >= 0.8)")
+    print(f"prefill efficiency: {show(spread(result['prefill']['efficiency_runs']))} "
+          "(target >= 0.8)")
     print(f"per-step Python overhead / forward pass: "
           f"{result['pdserve']['overhead_ratio']:.3f}")
-    runs = result["scheduler"]["us_per_step_runs"]
-    print(f"scheduler overhead: {result['scheduler_us']:.0f} [{min(runs):.0f}, {max(runs):.0f}] "
-          f"us per schedule+update with 256 decodes (target <= 100)")
+    print(f"scheduler overhead: {show(spread(result['scheduler']['us_per_step_runs']), 0)} "
+          "us per schedule+update with 256 decodes (target <= 100)")
     return 0
 
 

@@ -168,6 +168,7 @@ class RouterMetrics:
     def _observe_spec(self, t, series: dict) -> None:
         """The growth of a worker's cumulative speculative-decoding figures."""
         last = series.setdefault("spec_last", {})
+        children = series.setdefault("spec_children", {})  # labelled once per worker
         key = (self._model, t.worker_id, t.role)
         figures = {"num_drafts": t.spec_num_drafts, "num_draft_tokens": t.spec_num_draft_tokens,
                    "num_accepted_tokens": t.spec_num_accepted_tokens,
@@ -177,8 +178,11 @@ class RouterMetrics:
             grown = value if restarted else value - last.get(name, 0)
             last[name] = value
             if grown:
-                counter = (self._spec[name].labels(*key) if isinstance(name, str)
-                           else self._spec_per_pos.labels(*key, str(name)))
+                counter = children.get(name)
+                if counter is None:
+                    counter = children[name] = (
+                        self._spec[name].labels(*key) if isinstance(name, str)
+                        else self._spec_per_pos.labels(*key, str(name)))
                 counter.inc(grown)
 
     def forget_worker(self, worker_id: str) -> None:
