@@ -37,6 +37,15 @@ class _Job:
     computed_at: float = 0.0  # when the step that sampled its first token ended
 
 
+@dataclass
+class _Copy:
+    """A copy of a running request's blocks (live migration), as `send` queued it."""
+    transfer_id: str
+    src: list[int]
+    dst: list[int]
+    sent: Future  # the bytes sent, once they landed
+
+
 class PrefillRole:
     """Hosted by a Worker (worker/worker.py), whose engine loop calls export() before
     every forward pass and on_step() after it."""
@@ -49,6 +58,7 @@ class PrefillRole:
         self._pairing: dict[str, Future] = {}  # receiver address -> its pair being opened
         self._lanes_lock = threading.Lock()
         self._lane_names = itertools.count()
+        self._urgent: dict[str, list[_Copy]] = {}  # receiver address -> last copies queued
 
     @property
     def busy(self) -> bool:
@@ -110,28 +120,64 @@ class PrefillRole:
         """A transfer of KV already in the cache (a running request moving: live
         migration), on the decode worker's lane, every layer at once: resolves to the
         bytes sent once the receiver confirmed them, or with the transfer's error.
-        urgent: before the lane's other calls queued (a paused request's last copy)."""
-        sent: Future = Future()
-
-        def transfer() -> int:
-            handle = self.sender.begin(transfer_id, address, src_blocks, dst_blocks,
-                                       connect=False)
-            try:
-                for layer in range(self.sender.layout.num_layers):
-                    self.sender.send_layer(handle, layer)
-            except BaseException:
-                self.sender.abort(handle)
-                raise
-            return self.sender.finish(handle).bytes_sent
+        urgent: before the lane's other calls queued (a paused request's last copy);
+        the urgent copies queued for one receiver by the time the lane takes them go
+        as one step (the moves off a draining worker pause together: their last copies
+        then cost about one transfer, not one each in turn)."""
+        copy = _Copy(transfer_id, src_blocks, dst_blocks, Future())
 
         def paired(ready: Future) -> None:
             if ready.exception() is not None:
-                sent.set_exception(ready.exception())
+                copy.sent.set_exception(ready.exception())
+            elif not urgent:
+                self._lane(address).submit(self._transfer, address, [copy])
             else:
-                _chain(self._lane(address).submit(transfer, urgent=urgent), sent)
+                with self._lanes_lock:
+                    batch = self._urgent.get(address)
+                    if batch is None:
+                        batch = self._urgent[address] = []
+                    batch.append(copy)
+                    first = len(batch) == 1
+                if first:
+                    self._lane(address).submit(self._transfer_urgent, address, urgent=True)
 
         self._pair(address).add_done_callback(paired)
-        return sent
+        return copy.sent
+
+    def _transfer_urgent(self, address: str) -> None:
+        with self._lanes_lock:
+            copies = self._urgent.pop(address, [])
+        self._transfer(address, copies)
+
+    def _transfer(self, address: str, copies: list["_Copy"]) -> None:
+        """On the lane: the copies as one announced step; each resolves on its own."""
+        handles = []
+        for copy in copies:
+            try:
+                handles.append(self.sender.begin(copy.transfer_id, address, copy.src,
+                                                 copy.dst, connect=False))
+            except Exception as exc:
+                copy.sent.set_exception(exc)
+        copies = [c for c in copies if not c.sent.done()]
+        try:
+            failures = self.sender.announce(handles)
+            for layer in range(self.sender.layout.num_layers):
+                failures.update(self.sender.send_layers(handles, layer))
+        except BaseException as exc:
+            for copy, handle in zip(copies, handles):
+                self.sender.abort(handle)
+                copy.sent.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for copy, handle in zip(copies, handles):
+            if copy.transfer_id in failures:
+                copy.sent.set_exception(failures[copy.transfer_id])
+                continue
+            try:
+                copy.sent.set_result(self.sender.finish(handle).bytes_sent)
+            except Exception as exc:
+                copy.sent.set_exception(exc)
 
     def abort(self, request_id: str) -> bool:
         """False when no prefill job of that id is here."""
@@ -250,11 +296,6 @@ class PrefillRole:
             entry.future.set_exception(error)
         else:
             entry.future.set_result(result)
-
-
-def _chain(source: Future, target: Future) -> None:
-    source.add_done_callback(lambda f: target.set_exception(f.exception())
-                             if f.exception() is not None else target.set_result(f.result()))
 
 
 class _Lane:

@@ -93,6 +93,28 @@ def _transfer(sender: KVSender, caches, released, jobs, layer_delay=0.0, stop_af
     return [sender.finish(h).bytes_sent for h in handles]
 
 
+def _urgent_copies(sender: KVSender, caches, released, address, jobs):
+    """Live migration's last copies, as a worker's PrefillRole sends them: queued as
+    urgent while its lane to the receiver is busy, then sent. Returns each copy's
+    bytes and how many transfers each announced step held."""
+    from pdserve.prefill_worker.role import PrefillRole
+
+    role = PrefillRole(None, sender)  # send() needs no engine loop
+    role.connect([address])
+    busy, steps = threading.Event(), []
+    announce = sender.announce
+
+    def counted(handles):
+        steps.append(len(handles))
+        return announce(handles)
+    sender.announce = counted
+    held = role._lane(address).submit(busy.wait, 30)
+    copies = [role.send(rid, address, src, dst, urgent=True) for rid, src, dst in jobs]
+    busy.set()
+    held.result(30)
+    return [c.result(30) for c in copies], steps
+
+
 def _raise_first(failures: dict) -> None:
     if failures:
         raise next(iter(failures.values()))
@@ -137,6 +159,7 @@ def _pairs_ended(receiver: KVReceiver, caches, released, timeout):
 
 _COMMANDS = {
     "transfer": _transfer,
+    "urgent_copies": _urgent_copies,
     "expect": lambda r, c, rel, *a: r.expect(*a),
     "wait": lambda r, c, rel, *a: r.wait(*a),
     "abort": lambda r, c, rel, rid: r.abort(rid),

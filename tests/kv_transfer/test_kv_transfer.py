@@ -157,6 +157,27 @@ def test_one_step_of_several_transfers_to_one_receiver_lands_each_bitwise(window
         sender.stop()
 
 
+def test_last_copies_queued_together_go_as_one_step_and_land_each_bitwise():
+    """Live migration: the moves off a draining worker pause together, and the last
+    copies queued for one receiver while its lane was busy go as one step."""
+    receiver, sender = Worker("receiver", "r"), Worker("sender", "s", seed=9)
+    try:
+        jobs = [("c1", [4], [12]), ("c2", [5, 6], [13, 27]), ("c3", [8], [2])]
+        for rid, _, dst in jobs:
+            receiver.call("expect", rid, dst)
+        sent, steps = sender.call("urgent_copies", receiver.address, jobs)
+        per_block = KVLayout(SPEC.num_layers, SPEC.block_size, SPEC.num_kv_heads,
+                             SPEC.head_dim, SPEC.dtype).block_bytes_per_layer * SPEC.num_layers
+        assert sent == [len(src) * per_block for _, src, _ in jobs]
+        assert steps == [3]
+        for rid, src, dst in jobs:
+            receiver.call("wait", rid)
+            assert_landed(receiver, sender, src, dst)
+    finally:
+        receiver.stop()
+        sender.stop()
+
+
 def test_a_step_left_unfinished_ends_its_transfers_at_the_next_step():
     # A forward pass that failed after layer 0 leaves its step unfinished; the pair's
     # next STEP first ends it (ABORT, remaining slots padded), so the stream is in
