@@ -144,13 +144,20 @@ def reversals(sizes: list[tuple[float, dict]], roles) -> dict:
 
 
 
-def planner_arm(args) -> tuple[str, PoolSpec, RouterConfig]:
-    autoscale = AutoscaleSpec(autoscale=True, min_prefill_workers=1,
-                              max_prefill_workers=args.budget - 1, min_decode_workers=1,
-                              max_decode_workers=args.budget - 1, max_workers=args.budget,
-                              planner_interval_s=args.interval_s)
-    return "planner", PoolSpec(1, 1), RouterConfig(routing=routing_of(args),
-                                                   autoscale=autoscale)
+def planner_arm(args, mode: str) -> tuple[str, PoolSpec, RouterConfig]:
+    """The planner over the disaggregated pools (1P + 1D floor) or one colocated pool
+    (a floor of 1 worker of role both)."""
+    colocated = mode == "colocated"
+    autoscale = AutoscaleSpec(autoscale=True, min_prefill_workers=0 if colocated else 1,
+                              max_prefill_workers=0 if colocated else args.budget - 1,
+                              min_decode_workers=1,
+                              max_decode_workers=args.budget if colocated else args.budget - 1,
+                              max_workers=args.budget, planner_interval_s=args.interval_s,
+                              planner_down_ticks=args.down_ticks,
+                              planner_reversal_guard_s=args.reversal_guard_s)
+    pools = PoolSpec(0, 1, mode="colocated") if colocated else PoolSpec(1, 1)
+    return (f"planner {'colocated' if colocated else 'P/D'}", pools,
+            RouterConfig(routing=routing_of(args), autoscale=autoscale))
 
 
 def static_arms(args, n: int) -> list[tuple[str, PoolSpec, RouterConfig]]:
@@ -181,8 +188,17 @@ def main() -> int:
     ap.add_argument("--min-static", type=int, default=2,
                     help="the smallest static configuration tried (workers)")
     ap.add_argument("--interval-s", type=float, default=5.0)
+    ap.add_argument("--down-ticks", type=int, default=AutoscaleSpec.planner_down_ticks,
+                    help="the planner's --planner-down-ticks")
+    ap.add_argument("--reversal-guard-s", type=float,
+                    default=AutoscaleSpec.planner_reversal_guard_s,
+                    help="the planner's --planner-reversal-guard-s")
     ap.add_argument("--slo-ttft-ms", type=float, default=500.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    ap.add_argument("--planner-modes", nargs="+", default=["disaggregated"],
+                    choices=["disaggregated", "colocated"],
+                    help="the pools the planner runs: disaggregated (prefill and decode) "
+                    "and / or colocated (one pool of role both)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="seeds run in this many processes at once (virtual time: the "
                     "results do not depend on it)")
@@ -203,13 +219,15 @@ def main() -> int:
             jobs = [(profile, pools, router, requests[seed], slo, seed) for seed in args.seeds]
             ran = executor.map(_run_arm, jobs) if executor else map(_run_arm, jobs)
             for seed, row in zip(args.seeds, ran):
-                if name == "planner":
-                    row["reversals"] = reversals(row["sizes"], ("prefill", "decode"))
+                if name.startswith("planner"):
+                    row["reversals"] = reversals(row["sizes"], ("prefill", "decode", "both"))
                 rows[name].append(row)
                 print(f"{trace} seed {seed} {name}: attainment {row['attainment']:.3f}, "
                       f"{row['worker_seconds']:.0f} worker-s, {row['failed']} failed "
                       f"({time.perf_counter() - began:.0f} s)", flush=True)
-        run(*planner_arm(args))
+        planners = [planner_arm(args, mode)[0] for mode in args.planner_modes]
+        for mode in args.planner_modes:
+            run(*planner_arm(args, mode))
         # Static configurations from the smallest up: the first size at which one
         # reaches the target holds the cheapest (every static arm of a size costs the
         # same worker-seconds).
@@ -223,28 +241,32 @@ def main() -> int:
                         "worker_seconds": spread([r["worker_seconds"] for r in rs]),
                         "failed": sum(r["failed"] for r in rs)} for name, rs in rows.items()}
         periods = args.duration_s / args.period_s if trace == "sinusoid" else 1.0
-        table["planner"]["reversals_per_period"] = {
-            role: spread([r["reversals"][role] / periods for r in rows["planner"]])
-            for role in ("prefill", "decode")}
+        for planner in planners:
+            table[planner]["reversals_per_period"] = {
+                role: spread([r["reversals"][role] / periods for r in rows[planner]])
+                for role in ("prefill", "decode", "both")}
         passing = [(t["worker_seconds"]["median"], name) for name, t in table.items()
-                   if name != "planner" and t["attainment"]["median"] >= TARGET]
+                   if name not in planners and t["attainment"]["median"] >= TARGET]
         cheapest = min(passing) if passing else None
         results["traces"][trace] = {"table": table, "runs": rows, "cheapest_static": cheapest}
         lines.append(f"{trace} ({len(args.seeds)} seeds): attainment | worker-seconds | failed")
         for name, t in table.items():
-            lines.append(f"  {name:12s} {show(t['attainment'], 3)} | "
+            turns = t.get("reversals_per_period", {})
+            lines.append(f"  {name:18s} {show(t['attainment'], 3)} | "
                          f"{show(t['worker_seconds'], 0)} | {t['failed']}"
-                         + (" | direction changes/period "
-                            f"{show(t['reversals_per_period']['prefill'])} P, "
-                            f"{show(t['reversals_per_period']['decode'])} D"
-                            if "reversals_per_period" in t else ""))
+                         + (" | direction changes/period " + ", ".join(
+                             f"{show(turns[role])} {role}" for role in turns
+                             if any(role in c for r in rows[name] for _, c in r["sizes"]))
+                            if turns else ""))
         if cheapest is not None:
-            ratio = table["planner"]["worker_seconds"]["median"] / cheapest[0]
-            results["traces"][trace]["ratio"] = ratio
-            lines.append(f"  planner / cheapest static at >= {TARGET:.0%} ({cheapest[1]}): "
-                         f"{ratio:.2f}x worker-seconds at attainment "
-                         f"{table['planner']['attainment']['median']:.3f} "
-                         f"(goal: <= 0.80x at >= {TARGET:.2f})")
+            results["traces"][trace]["ratio"] = {}
+            for planner in planners:
+                ratio = table[planner]["worker_seconds"]["median"] / cheapest[0]
+                results["traces"][trace]["ratio"][planner] = ratio
+                lines.append(f"  {planner} / cheapest static at >= {TARGET:.0%} "
+                             f"({cheapest[1]}): {ratio:.2f}x worker-seconds at attainment "
+                             f"{table[planner]['attainment']['median']:.3f} "
+                             f"(goal: <= 0.80x at >= {TARGET:.2f})")
         else:
             lines.append(f"  no static arm of up to {args.budget} workers reached "
                          f"{TARGET:.0%}: no ratio")

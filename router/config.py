@@ -89,6 +89,13 @@ class AutoscaleSpec:
     max_workers: int = option(8, "--autoscale: the budget, every pool together", ge=1)
     planner_interval_s: float = option(5.0, "--autoscale: seconds between the planner's "
                                        "decisions", gt=0)
+    planner_down_ticks: int = option(
+        PlannerConfig.down_sustain, "--autoscale: decisions in a row a pool must be able "
+        "to spare a worker (its load re-forecast at one fewer within the margin) before "
+        "one is removed", ge=1)
+    planner_reversal_guard_s: float = option(
+        PlannerConfig.reversal_guard_s, "--autoscale: seconds after a pool grew before it "
+        "may shrink", ge=0)
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):
@@ -101,6 +108,10 @@ class AutoscaleSpec:
                              f"({self.min_prefill_workers} + {self.min_decode_workers})")
         if not self.planner_interval_s > 0:
             raise ValueError("--planner-interval-s must be > 0")
+        if self.planner_down_ticks < 1:
+            raise ValueError("--planner-down-ticks must be >= 1")
+        if not self.planner_reversal_guard_s >= 0:
+            raise ValueError("--planner-reversal-guard-s must be >= 0")
         for roles in (("prefill", "decode"), ("both",)):
             self.planner_config(roles)  # and the planner's own checks
 
@@ -113,7 +124,9 @@ class AutoscaleSpec:
             ("prefill", self.max_prefill_workers), ("decode", self.max_decode_workers))
         return PlannerConfig(roles=roles, min_workers=minima, max_workers_per_pool=maxima,
                              max_workers=self.max_workers,
-                             interval_s=self.planner_interval_s)
+                             interval_s=self.planner_interval_s,
+                             down_sustain=self.planner_down_ticks,
+                             reversal_guard_s=self.planner_reversal_guard_s)
 
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")

@@ -221,6 +221,18 @@ def test_a_config_that_cannot_hold_is_refused():
         PlannerConfig(roles=("janitor",))
 
 
+def test_the_planner_flags_reach_its_config_and_bad_ones_name_the_flag():
+    from pdserve.router.config import AutoscaleSpec
+
+    spec = AutoscaleSpec(autoscale=True, planner_down_ticks=3, planner_reversal_guard_s=15)
+    cfg = spec.planner_config(("prefill", "decode"))
+    assert (cfg.down_sustain, cfg.reversal_guard_s) == (3, 15)
+    with pytest.raises(ValueError, match="--planner-down-ticks"):
+        AutoscaleSpec(planner_down_ticks=0)
+    with pytest.raises(ValueError, match="--planner-reversal-guard-s"):
+        AutoscaleSpec(planner_reversal_guard_s=-1)
+
+
 def test_a_colocated_pool_grows_on_either_miss():
     cfg = config(roles=("both",))
     on_ttft = [view("e0", "both", queued_tokens=8000)]
