@@ -133,7 +133,7 @@ class LiveMover:
 
     async def _evacuate(self, source: WorkerHandle, drained: asyncio.Event,
                         tries: dict[str, int], started: set[asyncio.Task],
-                       gate: PauseGate) -> None:
+                        gate: PauseGate) -> None:
         while not drained.is_set():
             for flight in list(source.flights.values()):
                 if flight.phase is Phase.STREAMING and flight.request_id not in self.moving \

@@ -364,7 +364,7 @@ class Pool:
         self.reported(worker)
 
     def leave(self, worker: WorkerHandle, kill: bool, here: bool = True
-               ) -> asyncio.Task | None:
+              ) -> asyncio.Task | None:
         """Returns the closing of the pairs with it, which goes on in the background.
         here False: it left through another replica, which closed its pairs."""
         worker.stop_pump()
