@@ -2,6 +2,8 @@
 samples token 7 for every request that reached the end of its known tokens."""
 from __future__ import annotations
 
+import zlib
+
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.request import FinishReason, Request
@@ -189,9 +191,10 @@ def test_steady_decode_steps_at_once_equal_as_many_schedule_and_update_rounds():
     assert waiting.steady_decode_steps() == 0
 
 
-def _replay(seed: int, steady_path: bool, policy: str, prioritize_prefill: bool) -> list:
+def _replay(seed: int, steady_path: bool, policy: str, prioritize_prefill: bool,
+            model: int = 0) -> list:
     """A seeded run of arrivals, aborts, stop tokens and preemption (few blocks); what
-    every step scheduled and finished, and the end state."""
+    every step scheduled and finished, and the end state. `model` seeds the tokens."""
     import random
     rng = random.Random(seed)
     s = make(num_blocks=16, block_size=4, max_num_batched_tokens=48, policy=policy,
@@ -206,13 +209,16 @@ def _replay(seed: int, steady_path: bool, policy: str, prioritize_prefill: bool)
                                     priority=rng.randint(0, 2))
             prompt = [rng.randint(1, 60) for _ in range(rng.randint(1, 20))]
             s.add_request(Request(f"t{t}", prompt, params, 0.0))
-        if s.running and rng.random() < 0.05:
-            s.finish_requests([rng.choice(s.running).request_id], FinishReason.ABORT)
+        if s.running and rng.random() < 0.05:  # by id: the two paths order running apart
+            s.finish_requests([rng.choice(sorted(r.request_id for r in s.running))],
+                              FinishReason.ABORT)
         out = s.schedule()
         steady_steps += out.steady
-        # The "model": a token that depends only on the request and its position.
+        # The "model": a token that depends only on the request and its position
+        # (crc32, not hash(): the same tokens in every process).
         result = ModelRunnerOutput({
-            r.request_id: 1 + hash((r.request_id, r.num_tokens)) % 40
+            r.request_id: 1 + zlib.crc32(repr((model, (r.request_id, r.num_tokens)))
+                                         .encode()) % 40
             for r, n in zip(out.requests, out.num_scheduled)
             if r.num_computed_tokens + n == r.num_tokens})
         batch = [(r.request_id, n) for r, n in zip(out.requests, out.num_scheduled)]
@@ -228,11 +234,15 @@ def test_the_steady_batch_path_schedules_what_the_general_path_does():
     same batches, finishes, preemptions, blocks, cached hashes and tokens as every
     step taken the general way."""
     preemptions = 0
-    for seed, policy, prioritize in [(1, "fcfs", False), (2, "priority", False),
-                                     (3, "fcfs", True), (4, "fcfs", False)]:
-        fast = _replay(seed, True, policy, prioritize)
-        general = _replay(seed, False, policy, prioritize)
-        assert fast[:3] == general[:3]
+    # Models 7 and 9 with priority: an abort while the two paths hold running in other
+    # orders (the general path sorts it by rank, a steady step leaves it): the abort
+    # picks by id, and the runs stay equal.
+    for seed, policy, prioritize, model in [
+            (1, "fcfs", False, 0), (2, "priority", False, 0), (3, "fcfs", True, 0),
+            (4, "fcfs", False, 0), (2, "priority", False, 7), (2, "priority", False, 9)]:
+        fast = _replay(seed, True, policy, prioritize, model)
+        general = _replay(seed, False, policy, prioritize, model)
+        assert fast[:3] == general[:3], (seed, policy, prioritize, model)
         assert fast[3] > 50 and general[3] == 0  # the fast path ran, and often
         preemptions += fast[2]
     assert preemptions > 0  # blocks ran short along the way
