@@ -30,6 +30,18 @@ def assert_landed(receiver: Worker, sender: Worker, src: list[int], dst: list[in
         assert torch.equal(g, w), f"layer {layer} differs"
 
 
+def expect_all(receiver: Worker, jobs) -> None:
+    """jobs: (request id, source blocks, destination blocks)."""
+    for rid, _, dst in jobs:
+        receiver.call("expect", rid, dst)
+
+
+def assert_all_landed(receiver: Worker, sender: Worker, jobs) -> None:
+    for rid, src, dst in jobs:
+        receiver.call("wait", rid)
+        assert_landed(receiver, sender, src, dst)
+
+
 @pytest.fixture(scope="module")
 def pair():
     receiver, sender = Worker("receiver", "r0"), Worker("sender", "s0", seed=7)
@@ -146,12 +158,9 @@ def test_one_step_of_several_transfers_to_one_receiver_lands_each_bitwise(window
     sender = Worker("sender", "s", seed=8, config=config)
     try:
         jobs = [("t1", [3], [20]), ("t3", [9, 10, 11], [21, 25, 22]), ("t2", [6, 7], [30, 23])]
-        for rid, _, dst in jobs:
-            receiver.call("expect", rid, dst)
+        expect_all(receiver, jobs)
         sender.call("transfer", [(rid, receiver.address, src, dst) for rid, src, dst in jobs])
-        for rid, src, dst in jobs:
-            receiver.call("wait", rid)
-            assert_landed(receiver, sender, src, dst)
+        assert_all_landed(receiver, sender, jobs)
     finally:
         receiver.stop()
         sender.stop()
@@ -163,16 +172,13 @@ def test_last_copies_queued_together_go_as_one_step_and_land_each_bitwise():
     receiver, sender = Worker("receiver", "r"), Worker("sender", "s", seed=9)
     try:
         jobs = [("c1", [4], [12]), ("c2", [5, 6], [13, 27]), ("c3", [8], [2])]
-        for rid, _, dst in jobs:
-            receiver.call("expect", rid, dst)
+        expect_all(receiver, jobs)
         sent, steps = sender.call("urgent_copies", receiver.address, jobs)
         per_block = KVLayout(SPEC.num_layers, SPEC.block_size, SPEC.num_kv_heads,
                              SPEC.head_dim, SPEC.dtype).block_bytes_per_layer * SPEC.num_layers
         assert sent == [len(src) * per_block for _, src, _ in jobs]
         assert steps == [3]
-        for rid, src, dst in jobs:
-            receiver.call("wait", rid)
-            assert_landed(receiver, sender, src, dst)
+        assert_all_landed(receiver, sender, jobs)
     finally:
         receiver.stop()
         sender.stop()
@@ -566,12 +572,9 @@ def _cuda_pair_roundtrip(receiver_device: str, sender_device: str, backend: str)
     sender = Worker("sender", "s", spec_s, seed=6, config=config)
     try:
         jobs = [("a", [5, 1, 17], [9, 20, 3]), ("b", [2, 30], [11, 0])]
-        for rid, _, dst in jobs:
-            receiver.call("expect", rid, dst)
+        expect_all(receiver, jobs)
         sender.call("transfer", [(rid, receiver.address, src, dst) for rid, src, dst in jobs])
-        for rid, src, dst in jobs:
-            receiver.call("wait", rid)
-            assert_landed(receiver, sender, src, dst)
+        assert_all_landed(receiver, sender, jobs)
     finally:
         receiver.stop()
         sender.stop()
