@@ -11,17 +11,22 @@ either). For each pool, from its serving workers past their cold start:
            nearly full), or the demand below needs more workers than the pool has
     spare  the pool's load spread over one worker fewer still forecasts within
            margin x SLO on every term (the consolidation check that ends 2 <-> 1
-           oscillation), and the demand fits one worker fewer
+           oscillation), and the demand sized at margin x SLO fits one worker fewer
     demand the arrival rate, extrapolated over a new worker's start-up time, sized
            with the pool's step cost: prefill workers kept as busy as a queue of
-           random arrivals allows within margin x the TTFT SLO, decode workers at
-           steps of margin x the TPOT SLO; a floor that scales ahead of a rising
-           load (ISL: prompt tokens not cached; decode context ISL + OSL/2)
+           random arrivals allows within the TTFT SLO, decode workers at steps of the
+           TPOT SLO, colocated workers at steps of the TPOT SLO that each carry the
+           decodes and a chunk of the arriving prompts (one step overhead for both);
+           a floor that scales ahead of a rising load (ISL: prompt tokens not cached;
+           decode context ISL + OSL/2). Growth reads it at the SLO, shrinking at
+           margin x SLO: the band between them is where a pool holds
 
 A signal acts once it held for `sustain` ticks in a row (shrinking: `down_sustain`).
 A short pool takes a worker flipped from a pool that can spare one (its weights stay
-loaded) before a new one is added, and gets nothing while a worker of its own is
-still coming (starting, or serving for less than cold_start_s: capacity on its way).
+loaded) before a new one is added. A miss grows it by one, and not while a worker of
+its own is still coming (starting, or serving for less than cold_start_s: capacity
+on its way, not yet in the reports); the demand, which counts the coming workers,
+gets all the workers it lacks at once (a new one serves only a start-up later).
 A pool that grew is not shrunk for reversal_guard_s; one that shrinks gives up a
 worker still starting first, so a worker stuck starting never blocks scale-down.
 Bounds hold at every tick: a pool below its minimum gets a worker at once, the pools
@@ -54,7 +59,7 @@ class PlannerConfig:
     interval_s: float = 5.0
     sustain: int = 2  # ticks a short pool must stay short
     down_sustain: int = 6  # ticks a pool must stay able to spare one
-    margin: float = 0.8  # consolidation and demand are sized at this share of the SLO
+    margin: float = 0.8  # a pool shrinks only if one fewer stays within this share of the SLO
     cold_start_s: float = 10.0  # a new worker's first reports are not read
     # How long a new worker takes to serve, until one was measured: demand looks
     # this far ahead.
@@ -137,7 +142,8 @@ class PoolSignal:
     short: str  # why it is short ("" if it is not)
     short_cause: str  # miss | demand ("" if it is not short)
     spare: str  # why it could lose one ("" if it cannot)
-    demand: int  # workers the demand needs (0: unknown)
+    demand: int  # workers the demand needs at the SLO (0: unknown)
+    keep: int  # workers it needs at margin x SLO: the pool shrinks only below this
 
 
 @dataclass(frozen=True)
@@ -157,10 +163,11 @@ class Plan:
 
 def plan(obs: Observation, state: PlannerState, config: PlannerConfig) -> Plan:
     signals = {role: _signal(role, obs, config) for role in config.roles}
-    # While a worker of a pool is coming, its shortness does not count: the capacity
-    # on its way must show in the reports before more is asked for.
-    short_ticks = {r: state.short_ticks.get(r, 0) + 1
-                   if signals[r].short and not signals[r].coming else 0
+    # While a worker of a pool is coming, a miss does not count: the capacity on its
+    # way must show in the reports before more is asked for. The demand counts the
+    # coming workers among the pool's already.
+    short_ticks = {r: state.short_ticks.get(r, 0) + 1 if signals[r].short and (
+                   not signals[r].coming or signals[r].short_cause == "demand") else 0
                    for r in config.roles}
     spare_ticks = {r: state.spare_ticks.get(r, 0) + 1 if signals[r].spare else 0
                    for r in config.roles}
@@ -194,20 +201,30 @@ def plan(obs: Observation, state: PlannerState, config: PlannerConfig) -> Plan:
             lose(role, victim)
             actions.append(Action("remove", role, "maximum", f"above its maximum of "
                                   f"{config.maximum(role)}", victim))
+    lent: set[str] = set()  # pools that gave a worker this tick (each can spare one)
     for role in config.roles:
         signal = signals[role]
-        if short_ticks[role] < config.sustain or counts[role] >= config.maximum(role):
+        if short_ticks[role] < config.sustain:
             continue
         why = f"{signal.short} for {short_ticks[role]} ticks"
-        donor = _donor(role, obs, config, signals, counts, taken)
-        if donor is not None:
-            donor_role, worker_id = donor
-            lose(donor_role, worker_id)
-            gain(role, Action("flip", role, signal.short_cause, f"{why}; the {donor_role} "
-                              f"pool can spare one "
-                              f"({signals[donor_role].spare})", worker_id))
-        elif total() < config.max_workers:
-            gain(role, Action("add", role, signal.short_cause, why))
+        # A miss grows the pool by one, then waits to see it; the demand gets what it
+        # needs at once (a new worker serves only a start-up later).
+        wanted = signal.demand - counts[role] if signal.short_cause == "demand" else 1
+        for _ in range(wanted):
+            if counts[role] >= config.maximum(role):
+                break
+            donor = _donor(role, obs, config, signals, counts, taken, lent)
+            if donor is not None:
+                donor_role, worker_id = donor
+                lose(donor_role, worker_id)
+                lent.add(donor_role)
+                gain(role, Action("flip", role, signal.short_cause, f"{why}; the "
+                                  f"{donor_role} pool can spare one "
+                                  f"({signals[donor_role].spare})", worker_id))
+            elif total() < config.max_workers:
+                gain(role, Action("add", role, signal.short_cause, why))
+            else:
+                break
     for role in config.roles:
         signal = signals[role]
         if spare_ticks[role] < config.down_sustain or counts[role] <= config.minimum(role) \
@@ -232,12 +249,24 @@ def _signal(role: str, obs: Observation, config: PlannerConfig) -> PoolSignal:
               or (w.state == "serving" and w.age_s < config.cold_start_s)]
     warm = [w for w in members if w.state == "serving" and w.age_s >= config.cold_start_s
             and w.cost is not None]
-    demand = _demand(role, warm, obs, config)
+    # Grown when the demand needs more workers at the SLO, shrunk only when it fits
+    # one fewer at margin x SLO: between the two a pool holds (no 2 <-> 1 flapping).
+    # Growth looks a start-up ahead (a new worker serves that much later); shrinking
+    # does not run ahead of a falling load (a worker drains at once, and a rise back
+    # would wait a start-up), so it reads the larger of now and ahead.
+    ahead = _rate_ahead(obs, config)
+    demand = math.ceil(_need(role, warm, obs, ahead, 1.0) - 1e-9)
+    keep = math.ceil(_need(role, warm, obs, max(ahead, obs.traffic.rate), config.margin)
+                     - 1e-9)
     short, cause = _short(role, warm, obs, config), "miss"
     if not short and demand > len(members):
-        short, cause = f"the demand needs {demand} workers, it has {len(members)}", "demand"
-    spare = _spare(role, warm, members, obs, config) if demand < len(members) else ""
-    return PoolSignal(len(members), len(coming), short, cause if short else "", spare, demand)
+        t = obs.traffic
+        short, cause = (f"the demand needs {demand} workers, it has {len(members)} "
+                        f"({ahead:.1f} req/s a start-up ahead, now "
+                        f"{t.rate:.1f}; ISL {t.isl:.0f}, OSL {t.osl:.0f})"), "demand"
+    spare = _spare(role, warm, members, obs, config) if keep < len(members) else ""
+    return PoolSignal(len(members), len(coming), short, cause if short else "", spare,
+                      demand, keep)
 
 
 def _short(role: str, warm: list[WorkerView], obs: Observation, config: PlannerConfig) -> str:
@@ -301,33 +330,45 @@ def _spare(role: str, warm: list[WorkerView], members: list[WorkerView], obs: Ob
            f"(within {m:g} x SLO)"
 
 
-def _demand(role: str, warm: list[WorkerView], obs: Observation, config: PlannerConfig) -> int:
-    """Workers the arrival rate, as it will be one start-up time from now, needs at
-    margin x SLO; 0 when unknown (no measured worker, no traffic figures)."""
+def _need(role: str, warm: list[WorkerView], obs: Observation, rate: float,
+          margin: float) -> float:
+    """Workers (a fraction) `rate` requests a second need with every worker kept
+    within margin x SLO; 0 when unknown (no measured worker, no traffic figures)."""
     t = obs.traffic
-    if not warm or t.isl <= 0 or t.osl <= 0:
-        return 0
-    ahead = config.startup_s if obs.startup_s is None else obs.startup_s
-    rate = max(t.rate + t.rate_slope * ahead, 0.0)
-    if rate == 0:
-        return 0
-    cost, m = _worst_cost(warm), config.margin
-    load = WorkerLoad()
-    isl, osl = t.isl, t.osl
+    if not warm or t.isl <= 0 or t.osl <= 0 or rate == 0:
+        return 0.0
+    cost, isl, osl = _worst_cost(warm), t.isl, t.osl
     # A worker's share of time per prompt: its compute, plus the steps it spans.
-    per_prompt_s = (prompt_compute_seconds(cost, int(isl))
-                    + cost.base_s * math.ceil(isl / load.token_budget))
-    prefill = rate * per_prompt_s / _busy_share(per_prompt_s, obs.slo.ttft_s, m)
-    decode = 0.0
-    if role in ("decode", "both") and obs.slo.tpot_s is not None:
-        step_budget = m * obs.slo.tpot_s
-        per_seq = cost.decode_seq_s + cost.decode_context_s * (isl + osl / 2)
-        if per_seq > 0 and step_budget > cost.base_s:
-            seqs_per_worker = max((step_budget - cost.base_s) / per_seq, 1.0)
-            # Little: requests decoding at once = rate x their time decoding.
-            decode = rate * osl * step_budget / seqs_per_worker
-    need = {"prefill": prefill, "decode": decode, "both": prefill + decode}[role]
-    return math.ceil(need - 1e-9)
+    prompt_s = prompt_compute_seconds(cost, int(isl))
+    per_prompt_s = prompt_s + cost.base_s * math.ceil(isl / WorkerLoad().token_budget)
+    prefill = rate * per_prompt_s / _busy_share(per_prompt_s, obs.slo.ttft_s, margin)
+    if role == "prefill":
+        return prefill
+    if obs.slo.tpot_s is None:  # decode sized on misses and KV alone
+        return prefill if role == "both" else 0.0
+    step_s = margin * obs.slo.tpot_s  # the longest step the TPOT SLO allows, at the margin
+    per_seq = cost.decode_seq_s + cost.decode_context_s * (isl + osl / 2)
+    if step_s <= cost.base_s:  # no number of workers meets it: sized on misses
+        return prefill if role == "both" else 0.0
+    if role == "decode":
+        seqs_per_worker = max((step_s - cost.base_s) / per_seq, 1.0) if per_seq > 0 else 1.0
+        # Little: requests decoding at once = rate x their time decoding.
+        return rate * osl * step_s / seqs_per_worker
+    # Colocated: every step carries the running decodes and a chunk of the prompts
+    # arriving; at steps of step_s a worker has step_s - base_s of each for them, so
+    # r requests a second need r x (prompt + osl decode steps' worth) / (1 - base/step)
+    # workers (one base a step, not one for prompts and one for decodes); and at least
+    # what its prompts alone need against the TTFT SLO.
+    work_s = prompt_s + per_seq * osl
+    return max(rate * work_s / (1 - cost.base_s / step_s), prefill)
+
+
+def _rate_ahead(obs: Observation, config: PlannerConfig) -> float:
+    """The arrival rate, on the recent trend, when a worker asked for on this signal
+    would serve: once the signal has held (sustain - 1 more ticks), a start-up later."""
+    startup = config.startup_s if obs.startup_s is None else obs.startup_s
+    ahead = startup + (config.sustain - 1) * config.interval_s
+    return max(obs.traffic.rate + obs.traffic.rate_slope * ahead, 0.0)
 
 
 def _busy_share(service_s: float, ttft_s: float | None, margin: float) -> float:
@@ -356,13 +397,14 @@ def _victim(obs: Observation, role: str, taken: set[str]) -> str | None:
 
 
 def _donor(role: str, obs: Observation, config: PlannerConfig, signals: dict,
-           counts: dict, taken: set[str]) -> tuple[str, str] | None:
+           counts: dict, taken: set[str], lent: set[str]) -> tuple[str, str] | None:
     """A pool that can spare a worker to the short one, and which worker: flipping
-    keeps the weights loaded, so it comes before adding one."""
+    keeps the weights loaded, so it comes before adding one. A pool lends one a tick
+    (its spare check is for one worker fewer): `lent` names those that did."""
     for other in config.roles:
         # Its spare check gives up a starting worker first: a flip takes a serving one,
         # so only a pool with none coming can lend.
-        if other == role or not signals[other].spare or signals[other].short \
+        if other == role or other in lent or not signals[other].spare or signals[other].short \
                 or signals[other].coming or counts[other] <= config.minimum(other):
             continue
         serving = [w for w in obs.workers if w.role == other and w.state == "serving"

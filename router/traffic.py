@@ -14,7 +14,9 @@ from pdserve.router.planner import Traffic
 
 
 class TrafficWindow:
-    def __init__(self, window_s: float = 60.0, buckets: int = 12, recent_s: float = 10.0):
+    # 30 s: a trend fitted over a longer window lags a load that turns within minutes
+    # (over 60 s, a 150 s sinusoid's slope read 30 s late, past its peak still rising).
+    def __init__(self, window_s: float = 30.0, buckets: int = 12, recent_s: float = 10.0):
         if window_s <= 0 or buckets < 2 or not 0 < recent_s <= window_s:
             raise ValueError("window_s must be > 0, buckets >= 2, recent_s in (0, window_s]")
         self.window_s, self.buckets, self.recent_s = window_s, buckets, recent_s

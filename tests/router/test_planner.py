@@ -100,9 +100,9 @@ def test_a_new_workers_cold_start_samples_are_not_read_and_it_holds_more_adds():
 def _apply(workers: list[WorkerView], actions, now: float) -> list[WorkerView]:
     out = [w for w in workers if w.worker_id not in {a.worker_id for a in actions
                                                      if a.kind == "remove"}]
-    for a in actions:
+    for i, a in enumerate(actions):
         if a.kind == "add":
-            out.append(view(f"{a.role}-new{now:g}", a.role, state="starting", age=0.0))
+            out.append(view(f"{a.role}-new{now:g}-{i}", a.role, state="starting", age=0.0))
         elif a.kind == "flip":
             out = [replace(w, role=a.role, age_s=0.0) if w.worker_id == a.worker_id else w
                    for w in out]
@@ -145,8 +145,9 @@ def test_a_full_budget_rebalances_by_flipping_an_idle_pools_worker():
 
 
 def test_a_rising_rate_adds_ahead_of_the_miss():
-    # Now 50 req/s, rising 1 req/s each second: 80 in the 30 s a worker takes to start
-    # -> prefill 80 / 40 = 2 workers although the one there misses nothing yet.
+    # Now 50 req/s, rising 1 req/s each second: 90 by the time a worker asked for once
+    # the signal held (2 more ticks of 5 s) serves, 30 s later -> prefill 90 x 20 ms /
+    # 0.95 = 1.9, so 2 workers, although the one there misses nothing yet.
     rising = Traffic(rate=50.0, rate_slope=1.0, isl=100, osl=1)
     workers = [view("p0", "prefill"), view("d0", "decode")]
     seen, _, out = ticks(workers, traffic=rising, n=3, cfg=config(roles=("prefill",)))
@@ -241,3 +242,49 @@ def test_a_colocated_pool_grows_on_either_miss():
         seen, _, _ = ticks(workers, n=3, cfg=cfg)
         add, = seen[2]
         assert (add.kind, add.role) == ("add", "both") and why in add.reason
+
+
+def test_a_colocated_pool_is_sized_with_one_step_overhead_and_holds_inside_its_band():
+    """Colocated at 100 + 100 tokens: a request is 10 ms of prompt and 100 decode
+    steps of 1 ms each; at steps of the 50 ms SLO 40 ms of each are theirs, so r req/s
+    need r x 0.11 / 0.8 workers (at 0.8 x SLO, 40 ms steps: r x 0.11 / 0.75). At 14
+    req/s: 1.93 at the SLO, 2.05 at the margin."""
+    cfg = config(roles=("both",), min_workers=(("both", 1),))
+    steady = Traffic(rate=14.0, isl=100, osl=100)
+    two = [view("e0", "both"), view("e1", "both")]
+    seen, _, out = ticks(two, traffic=steady, n=20, cfg=cfg)
+    # Summing a prefill pool's and a decode pool's demand counted the step overhead
+    # twice: 0.29 + 1.87 workers, so 3.
+    assert not any(seen) and (out.signals["both"].demand, out.signals["both"].keep) == (2, 3)
+    three = two + [view("e2", "both")]
+    seen, _, out = ticks(three, traffic=steady, n=20, cfg=cfg)
+    assert not any(seen) and out.signals["both"].spare == ""  # 2 would be past the margin
+    seen, _, out = ticks(three, traffic=replace(steady, rate=13.0), n=4, cfg=cfg)
+    remove, = seen[3]
+    assert (remove.kind, remove.role) == ("remove", "both")
+    seen, _, out = ticks(two, traffic=replace(steady, rate=15.0), n=3, cfg=cfg)
+    add, = seen[2]
+    assert add.cause == "demand" and "the demand needs 3 workers, it has 2" in add.reason
+
+
+def test_the_demand_gets_every_worker_it_lacks_at_once_even_while_one_is_coming():
+    # 200 req/s looked ahead: 200 x 20 ms / 0.95 = 4.2 prefill workers; one serves and
+    # one is starting, so 3 are added in one tick. A miss would add one, and wait.
+    surge = Traffic(rate=200.0, isl=100, osl=1)
+    workers = [view("p0", "prefill"), view("p1", "prefill", state="starting", age=5.0)]
+    seen, _, out = ticks(workers, traffic=surge, n=3, cfg=config(roles=("prefill",)))
+    assert seen[:2] == [(), ()]
+    assert [(a.kind, a.role, a.cause) for a in seen[2]] == [("add", "prefill", "demand")] * 3
+    assert "the demand needs 5 workers, it has 2 (200.0 req/s" in seen[2][0].reason
+    assert out.desired == {"prefill": 5}
+
+
+def test_a_falling_load_is_not_shrunk_for_ahead_of_time():
+    # 14 req/s now, falling 0.3 req/s each second: 2 req/s 40 s ahead (the signal held
+    # 2 more ticks of 5 s, then a 30 s start-up). The growth would look that far;
+    # shrinking waits for the load itself to fall.
+    cfg = config(roles=("both",), min_workers=(("both", 1),), startup_s=30.0)
+    falling = Traffic(rate=14.0, rate_slope=-0.3, isl=100, osl=100)
+    three = [view("e0", "both"), view("e1", "both"), view("e2", "both")]
+    seen, _, out = ticks(three, traffic=falling, n=20, cfg=cfg)
+    assert not any(seen) and out.signals["both"].keep == 3 and out.signals["both"].demand == 1
