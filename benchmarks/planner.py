@@ -14,11 +14,13 @@ budget. Arrivals are Poisson at the instantaneous rate (thinning).
 
 Static arms are tried from --min-static workers up, every P:D split and colocated of
 each size, until a size reaches 90% attainment: that size's worker-seconds are the
-cheapest static's. Per arm: SLO attainment (both SLOs met, refusals counting as
-misses), worker-seconds (every worker provisioned, starting and draining included,
-sampled each second), requests failed (lost: any error but the 400 of a prompt the
-model cannot hold), and for the planner the changes of scaling direction per pool
-and period (a planner that follows a sinusoid and nothing else makes 2). The goal:
+cheapest static's (--statics names the arms instead, when an earlier run found the
+cheapest: a planner change is judged against it at a fraction of the time). Per
+arm: SLO attainment (both SLOs met, refusals counting as misses), worker-seconds
+(every worker provisioned, starting and draining included, sampled each second),
+requests failed (lost: any error but the 400 of a prompt the model cannot hold), and
+for the planner the changes of scaling direction per pool and period (a planner
+that follows a sinusoid and nothing else makes 2). The goal:
 the planner at >= 90% attainment with <= 0.8x the worker-seconds of the cheapest
 static arm that reaches 90%. Prints each trace's table (medians and [min, max] over
 the seeds) and the ratio last; writes JSON."""
@@ -140,10 +142,6 @@ def reversals(sizes: list[tuple[float, dict]], roles) -> dict:
     return out
 
 
-
-
-
-
 def planner_arm(args, mode: str) -> tuple[str, PoolSpec, RouterConfig]:
     """The planner over the disaggregated pools (1P + 1D floor) or one colocated pool
     (a floor of 1 worker of role both)."""
@@ -187,12 +185,18 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--min-static", type=int, default=2,
                     help="the smallest static configuration tried (workers)")
+    ap.add_argument("--statics", nargs="+", default=None, metavar="ARM",
+                    help="run only these static arms (e.g. 'colocated 3' '2P:2D'), the "
+                    "cheapest of them at 90%% the baseline: no search from --min-static "
+                    "(when an earlier run found the cheapest)")
     ap.add_argument("--interval-s", type=float, default=5.0)
     ap.add_argument("--down-ticks", type=int, default=AutoscaleSpec.planner_down_ticks,
                     help="the planner's --planner-down-ticks")
     ap.add_argument("--reversal-guard-s", type=float,
                     default=AutoscaleSpec.planner_reversal_guard_s,
                     help="the planner's --planner-reversal-guard-s")
+    ap.add_argument("--startup-s", type=float, default=None,
+                    help="a new worker's start-up, seconds (default: the profile's)")
     ap.add_argument("--slo-ttft-ms", type=float, default=500.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
     ap.add_argument("--planner-modes", nargs="+", default=["disaggregated"],
@@ -204,8 +208,13 @@ def main() -> int:
                     "results do not depend on it)")
     ap.add_argument("--out", default="bench-results/planner.json")
     args = ap.parse_args()
+    known = {arm[0] for n in range(1, args.budget + 1) for arm in static_arms(args, n)}
+    if args.statics is not None and not set(args.statics) <= known:
+        ap.error(f"--statics: no arm {sorted(set(args.statics) - known)} within the budget")
     profile = Profile.load(args.profile) if args.profile else analytic_profile(
         "llama-3-8b", NAMED_CONFIGS["llama-3-8b"], "h100")
+    if args.startup_s is not None:
+        profile = replace(profile, startup_s=args.startup_s)
     slo = SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
     results: dict = {"args": vars(args), "profile": profile.name, "traces": {}}
     began, lines = time.perf_counter(), []
@@ -232,10 +241,13 @@ def main() -> int:
         # reaches the target holds the cheapest (every static arm of a size costs the
         # same worker-seconds).
         for n in range(args.min_static, args.budget + 1):
-            for arm in static_arms(args, n):
+            arms = [arm for arm in static_arms(args, n)
+                    if args.statics is None or arm[0] in args.statics]
+            for arm in arms:
                 run(*arm)
-            if any(statistics.median(r["attainment"] for r in rows[name]) >= TARGET
-                   for name, _, _ in static_arms(args, n)):
+            if args.statics is None and any(
+                    statistics.median(r["attainment"] for r in rows[name]) >= TARGET
+                    for name, _, _ in arms):
                 break
         table = {name: {"attainment": spread([r["attainment"] for r in rs]),
                         "worker_seconds": spread([r["worker_seconds"] for r in rs]),

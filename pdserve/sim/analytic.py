@@ -54,6 +54,10 @@ class Efficiency:
     step_overhead_s: float = 2e-3  # launches and scheduling per step (eager PyTorch, no graphs)
     gpu_memory_utilization: float = 0.9  # as the engine's flag
     activation_reserve_bytes: float = 4e9  # not for weights or KV
+    # A new worker: process, device and process-group set-up, then its weights read
+    # from a node's local disk (or page cache) at this rate.
+    startup_fixed_s: float = 15.0
+    weight_load_bytes_per_s: float = 2e9
 
 
 # Public config.json values of models a profile can be built for by name.
@@ -155,6 +159,7 @@ def analytic_profile(model_name: str, config: dict, accelerator: str,
         num_kv_blocks=int(kv_room // kv_bytes_per_block), block_size=block_size,
         kv_bytes_per_block=kv_bytes_per_block, max_model_len=model.max_position_embeddings,
         vocab_size=model.vocab_size,
+        startup_s=eff.startup_fixed_s + roof.weight_bytes / eff.weight_load_bytes_per_s,
         notes=(f"a model, not a measurement: {accel.name} at {accel.peak_flops / 1e12:g} "
                f"TFLOPS bf16, {accel.memory_bytes_per_s / 1e12:g} TB/s, "
                f"{accel.memory_bytes / 1e9:g} GB",
@@ -165,4 +170,6 @@ def analytic_profile(model_name: str, config: dict, accelerator: str,
                "shapes serving sees (latency_model.StepModel)",
                f"KV transfer over {accel.link_bytes_per_s * 8 / 1e9:g} Gb/s, layer by layer: "
                "the last layer's share exposed, plus the handshake",
-               f"{roof.layer_params / 1e9:.2f}B layer parameters, bf16 weights and KV"))
+               f"{roof.layer_params / 1e9:.2f}B layer parameters, bf16 weights and KV",
+               f"a new worker starts in {eff.startup_fixed_s:g} s of set-up plus its "
+               f"weights read at {eff.weight_load_bytes_per_s / 1e9:g} GB/s"))

@@ -279,7 +279,9 @@ def measure(config: EngineConfig, *, transfer: bool = True, repeats: int = 3) ->
 
     from pdserve.engine.engine import LLMEngine
 
+    began = time.perf_counter()
     engine = LLMEngine(config)
+    startup_s = time.perf_counter() - began  # weights read, device set up, KV allocated
     rounds = engine_rounds(engine)
     steps = fit_steps(measure_steps(engine, repeats=repeats))
     cache = _cache_fields(engine)
@@ -295,12 +297,15 @@ def measure(config: EngineConfig, *, transfer: bool = True, repeats: int = 3) ->
     return Profile(
         name=f"{model_name} on {config.device} ({machine})", source="measured",
         step_cost=steps.cost, transfer_cost=transfer_cost, step_noise=steps.noise,
+        startup_s=startup_s,
         notes=(f"machine: {machine}, {os.cpu_count()} CPUs, {platform.platform()}",
                (f"torch {torch.__version__}, intra-op threads: {torch.get_num_threads()}, "
                 f"dtype {config.resolved_dtype}"),
                (f"{steps.num_samples} steps measured: {len(rounds)} rounds x {repeats}, "
                 f"after a warm-up; the fit's median relative error {steps.median_error:.1%}"),
-               transfer_note),
+               transfer_note,
+               f"start-up: the engine loaded in {startup_s:.1f} s in this process (a "
+               "cluster worker's own process and placement come on top)"),
         **cache)
 
 

@@ -12,7 +12,7 @@ On disk it is JSON (docs/simulator.md):
                    "decode_context_s"},
      "transfer_cost": {"latency_s", "per_byte_s"},
      "num_kv_blocks", "block_size", "kv_bytes_per_block", "max_model_len",
-     "vocab_size", "step_noise", "notes": [...]}"""
+     "vocab_size", "step_noise", "startup_s", "notes": [...]}"""
 from __future__ import annotations
 
 import json
@@ -39,6 +39,9 @@ class Profile:
     # Relative spread of a step's duration around its cost (the measured fit's
     # residuals, as a standard deviation): the simulator draws each step's from it.
     step_noise: float = 0.0
+    # A new worker's seconds from being asked for to its engine loaded (process, device,
+    # weights, KV allocation): a simulated worker waits this long before it serves.
+    startup_s: float = 0.0
     notes: tuple[str, ...] = ()  # how it was made: the machine, or the model's assumptions
 
     def __post_init__(self) -> None:
@@ -49,6 +52,8 @@ class Profile:
                 raise ValueError(f"{name} must be >= 1")
         if self.kv_bytes_per_block < 0 or not 0 <= self.step_noise < 1:
             raise ValueError("kv_bytes_per_block must be >= 0 and step_noise in [0, 1)")
+        if not self.startup_s >= 0:
+            raise ValueError("startup_s must be a number >= 0")
         costs = list(asdict(self.step_cost).values()) + list(asdict(self.transfer_cost).values())
         if any(not c >= 0 for c in costs):
             raise ValueError("every step and transfer cost must be a number >= 0")

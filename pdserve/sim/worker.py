@@ -139,8 +139,10 @@ class SimWorker:
     # ---- its life ---------------------------------------------------------------------
 
     async def boot(self) -> None:
-        """The engine's start-up profile in virtual time (its steps seed the router's
-        latency model, as a real worker's do), then the engine loop."""
+        """Its start-up (the profile's startup_s: process, device, weights), the
+        engine's start-up profile in virtual time (its steps seed the router's latency
+        model, as a real worker's do), then the engine loop."""
+        await asyncio.sleep(self.profile.startup_s)  # virtual time: a load, not a wait
         bm = self.blocks
         for prompts, params in startup_rounds(self.profile.vocab_size, bm.num_blocks,
                                               bm.block_size, self.profile.max_model_len):

@@ -9,7 +9,7 @@ import statistics
 import subprocess
 import sys
 import threading
-from dataclasses import astuple
+from dataclasses import astuple, replace
 
 import pytest
 
@@ -99,6 +99,9 @@ def test_profile_command_writes_a_profile_the_simulator_loads(llama_dir, tmp_pat
     assert profile.transfer_cost == DEFAULT_TRANSFER_COST
     assert profile.step_cost.prefill_token_s > 0
     assert profile.name.startswith(f"{llama_dir.name} on cpu (")
+    assert 0 < profile.startup_s < 60  # the engine's load, timed
+    with pytest.raises(ValueError, match="startup_s"):
+        replace(profile, startup_s=-1.0)
 
 
 def test_the_parser_is_importable_without_torch():

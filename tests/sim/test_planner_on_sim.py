@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 
 from pdserve import SamplingParams
 from pdserve.router.config import AutoscaleSpec, PoolSpec, RouterConfig, RoutingSpec
@@ -18,7 +19,7 @@ MAX_TOKENS = 64
 def test_a_load_step_grows_the_pools_and_they_shrink_back_when_it_stops():
     # 40 req/s of 1,000-token prompts: a prefill worker computes one in ~54 ms, so the
     # demand is ~2.7 prefill workers at 0.8; ~41 decodes at once at 16 ms a step need
-    # 2 decode workers. Bounds: 1..3 each, 6 in all.
+    # 2 decode workers. Bounds: 1..3 each, 6 in all. A new worker takes 3 s to load.
     config = RouterConfig(
         max_queued_prefill_tokens=0,  # every request is placed: none refused, none lost
         routing=RoutingSpec(admission="always", slo_ttft_ms=500, slo_tpot_ms=20),
@@ -27,8 +28,8 @@ def test_a_load_step_grows_the_pools_and_they_shrink_back_when_it_stops():
                                 planner_interval_s=1.0))
 
     async def scenario():
-        cluster = SimCluster(small_profile(num_kv_blocks=16384, max_model_len=2048),
-                             PoolSpec(1, 1), config)
+        cluster = SimCluster(replace(small_profile(num_kv_blocks=16384, max_model_len=2048),
+                                     startup_s=3.0), PoolSpec(1, 1), config)
         router = await cluster.start()
         rng, params = random.Random(0), SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
                                                        ignore_eos=True)
@@ -63,10 +64,12 @@ def test_a_load_step_grows_the_pools_and_they_shrink_back_when_it_stops():
         await asyncio.wait_for(back.wait(), 240.0)  # virtual seconds: the planner shrinks
         await router.planner.settled()
         decisions = list(router.planner.decisions)
+        started = list(router.pool.startup_times)  # asked for -> serving, each added one
         await cluster.stop()
-        return finished, sizes, decisions
+        return finished, sizes, decisions, started
 
-    finished, sizes, decisions = virtual_time.run(scenario())
+    finished, sizes, decisions, started = virtual_time.run(scenario())
+    assert started and min(started) >= 3.0  # the profile's start-up is waited out
     assert {d.finish_reason for d in finished} == {"length"}  # none lost to scaling
     grown = [(d["action"], d["role"]) for d in decisions if d["action"] in ("add", "flip")]
     assert ("add", "prefill") in grown and ("add", "decode") in grown, decisions
