@@ -223,32 +223,35 @@ def main() -> int:
         requests = {seed: requests_of(trace, args, profile, seed) for seed in args.seeds}
         rows: dict[str, list[dict]] = {}
 
-        def run(name: str, pools: PoolSpec, router: RouterConfig) -> None:
-            rows[name] = []
-            jobs = [(profile, pools, router, requests[seed], slo, seed) for seed in args.seeds]
+        def run(arms: list[tuple[str, PoolSpec, RouterConfig]]) -> None:
+            """Every seed of every arm given, as one batch of jobs (no process idles
+            while another arm's last seed runs)."""
+            keys = [(name, seed) for name, _, _ in arms for seed in args.seeds]
+            jobs = [(profile, pools, router, requests[seed], slo, seed)
+                    for _, pools, router in arms for seed in args.seeds]
             ran = executor.map(_run_arm, jobs) if executor else map(_run_arm, jobs)
-            for seed, row in zip(args.seeds, ran):
+            for (name, seed), row in zip(keys, ran):
                 if name.startswith("planner"):
                     row["reversals"] = reversals(row["sizes"], ("prefill", "decode", "both"))
-                rows[name].append(row)
+                rows.setdefault(name, []).append(row)
                 print(f"{trace} seed {seed} {name}: attainment {row['attainment']:.3f}, "
                       f"{row['worker_seconds']:.0f} worker-s, {row['failed']} failed "
                       f"({time.perf_counter() - began:.0f} s)", flush=True)
-        planners = [planner_arm(args, mode)[0] for mode in args.planner_modes]
-        for mode in args.planner_modes:
-            run(*planner_arm(args, mode))
-        # Static configurations from the smallest up: the first size at which one
-        # reaches the target holds the cheapest (every static arm of a size costs the
-        # same worker-seconds).
-        for n in range(args.min_static, args.budget + 1):
-            arms = [arm for arm in static_arms(args, n)
-                    if args.statics is None or arm[0] in args.statics]
-            for arm in arms:
-                run(*arm)
-            if args.statics is None and any(
-                    statistics.median(r["attainment"] for r in rows[name]) >= TARGET
-                    for name, _, _ in arms):
-                break
+        planner_arms = [planner_arm(args, mode) for mode in args.planner_modes]
+        planners = [name for name, _, _ in planner_arms]
+        if args.statics is not None:  # no search: every arm in one batch
+            run(planner_arms + [arm for n in range(1, args.budget + 1)
+                                for arm in static_arms(args, n) if arm[0] in args.statics])
+        else:
+            run(planner_arms)
+            # Static configurations from the smallest up: the first size at which one
+            # reaches the target holds the cheapest (every static arm of a size costs
+            # the same worker-seconds).
+            for n in range(args.min_static, args.budget + 1):
+                run(static_arms(args, n))
+                if any(statistics.median(r["attainment"] for r in rows[name]) >= TARGET
+                       for name, _, _ in static_arms(args, n)):
+                    break
         table = {name: {"attainment": spread([r["attainment"] for r in rs]),
                         "worker_seconds": spread([r["worker_seconds"] for r in rs]),
                         "failed": sum(r["failed"] for r in rs)} for name, rs in rows.items()}

@@ -351,7 +351,9 @@ def _need(role: str, warm: list[WorkerView], obs: Observation, rate: float,
     if step_s <= cost.base_s:  # no number of workers meets it: sized on misses
         return prefill if role == "both" else 0.0
     if role == "decode":
-        seqs_per_worker = max((step_s - cost.base_s) / per_seq, 1.0) if per_seq > 0 else 1.0
+        if per_seq <= 0:  # a decode costs its step nothing: any batch fits one worker
+            return 0.0
+        seqs_per_worker = max((step_s - cost.base_s) / per_seq, 1.0)
         # Little: requests decoding at once = rate x their time decoding.
         return rate * osl * step_s / seqs_per_worker
     # Colocated: every step carries the running decodes and a chunk of the prompts

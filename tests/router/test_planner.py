@@ -288,3 +288,11 @@ def test_a_falling_load_is_not_shrunk_for_ahead_of_time():
     three = [view("e0", "both"), view("e1", "both"), view("e2", "both")]
     seen, _, out = ticks(three, traffic=falling, n=20, cfg=cfg)
     assert not any(seen) and out.signals["both"].keep == 3 and out.signals["both"].demand == 1
+
+
+def test_decodes_that_cost_their_step_nothing_need_no_more_decode_workers():
+    free = replace(COST, decode_seq_s=0.0, decode_context_s=0.0)
+    workers = [replace(view("d0", "decode"), cost=free)]
+    seen, _, out = ticks(workers, traffic=Traffic(rate=500.0, isl=100, osl=100), n=4,
+                         cfg=config(roles=("decode",), min_workers=(("decode", 1),)))
+    assert not any(seen) and out.signals["decode"].demand == 0

@@ -18,8 +18,8 @@ MAX_TOKENS = 64
 
 def test_a_load_step_grows_the_pools_and_they_shrink_back_when_it_stops():
     # 40 req/s of 1,000-token prompts: a prefill worker computes one in ~54 ms, so the
-    # demand is ~2.7 prefill workers at 0.8; ~41 decodes at once at 16 ms a step need
-    # 2 decode workers. Bounds: 1..3 each, 6 in all. A new worker takes 3 s to load.
+    # demand is ~2.5 prefill workers at the SLO; the decodes at once at 20 ms a step,
+    # ~1.3 decode workers. Bounds: 1..3 each, 6 in all. A new worker takes 3 s to load.
     config = RouterConfig(
         max_queued_prefill_tokens=0,  # every request is placed: none refused, none lost
         routing=RoutingSpec(admission="always", slo_ttft_ms=500, slo_tpot_ms=20),
