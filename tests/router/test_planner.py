@@ -5,8 +5,9 @@ Every worker has the same step cost:
 so with a 100-token prompt and 100 output tokens at SLOs TTFT 500 ms / TPOT 50 ms:
     TTFT behind Q queued tokens ~ 10 ms per 2,048-token step + 0.1 ms x (Q + 100)
     TPOT beside S running decodes = 10 ms + (S + 1) ms
-    demand: prefill 20 ms of a worker per request at 0.8 -> rate / 40 workers;
-            decode 30 sequences per worker at 40 ms a step -> rate x 100 x 0.04 / 30"""
+    demand: prefill 20 ms of a worker per request, kept at most 95% busy -> rate x
+            0.02 / 0.95 workers; decode 40 sequences per worker at steps of the 50 ms
+            SLO -> rate x 100 x 0.05 / 40 (at 0.8 x SLO, to shrink: 30 at 40 ms)"""
 from __future__ import annotations
 
 import random
