@@ -208,9 +208,12 @@ def main() -> int:
                     "results do not depend on it)")
     ap.add_argument("--out", default="bench-results/planner.json")
     args = ap.parse_args()
-    known = {arm[0] for n in range(1, args.budget + 1) for arm in static_arms(args, n)}
-    if args.statics is not None and not set(args.statics) <= known:
-        ap.error(f"--statics: no arm {sorted(set(args.statics) - known)} within the budget")
+    named = None if args.statics is None else [
+        arm for n in range(1, args.budget + 1) for arm in static_arms(args, n)
+        if arm[0] in args.statics]
+    if named is not None and len(named) < len(set(args.statics)):
+        unknown = sorted(set(args.statics) - {name for name, _, _ in named})
+        ap.error(f"--statics: no arm {unknown} within the budget")
     profile = Profile.load(args.profile) if args.profile else analytic_profile(
         "llama-3-8b", NAMED_CONFIGS["llama-3-8b"], "h100")
     if args.startup_s is not None:
@@ -239,9 +242,8 @@ def main() -> int:
                       f"({time.perf_counter() - began:.0f} s)", flush=True)
         planner_arms = [planner_arm(args, mode) for mode in args.planner_modes]
         planners = [name for name, _, _ in planner_arms]
-        if args.statics is not None:  # no search: every arm in one batch
-            run(planner_arms + [arm for n in range(1, args.budget + 1)
-                                for arm in static_arms(args, n) if arm[0] in args.statics])
+        if named is not None:  # no search: every arm in one batch
+            run(planner_arms + named)
         else:
             run(planner_arms)
             # Static configurations from the smallest up: the first size at which one
