@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -137,10 +138,15 @@ def test_a_bad_grpc_slo_is_invalid_argument(adaptive):
             client.generate([5, 6, 7], max_tokens=4, slo_tpot_ms=-1.0)
 
 
-def test_a_conversations_next_turn_goes_where_its_history_is_cached(adaptive, monkeypatch):
-    """Turn 1 computes 96 tokens on some worker; once that worker's telemetry has put
-    its blocks in the prefix index, turn 2 (turn 1's prompt and more) is placed
-    there and finds them: the placement counts the hit, and so does the response."""
+def test_a_conversations_next_turn_is_placed_knowing_where_its_history_is_cached(
+        adaptive, monkeypatch):
+    """Turn 1 (96 tokens) runs on worker a. Once both workers have reported since, the
+    prefix index holds its blocks on a alone, the policy is given that hit for turn 2
+    (turn 1's prompt and more), and where turn 2 runs decides the hit it finds: the
+    placement's count and the response's agree with the index. Which placement the
+    policy prefers given a hit is tested without Ray (tests/router/test_goodput.py):
+    here the workers' calibrated TPOTs weigh more than 96 prompt tokens (CI once saw
+    turn 2 computed on b and decoded on a: 0 placed hit tokens, 96 cached)."""
     rng = random.Random(3)
     first = [rng.randrange(4, 2000) for _ in range(96)]
     second = first + [rng.randrange(4, 2000) for _ in range(40)]
@@ -151,19 +157,40 @@ def test_a_conversations_next_turn_goes_where_its_history_is_cached(adaptive, mo
         return router.metrics.registry.get_sample_value(
             metric, {"model_name": "test-llama", "where": where}) or 0.0
     before = counted("placed"), counted("best")
-    # The index is updated on the router's loop as reports arrive: each update is an
-    # event this test waits on before looking again.
-    updated, index_update = threading.Event(), router.models.prefixes.update
+    # Reports are taken in on the router's loop; the index is whole once both workers
+    # have reported since turn 1 ended: each report is an event this test waits on.
+    reported, take_in = threading.Condition(), router.models.reported
+    latest: dict[str, float] = {}
 
-    def update(*args):
-        index_update(*args)
-        updated.set()
-    monkeypatch.setattr(router.models.prefixes, "update", update)
+    def report(telemetry):
+        out = take_in(telemetry)
+        with reported:
+            latest[telemetry.worker_id] = telemetry.time
+            reported.notify_all()
+        return out
+    monkeypatch.setattr(router.models, "reported", report)
+    a, b = sorted(router.workers)
+    policy, seen = placer_module.decide, []
+
+    def spy(view, state, routing_policy):
+        seen.append((view.cached_tokens, policy(view, state, routing_policy)))
+        return seen[-1][1]
+    monkeypatch.setattr(placer_module, "decide", lambda *args: Colocate(a))
     with Client(adaptive.grpc_target) as client:
         client.generate(first, max_tokens=2, temperature=0, ignore_eos=True)
-        while not router.models.prefixes.hits(block_hashes(second, 16)):
-            assert updated.wait(30), "turn 1's blocks never reached the index"
-            updated.clear()
+        ended = time.time()
+        with reported:
+            assert reported.wait_for(lambda: all(
+                latest.get(w, 0.0) > ended for w in (a, b)), 30), \
+                "a worker never reported after turn 1"
+        assert router.models.prefixes.hits(block_hashes(second, 16)) == {a: 6}
+        monkeypatch.setattr(placer_module, "decide", spy)
         out = client.generate(second, max_tokens=2, temperature=0, ignore_eos=True)
-    assert out.usage.cached_prompt_tokens == 96  # 6 full blocks
-    assert (counted("placed") - before[0], counted("best") - before[1]) == (96, 96)
+    (cached, decision), = seen
+    assert cached == {a: 96}  # 6 full blocks
+    computes, decodes = ((decision.worker,) * 2 if isinstance(decision, Colocate)
+                         else (decision.prefill, decision.decode))
+    # the response counts the most either side held (the decode side keeps its hits)
+    assert out.usage.cached_prompt_tokens == (96 if a in (computes, decodes) else 0)
+    assert (counted("placed") - before[0], counted("best") - before[1]) == (
+        96 if computes == a else 0, 96)
