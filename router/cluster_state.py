@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.config import RouterConfig
 from pdserve.router.model_info import ModelInfo
 from pdserve.router.slo import Slo
+
+if TYPE_CHECKING:  # it reads WorkerState
+    from pdserve.router.worker_columns import ColumnsMemo
 
 
 @dataclass(frozen=True, eq=False)
@@ -157,6 +160,9 @@ class ClusterState:
     # router's is a view computed for the workers a decision reads (of the same
     # moment: a decision is one synchronous call), not for every worker.
     budgets: Mapping[str, TpotBudgets] = field(default_factory=dict)
+    # The router's last snapshot's workers as columns, which this one's start from
+    # (worker_columns.py; None: built afresh).
+    columns_memo: "ColumnsMemo | None" = field(default=None, compare=False)
 
     @property
     def stale_after_s(self) -> float:

@@ -28,11 +28,10 @@ bad. A TTFT SLO that no candidate could meet were its workers idle is refused as
 docs/goodput.md). Pure."""
 from __future__ import annotations
 
-import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
-from operator import attrgetter
 
 import numpy as np
 
@@ -46,7 +45,7 @@ from pdserve.engine.latency_forecast import (
 )
 from pdserve.router.cluster_state import NO_BUDGETS, ClusterState, RequestView, WorkerState
 from pdserve.router.decision import Colocate, Decision, Disaggregate, Reject
-from pdserve.router.least_loaded import has_room
+from pdserve.router.worker_columns import columns_of, shortlist
 
 # SLO shares for a request without one: costs stay comparable across candidates.
 _REFERENCE_TTFT_S = 1.0
@@ -58,7 +57,9 @@ _MIN_RETRY_AFTER_S = 0.05
 
 @dataclass(slots=True)  # not frozen: dozens are made per decision, each field set once
 class Forecast:
-    decision: Colocate | Disaggregate
+    # Its decision, made with the forecast latencies when asked (one is, of dozens).
+    make: Callable[[float, float], Colocate | Disaggregate]
+    names: tuple[str, ...]  # its workers: the worker, or the prefill and decode sides
     ttft_s: float
     tpot_s: float
     cost: float  # SLO shares: its own latencies plus what it takes from the others
@@ -69,6 +70,10 @@ class Forecast:
     computes: "_Side | None" = None
     transfer_s: float = 0.0
     ttft_scale: float = 1.0
+
+    @property
+    def decision(self) -> Colocate | Disaggregate:
+        return self.make(self.ttft_s, self.tpot_s)
 
     @property
     def idle_ttft_s(self) -> float:
@@ -108,13 +113,7 @@ _REASONS = {
 
 
 def _rank(f: Forecast):
-    return (f.miss == "kv", f.cost, f.ttft_s, _names(f.decision))
-
-
-def _names(decision) -> tuple[str, ...]:
-    if isinstance(decision, Colocate):
-        return (decision.worker,)
-    return (decision.prefill, decision.decode)
+    return (f.miss == "kv", f.cost, f.ttft_s, f.names)
 
 
 # Pairs forecast at most: beyond it, the best prefill and decode sides alone are paired.
@@ -124,26 +123,8 @@ _SHORTLIST = 16
 
 
 def candidates(request: RequestView, state: ClusterState) -> list[Forecast]:
-    adaptive, refused = state.adaptive, request.refused
-    decoders, prefillers = [], []
-    for w in state.workers:  # one pass: a cluster may have a thousand workers
-        if not w.available:
-            continue
-        if w.decodes and w.worker_id not in refused:
-            decoders.append(w)
-        if w.sends_kv(adaptive) and has_room(w, request, state):
-            prefillers.append(w)
-    # Past the shortlist, a rough estimate cached in each worker's state (as last
-    # reported) picks the ones forecast; their forecasts read staleness as usual.
-    if len(decoders) > _SHORTLIST:
-        decoders = heapq.nsmallest(_SHORTLIST, decoders, key=attrgetter("rough_decode_s"))
-    if len(prefillers) > _SHORTLIST:
-        n, cached = request.num_prompt_tokens, request.cached_tokens
-
-        def rough_prefill(w: WorkerState) -> float:
-            per_token, queued = w.rough_queue
-            return per_token * (queued + n - cached.get(w.worker_id, 0))
-        prefillers = heapq.nsmallest(_SHORTLIST, prefillers, key=rough_prefill)
+    adaptive = state.adaptive
+    decoders, prefillers = shortlists(request, state)
     sides: dict[str, _Side] = {}
     for w in decoders + prefillers:
         if w.worker_id not in sides:
@@ -157,6 +138,38 @@ def candidates(request: RequestView, state: ClusterState) -> list[Forecast]:
         out += [_pair(request, state, sides[p.worker_id], sides[d.worker_id]) for d in decoders
                 if d is not p and (adaptive or d.role == "decode" or p.role == "prefill")]
     return out
+
+
+def shortlists(request: RequestView, state: ClusterState) -> tuple[list[WorkerState],
+                                                                     list[WorkerState]]:
+    """The workers forecast as decode sides, and as prefill sides: every available one
+    that may take the request (a decode side: not one that refused it; a prefill
+    side: one whose prompt queue has room, `least_loaded.has_room`). Past _SHORTLIST
+    on a side, a rough estimate cached in each worker's state (as last reported)
+    picks the ones forecast, least first: a decoder's step and queued prompt work, a
+    prefill side's queue and this prompt's uncached tokens at its per-token cost.
+    Their forecasts read staleness as usual. Every worker is scanned in arrays: a
+    cluster may have a thousand."""
+    n, cached = request.num_prompt_tokens, request.cached_tokens
+    cols = columns_of(state)
+    decodes = cols.decodes
+    if request.refused:
+        decodes = decodes.copy()
+        decodes[cols.rows(request.refused)] = False
+    limit = state.max_queued_prefill_tokens
+    sends = cols.sends_kv if not limit else cols.sends_kv & (
+        (cols.queued == 0) | (cols.queued_tokens + n <= limit))
+    decode_rows = np.flatnonzero(decodes)
+    decode_rows = shortlist(decode_rows, cols.rough_decode_s[decode_rows], _SHORTLIST)
+    prefill_rows = np.flatnonzero(sends)
+    if len(prefill_rows) > _SHORTLIST:
+        tokens = cols.reported_queued_tokens + n
+        if cached:
+            tokens -= cols.spread(cached)
+        prefill_rows = shortlist(prefill_rows,
+                                 cols.per_token_s[prefill_rows] * tokens[prefill_rows],
+                                 _SHORTLIST)
+    return [cols.states[i] for i in decode_rows], [cols.states[i] for i in prefill_rows]
 
 
 class _Side:
@@ -196,7 +209,7 @@ def _colocate(request: RequestView, state: ClusterState, w: _Side) -> Forecast:
     ttft_scale = w.w.calibration.factor("ttft", "colocate")
     tpot_scale = w.w.calibration.factor("tpot", "colocate")
     return _forecast(partial(Colocate, w.w.worker_id, ttft_scale=ttft_scale,
-                             tpot_scale=tpot_scale), request, state,
+                             tpot_scale=tpot_scale), (w.w.worker_id,), request, state,
                      w.ttft * ttft_scale, w.tpot * tpot_scale,
                      [w.harm(request, joins=True, computes=True)], w.w, w.decode_seqs,
                      w, 0.0, ttft_scale)
@@ -213,7 +226,8 @@ def _pair(request: RequestView, state: ClusterState, p: _Side, d: _Side) -> Fore
     if p.w.decodes:  # its own decodes stall while it computes the prompt
         harms.append(p.harm(request, joins=False, computes=True))
     return _forecast(partial(Disaggregate, p.w.worker_id, d.w.worker_id,
-                             ttft_scale=ttft_scale, tpot_scale=tpot_scale), request,
+                             ttft_scale=ttft_scale, tpot_scale=tpot_scale),
+                     (p.w.worker_id, d.w.worker_id), request,
                      state, (p.ttft + transfer) * ttft_scale, d.tpot * tpot_scale, harms,
                      d.w, d.decode_seqs, p, transfer, ttft_scale)
 
@@ -244,21 +258,21 @@ class _Harm:
                 / _REFERENCE_TPOT_S
 
 
-def _forecast(make, request: RequestView, state: ClusterState, ttft: float, tpot: float,
+def _forecast(make, names: tuple[str, ...], request: RequestView, state: ClusterState,
+              ttft: float, tpot: float,
               harms: list[_Harm], decode: WorkerState, decode_seqs: int,
               computes: _Side, transfer_s: float, ttft_scale: float) -> Forecast:
     """ttft: from now; the forecast's, and the decision's make(ttft, tpot), count from
     the request's arrival."""
     slo = request.slo
     ttft, from_now = request.waited_s + ttft, ttft
-    decision = make(ttft, tpot)
     cost = (ttft / (slo.ttft_s or _REFERENCE_TTFT_S) + tpot / (slo.tpot_s or _REFERENCE_TPOT_S)
             + sum(h.cost for h in harms))
     breaks_until = max((h.breaks_until for h in harms if h.breaks_until is not None),
                        default=None)
     miss, retry_after = _miss(request, state, ttft, from_now, tpot, decode, decode_seqs,
                               breaks_until)
-    return Forecast(decision, ttft, tpot, cost, miss, retry_after, computes, transfer_s,
+    return Forecast(make, names, ttft, tpot, cost, miss, retry_after, computes, transfer_s,
                     ttft_scale)
 
 

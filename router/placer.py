@@ -26,6 +26,7 @@ from pdserve.router.pool import Pool
 from pdserve.router.prefix_index import block_hashes
 from pdserve.router.slo import Slo
 from pdserve.router.snapshot import snapshot
+from pdserve.router.worker_columns import ColumnsMemo
 
 
 class Placer:
@@ -37,6 +38,7 @@ class Placer:
         self._placed = itertools.count()  # decisions made (round robin's sequence)
         # each worker's running requests' TPOT deadlines, until its version changes
         self._deadlines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._columns = ColumnsMemo()
 
     async def place(self, flight: Flight, refused: frozenset[str]) -> Decision:
         """The request's placement, after a wait for capacity if it may wait; raises
@@ -148,4 +150,4 @@ class Placer:
             for w in workers.values())
         return snapshot(states, workers,
                         self.clock.monotonic(), self.clock.time(), self.config, self.model,
-                        self.models.transfer_costs, self._deadlines)
+                        self.models.transfer_costs, self._deadlines, self._columns)

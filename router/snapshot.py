@@ -13,6 +13,7 @@ from pdserve.engine.latency_model import TransferCost
 from pdserve.router.cluster_state import NO_BUDGETS, ClusterState, TpotBudgets, WorkerState
 from pdserve.router.config import RouterConfig
 from pdserve.router.model_info import ModelInfo
+from pdserve.router.worker_columns import ColumnsMemo
 
 
 class Running(Protocol):
@@ -41,14 +42,18 @@ class Held(Protocol):
 def snapshot(workers: tuple[WorkerState, ...], held: Mapping[str, Held], now: float,
              wall_now: float, config: RouterConfig, model: ModelInfo,
              transfer: Mapping[tuple[str, str], TransferCost],
-             deadlines: MutableMapping[Held, "Deadlines"] | None = None) -> ClusterState:
+             deadlines: MutableMapping[Held, "Deadlines"] | None = None,
+             columns: ColumnsMemo | None = None) -> ClusterState:
     """now: the router's monotonic clock; wall_now: its wall clock (running requests'
     first tokens are wall times). held: decode worker id -> its requests. deadlines:
     a memo of each worker's deadlines the caller keeps across snapshots (each entry
-    is rebuilt once its worker's version changes; weak keys let left workers go)."""
+    is rebuilt once its worker's version changes; weak keys let left workers go).
+    columns: the workers' columns as the caller's last snapshot left them (only the
+    rows of workers whose state changed since are read again)."""
     return ClusterState(workers=workers, now=now, config=config, model=model,
                         transfer=transfer,
-                        budgets=Budgets(held, wall_now, {} if deadlines is None else deadlines))
+                        budgets=Budgets(held, wall_now, {} if deadlines is None else deadlines),
+                        columns_memo=columns)
 
 
 @dataclass(frozen=True, eq=False)
