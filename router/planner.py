@@ -107,6 +107,26 @@ class Traffic:
     rate_slope: float = 0.0  # its trend, requests per second per second
     isl: float = 0.0  # mean prompt tokens not cached
     osl: float = 0.0  # mean output tokens
+    # A load that repeats (traffic.py finds its period): the arrival rate in each bin
+    # of echo_bin_s over the last period and the `echo_lead` bins before it, up to
+    # the last whole bin, which ended echo_age_s ago. Empty: none found.
+    echo: tuple[float, ...] = ()
+    echo_bin_s: float = 0.0
+    echo_lead: int = 0
+    echo_age_s: float = 0.0
+
+    def ahead(self, horizon_s: float) -> float:
+        """The arrival rate `horizon_s` from now: where the load repeats, the course
+        it took one period ago from that moment on, shifted by how much the rate of
+        the last `echo_lead` bins differs from theirs one period before; else the
+        recent trend."""
+        if not self.echo:
+            return max(self.rate + self.rate_slope * horizon_s, 0.0)
+        lead, echo = self.echo_lead, self.echo
+        shift = (sum(echo[-lead:]) - sum(echo[:lead])) / lead
+        k = min(lead + int((horizon_s + self.echo_age_s) // self.echo_bin_s), len(echo) - 1)
+        near = echo[max(k - 1, lead):k + 2]  # its bin and its neighbours
+        return max(sum(near) / len(near) + shift, 0.0)
 
 
 @dataclass(frozen=True)
@@ -366,11 +386,11 @@ def _need(role: str, warm: list[WorkerView], obs: Observation, rate: float,
 
 
 def _rate_ahead(obs: Observation, config: PlannerConfig) -> float:
-    """The arrival rate, on the recent trend, when a worker asked for on this signal
-    would serve: once the signal has held (sustain - 1 more ticks), a start-up later."""
+    """The arrival rate (on the last period's course, or the recent trend) when a
+    worker asked for on this signal would serve: once the signal has held (sustain -
+    1 more ticks), a start-up later."""
     startup = config.startup_s if obs.startup_s is None else obs.startup_s
-    ahead = startup + (config.sustain - 1) * config.interval_s
-    return max(obs.traffic.rate + obs.traffic.rate_slope * ahead, 0.0)
+    return obs.traffic.ahead(startup + (config.sustain - 1) * config.interval_s)
 
 
 def _busy_share(service_s: float, ttft_s: float | None, margin: float) -> float:

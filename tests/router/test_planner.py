@@ -157,6 +157,25 @@ def test_a_rising_rate_adds_ahead_of_the_miss():
     assert add.role == "prefill" and "the demand needs 2 workers, it has 1" in add.reason
 
 
+def test_at_a_repeating_load_s_trough_the_pool_grows_for_the_rise_it_took_last_period():
+    # Now 20 req/s, flat. One period ago (12 bins of 5 s, the 2 before it as the rate
+    # then: 20) it rose from 20 to 90. A worker asked for once the signal held serves
+    # 30 s + 2 ticks = 40 s from now: 8 bins into that course, 70-80-90 around it ->
+    # 80 req/s -> prefill 80 x 20 ms / 0.95 = 1.7, so 2 workers. On the flat trend: 1.
+    course = (20.0, 20.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 20.0, 20.0)
+    trough = Traffic(rate=20.0, isl=100, osl=1, echo=(20.0, 20.0) + course, echo_bin_s=5.0,
+                     echo_lead=2)
+    workers = [view("p0", "prefill"), view("d0", "decode")]
+    cfg = config(roles=("prefill",), startup_s=30.0)
+    seen, _, out = ticks(workers, traffic=trough, n=3, cfg=cfg)
+    assert out.signals["prefill"].demand == 2
+    add, = seen[2]
+    assert "the demand needs 2 workers, it has 1 (80.0 req/s a start-up ahead, now 20.0" \
+        in add.reason
+    _, _, flat = ticks(workers, traffic=replace(trough, echo=()), n=3, cfg=cfg)
+    assert flat.signals["prefill"].demand == 1
+
+
 def test_a_steady_load_settles_without_oscillating():
     """A fluid model: 45 decodes in all, spread over the decode workers that serve;
     a new worker serves 30 s after it is asked for. At 1 worker TPOT is 56 ms (a

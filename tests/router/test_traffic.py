@@ -1,6 +1,9 @@
 """The planner's view of the traffic, on hand-set arrivals (time is passed in)."""
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from pdserve.router.traffic import TrafficWindow
@@ -37,3 +40,67 @@ def test_a_young_window_reads_its_rate_over_the_time_it_has_seen():
         window.arrived(i / 5, 10)
     assert window.traffic(10.0).rate == pytest.approx(5.0)
     assert TrafficWindow().traffic(5.0).rate == 0.0  # nothing yet
+
+
+def sinusoid(t: float, lo: float = 22.0, hi: float = 88.0, period_s: float = 150.0) -> float:
+    """Dynamo's planner trace: lo at t = 0, hi half a period later."""
+    return (lo + hi) / 2 + (hi - lo) / 2 * math.sin(2 * math.pi * t / period_s - math.pi / 2)
+
+
+def arrivals(rate, until_s: float, window: TrafficWindow, seed=None) -> None:
+    """At rate(t): Poisson with a seed (thinned from the rate's ceiling), else evenly
+    spaced (the integral of the rate crossing each whole number)."""
+    if seed is not None:
+        rng, t = random.Random(seed), 0.0
+        while (t := t + rng.expovariate(100.0)) < until_s:
+            if rng.random() < rate(t) / 100.0:
+                window.arrived(t, 100)
+        return
+    t, owed = 0.0, 0.0
+    while t < until_s:
+        owed += rate(t) * 0.01
+        while owed >= 1.0:
+            window.arrived(t, 100)
+            owed -= 1.0
+        t += 0.01
+
+
+def test_a_repeating_load_is_read_ahead_on_its_last_period_s_course():
+    """At the trough of the third period the trend reads flat (the load has only just
+    turned), while a worker asked for now serves 28 s later, into the rise: the
+    course one period ago says how far it rises."""
+    window = TrafficWindow()
+    arrivals(sinusoid, 450.0, window, seed=3)
+    traffic = window.traffic(450.0)
+    assert len(traffic.echo) - traffic.echo_lead == pytest.approx(30, abs=2)  # 150 s
+    assert traffic.ahead(28.0) == pytest.approx(sinusoid(478.0), rel=0.15)  # 42 req/s
+    # the trend alone: the rate now, give or take, 2x short of it
+    assert traffic.rate + traffic.rate_slope * 28.0 < 0.7 * sinusoid(478.0)
+
+
+def test_a_load_that_does_not_repeat_is_read_on_its_trend():
+    steady = TrafficWindow()
+    arrivals(lambda t: 40.0, 450.0, steady, seed=5)  # Poisson: bins match by chance only
+    traffic = steady.traffic(450.0)
+    assert traffic.echo == () and traffic.ahead(28.0) == pytest.approx(
+        traffic.rate + traffic.rate_slope * 28.0)
+    # a ramp matches itself at every lag: its course, shifted to now, goes on rising
+    ramp = TrafficWindow()
+    arrivals(lambda t: 10.0 + 0.2 * t, 300.0, ramp)
+    assert ramp.traffic(300.0).ahead(28.0) == pytest.approx(10.0 + 0.2 * 328.0, rel=0.1)
+
+
+def test_an_idle_history_longer_than_the_bins_starts_afresh():
+    window = TrafficWindow(history_s=300.0)
+    arrivals(sinusoid, 450.0, window)
+    assert window.traffic(450.0).echo
+    window.arrived(5000.0, 100)  # after an hour and more without a request
+    assert list(window._bins) == [1]
+    assert window.traffic(5001.0).echo == () and sum(window._bins) == 1
+
+
+@pytest.mark.parametrize("bad", [dict(bin_s=0.0), dict(bin_s=20.0),
+                                 dict(min_period_s=600.0), dict(min_correlation=0.0)])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        TrafficWindow(**bad)
