@@ -118,8 +118,8 @@ class Traffic:
     def ahead(self, horizon_s: float) -> float:
         """The arrival rate `horizon_s` from now: where the load repeats, the course
         it took one period ago from that moment on, shifted by how much the rate of
-        the last `echo_lead` bins differs from theirs one period before; else the
-        recent trend."""
+        the last `echo_lead` bins differs from theirs one period before (a horizon
+        past one period reads the period's end); else the recent trend."""
         if not self.echo:
             return max(self.rate + self.rate_slope * horizon_s, 0.0)
         lead, echo = self.echo_lead, self.echo
