@@ -108,38 +108,42 @@ class WorkerState:
     def all_inflight(self) -> int:
         return self.inflight + self.others_inflight
 
+    def _reported(self) -> tuple[int, int, int, int]:
+        """(queued tokens, queued requests, decode sequences, their context) from its
+        report, or the replicas' counts where they are higher (requests sent since
+        the report)."""
+        report, decodes = self.telemetry, self.decodes
+        return (max(report.waiting_tokens, self.all_queued_tokens),
+                max(report.waiting, self.all_queued),
+                max(report.running + report.reserved if decodes else 0, self.all_inflight),
+                report.context_tokens if decodes else 0)
+
     # Computed once per state: the router keeps a worker's state until it changes, so
     # most decisions read these cached.
     @cached_property
     def reported_load(self) -> WorkerLoad:
         """Its load from its report, or the replicas' counts where they are higher
         (requests sent since the report)."""
-        report = self.telemetry
-        if report is None:
+        if self.telemetry is None:
             return self.counted_load
-        decoding = report.running + report.reserved if self.decodes else 0
-        return WorkerLoad(queued_tokens=max(report.waiting_tokens, self.all_queued_tokens),
-                          queued_requests=max(report.waiting, self.all_queued),
-                          decode_seqs=max(decoding, self.all_inflight),
-                          decode_context=report.context_tokens if self.decodes else 0,
-                          token_budget=report.token_budget or WorkerLoad.token_budget,
+        queued_tokens, queued, seqs, context = self._reported()
+        return WorkerLoad(queued_tokens=queued_tokens, queued_requests=queued,
+                          decode_seqs=seqs, decode_context=context,
+                          token_budget=self.telemetry.token_budget or WorkerLoad.token_budget,
                           prompt_share=self.prompt_share)
 
-    @cached_property
-    def rough_decode_s(self) -> float:
-        """Its decode step plus its queued prompt work, as last reported, give or take:
-        what shortlists decode sides in a large cluster."""
-        cost, load = self.step_cost or DEFAULT_STEP_COST, self.reported_load
-        return (cost.base_s + cost.decode_seq_s * load.decode_seqs
-                + cost.decode_context_s * load.decode_context
-                + cost.prefill_token_s * load.queued_tokens)
-
-    @cached_property
-    def rough_queue(self) -> tuple[float, int]:
-        """(seconds per prompt token, queued prompt tokens), as last reported: with a
-        prompt's uncached tokens, what shortlists prefill sides."""
+    def rough(self) -> tuple[float, float, int]:
+        """What shortlists the workers of a large cluster, as last reported, give or
+        take: (its decode step plus its queued prompt work, seconds per prompt token,
+        queued prompt tokens). Read once per state into the router's columns
+        (worker_columns.py), so it builds no WorkerLoad."""
         cost = self.step_cost or DEFAULT_STEP_COST
-        return cost.prefill_token_s, self.reported_load.queued_tokens
+        if self.telemetry is None:
+            queued_tokens, seqs, context = self.all_queued_tokens, self.all_inflight, 0
+        else:
+            queued_tokens, _, seqs, context = self._reported()
+        return (cost.base_s + cost.decode_seq_s * seqs + cost.decode_context_s * context
+                + cost.prefill_token_s * queued_tokens, cost.prefill_token_s, queued_tokens)
 
     @cached_property
     def counted_load(self) -> WorkerLoad:

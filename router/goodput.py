@@ -145,11 +145,11 @@ def shortlists(request: RequestView, state: ClusterState) -> tuple[list[WorkerSt
     """The workers forecast as decode sides, and as prefill sides: every available one
     that may take the request (a decode side: not one that refused it; a prefill
     side: one whose prompt queue has room, `least_loaded.has_room`). Past _SHORTLIST
-    on a side, a rough estimate cached in each worker's state (as last reported)
-    picks the ones forecast, least first: a decoder's step and queued prompt work, a
-    prefill side's queue and this prompt's uncached tokens at its per-token cost.
-    Their forecasts read staleness as usual. Every worker is scanned in arrays: a
-    cluster may have a thousand."""
+    on a side, a rough estimate (`WorkerState.rough`, as last reported, read into the
+    router's columns once per state) picks the ones forecast, least first: a
+    decoder's step and queued prompt work, a prefill side's queue and this prompt's
+    uncached tokens at its per-token cost. Their forecasts read staleness as usual.
+    Every worker is scanned in arrays: a cluster may have a thousand."""
     n, cached = request.num_prompt_tokens, request.cached_tokens
     cols = columns_of(state)
     decodes = cols.decodes

@@ -17,10 +17,9 @@ _PATCH_SHARE = 0.25
 
 
 def _row(w: WorkerState, adaptive: bool) -> tuple:
-    per_token_s, reported_queued = w.rough_queue
-    return (w.available and w.decodes, w.available and w.sends_kv(adaptive),
-            w.all_queued, w.all_queued_tokens, w.rough_decode_s, per_token_s,
-            reported_queued)
+    available = w.available
+    return (available and w.decodes, available and w.sends_kv(adaptive), w.all_queued,
+            w.all_queued_tokens, *w.rough())
 
 
 _DTYPES = (np.bool_, np.bool_, np.int64, np.int64, np.float64, np.float64, np.int64)
@@ -35,8 +34,8 @@ class WorkerColumns:
     sends_kv: np.ndarray  # available, and prefills for others (WorkerState.sends_kv)
     queued: np.ndarray  # prompts queued there, every replica's count
     queued_tokens: np.ndarray  # and their tokens
-    rough_decode_s: np.ndarray  # WorkerState.rough_decode_s
-    per_token_s: np.ndarray  # WorkerState.rough_queue, its two parts
+    rough_decode_s: np.ndarray  # WorkerState.rough(), its three parts
+    per_token_s: np.ndarray
     reported_queued_tokens: np.ndarray
     index: dict[str, int]  # worker id -> its row
 

@@ -54,10 +54,10 @@ def by_the_rule(request: RequestView, state: ClusterState):
     prefillers = [w for w in state.workers if w.available and w.sends_kv(state.adaptive)
                   and has_room(w, request, state)]
     if len(decoders) > _SHORTLIST:
-        decoders = sorted(decoders, key=lambda w: w.rough_decode_s)[:_SHORTLIST]
+        decoders = sorted(decoders, key=lambda w: w.rough()[0])[:_SHORTLIST]
     if len(prefillers) > _SHORTLIST:
         def rough(w):
-            per_token, queued = w.rough_queue
+            _, per_token, queued = w.rough()
             return per_token * (queued + n - cached.get(w.worker_id, 0))
         prefillers = sorted(prefillers, key=rough)[:_SHORTLIST]
     return decoders, prefillers
@@ -105,3 +105,16 @@ def test_patched_columns_equal_columns_built_afresh():
         last = patched
     # the same states: the same columns, nothing read again
     assert WorkerColumns.of(workers, True, last) is last
+
+
+def test_the_rough_estimates_read_the_load_a_forecast_reads():
+    """WorkerState.rough() builds no WorkerLoad (it is read for every worker that
+    reported): the same figures as from its reported_load."""
+    rng = random.Random(11)
+    for i in range(300):
+        w = a_worker(rng, i)
+        cost, load = w.step_cost or DEFAULT_STEP_COST, w.reported_load
+        assert w.rough() == (cost.base_s + cost.decode_seq_s * load.decode_seqs
+                             + cost.decode_context_s * load.decode_context
+                             + cost.prefill_token_s * load.queued_tokens,
+                             cost.prefill_token_s, load.queued_tokens)
