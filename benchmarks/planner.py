@@ -250,9 +250,10 @@ def main() -> int:
             # reaches the target holds the cheapest (every static arm of a size costs
             # the same worker-seconds).
             for n in range(args.min_static, args.budget + 1):
-                run(static_arms(args, n))
+                arms = static_arms(args, n)
+                run(arms)
                 if any(statistics.median(r["attainment"] for r in rows[name]) >= TARGET
-                       for name, _, _ in static_arms(args, n)):
+                       for name, _, _ in arms):
                     break
         table = {name: {"attainment": spread([r["attainment"] for r in rs]),
                         "worker_seconds": spread([r["worker_seconds"] for r in rs]),
