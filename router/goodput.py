@@ -29,9 +29,7 @@ docs/goodput.md). Pure."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property, partial
 
 import numpy as np
 
@@ -57,8 +55,7 @@ _MIN_RETRY_AFTER_S = 0.05
 
 @dataclass(slots=True)  # not frozen: dozens are made per decision, each field set once
 class Forecast:
-    # Its decision, made with the forecast latencies when asked (one is, of dozens).
-    make: Callable[[float, float], Colocate | Disaggregate]
+    kind: type[Colocate | Disaggregate]  # its decision's, made when asked (one is)
     names: tuple[str, ...]  # its workers: the worker, or the prefill and decode sides
     ttft_s: float
     tpot_s: float
@@ -70,10 +67,12 @@ class Forecast:
     computes: "_Side | None" = None
     transfer_s: float = 0.0
     ttft_scale: float = 1.0
+    tpot_scale: float = 1.0
 
     @property
     def decision(self) -> Colocate | Disaggregate:
-        return self.make(self.ttft_s, self.tpot_s)
+        return self.kind(*self.names, self.ttft_s, self.tpot_s, ttft_scale=self.ttft_scale,
+                         tpot_scale=self.tpot_scale)
 
     @property
     def idle_ttft_s(self) -> float:
@@ -172,64 +171,112 @@ def shortlists(request: RequestView, state: ClusterState) -> tuple[list[WorkerSt
     return [cols.states[i] for i in decode_rows], [cols.states[i] for i in prefill_rows]
 
 
+class _once:  # a decorator, named as cached_property is
+    """cached_property without its lock (Python 3.11 takes an RLock on every first
+    read: a few us, and a decision makes about 80 first reads)."""
+
+    def __init__(self, fn):
+        self.fn, self.name = fn, fn.__name__
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.fn(obj)  # later reads find it there
+        return value
+
+
 class _Side:
-    """One worker's part in any placement of the request, forecast once per decision."""
+    """One worker's part in any placement of the request: each figure forecast once per
+    decision, when a placement first reads it (of a shortlist's sides, the pairs kept
+    read some figures only)."""
 
     def __init__(self, request: RequestView, state: ClusterState, w: WorkerState):
-        self.w = w
-        cost, load = state.step_cost(w), state.load(w)
-        n = request.num_prompt_tokens
+        self.w, self._request, self._state = w, request, state
+        self._cost, self._load = state.step_cost(w), state.load(w)
         self.cached = request.cached_tokens.get(w.worker_id, 0)
-        self.ttft = ttft_seconds(cost, load, n, self.cached)  # computing the prompt here
-        self._cost, self._prompt_tokens = cost, n
-        self.tpot = tpot_seconds(cost, load, n, request.max_tokens)
-        self.step = decode_step_seconds(cost, load)  # its decode batch's step now
-        self.join_s = joining_slowdown(cost, n)  # per step, when the request decodes here
-        self.stall_s = prompt_compute_seconds(cost, n, self.cached)  # once, computing it
-        self.decode_seqs = load.decode_seqs
-        self.budgets = state.budgets.get(w.worker_id, NO_BUDGETS)  # this router's timed ones here
+        self.decode_seqs = self._load.decode_seqs
         self._harms: dict[tuple[bool, bool], _Harm] = {}
 
-    @cached_property
+    @_once
+    def ttft(self) -> float:
+        """Computing the prompt here, from now."""
+        return ttft_seconds(self._cost, self._load, self._request.num_prompt_tokens,
+                            self.cached)
+
+    @_once
+    def tpot(self) -> float:
+        """Decoding it here."""
+        r = self._request
+        return tpot_seconds(self._cost, self._load, r.num_prompt_tokens, r.max_tokens)
+
+    @_once
+    def step(self) -> float:
+        """Its decode batch's step now."""
+        return decode_step_seconds(self._cost, self._load)
+
+    @_once
+    def budgets(self):
+        """This router's timed requests running here."""
+        return self._state.budgets.get(self.w.worker_id, NO_BUDGETS)
+
+    @_once
+    def kv_short(self) -> bool:
+        """Too few free blocks (as last reported) to decode the request here."""
+        free = self._state.free_blocks(self.w)
+        return free is not None and free < self._request.blocks_needed
+
+    @_once
     def idle_ttft(self) -> float:
         """Computing the prompt here with nothing queued or running."""
-        return ttft_seconds(self._cost, _IDLE, self._prompt_tokens, self.cached)
+        return ttft_seconds(self._cost, _IDLE, self._request.num_prompt_tokens, self.cached)
 
-    def harm(self, request: RequestView, joins: bool, computes: bool) -> "_Harm":
+    @_once
+    def sends(self) -> tuple[float, "_Harm | None"]:
+        """As a pair's prefill side: its TTFT calibration, and what computing the
+        prompt takes from its own decodes (None: it runs none)."""
+        return (self.w.calibration.factor("ttft", "disaggregate"),
+                self.harm(joins=False, computes=True) if self.w.decodes else None)
+
+    @_once
+    def receives(self) -> tuple[float, float, int, "_Harm"]:
+        """As a pair's decode side: its calibrated TPOT and the calibration, the bytes
+        of the prompt's blocks it does not hold (they are sent; its own hits stay),
+        what joining its batch takes from its decodes."""
+        scale = self.w.calibration.factor("tpot", "disaggregate")
+        state = self._state
+        prompt_blocks = -(-self._request.num_prompt_tokens // state.block_size)
+        blocks_sent = max(prompt_blocks - self.cached // state.block_size, 0)
+        return (self.tpot * scale, scale, blocks_sent * state.kv_bytes_per_block,
+                self.harm(joins=True, computes=False))
+
+    def harm(self, joins: bool, computes: bool) -> "_Harm":
         """What the placement takes from the requests running here (the same for every
         pair this side is in: computed once)."""
         harm = self._harms.get((joins, computes))
         if harm is None:
+            cost, n = self._cost, self._request.num_prompt_tokens
             harm = self._harms[joins, computes] = _Harm(
-                request, self, self.join_s if joins else 0.0, self.stall_s if computes else 0.0)
+                self._request, self, joining_slowdown(cost, n) if joins else 0.0,
+                prompt_compute_seconds(cost, n, self.cached) if computes else 0.0)
         return harm
 
 
 def _colocate(request: RequestView, state: ClusterState, w: _Side) -> Forecast:
     ttft_scale = w.w.calibration.factor("ttft", "colocate")
     tpot_scale = w.w.calibration.factor("tpot", "colocate")
-    return _forecast(partial(Colocate, w.w.worker_id, ttft_scale=ttft_scale,
-                             tpot_scale=tpot_scale), (w.w.worker_id,), request, state,
-                     w.ttft * ttft_scale, w.tpot * tpot_scale,
-                     [w.harm(request, joins=True, computes=True)], w.w, w.decode_seqs,
-                     w, 0.0, ttft_scale)
+    return _forecast(Colocate, (w.w.worker_id,), request, state, w.ttft * ttft_scale,
+                     w.tpot * tpot_scale, (w.harm(joins=True, computes=True),), w, w, 0.0,
+                     ttft_scale, tpot_scale)
 
 
 def _pair(request: RequestView, state: ClusterState, p: _Side, d: _Side) -> Forecast:
-    prompt_blocks = -(-request.num_prompt_tokens // state.block_size)
-    blocks_sent = max(prompt_blocks - d.cached // state.block_size, 0)  # D's hits stay
-    transfer = state.transfer_cost(p.w.worker_id, d.w.worker_id).seconds(
-        blocks_sent * state.kv_bytes_per_block)
-    ttft_scale = p.w.calibration.factor("ttft", "disaggregate")
-    tpot_scale = d.w.calibration.factor("tpot", "disaggregate")
-    harms = [d.harm(request, joins=True, computes=False)]
-    if p.w.decodes:  # its own decodes stall while it computes the prompt
-        harms.append(p.harm(request, joins=False, computes=True))
-    return _forecast(partial(Disaggregate, p.w.worker_id, d.w.worker_id,
-                             ttft_scale=ttft_scale, tpot_scale=tpot_scale),
-                     (p.w.worker_id, d.w.worker_id), request,
-                     state, (p.ttft + transfer) * ttft_scale, d.tpot * tpot_scale, harms,
-                     d.w, d.decode_seqs, p, transfer, ttft_scale)
+    ttft_scale, p_harm = p.sends
+    tpot, tpot_scale, bytes_sent, d_harm = d.receives
+    transfer = state.transfer_cost(p.w.worker_id, d.w.worker_id).seconds(bytes_sent)
+    return _forecast(Disaggregate, (p.w.worker_id, d.w.worker_id), request, state,
+                     (p.ttft + transfer) * ttft_scale, tpot,
+                     (d_harm, p_harm) if p_harm is not None else (d_harm,), d, p, transfer,
+                     ttft_scale, tpot_scale)
 
 
 class _Harm:
@@ -246,7 +293,8 @@ class _Harm:
             return
         b = side.budgets
         if len(b):
-            added = per_step_s + stall_s / np.maximum(b.remaining, 1)
+            added = per_step_s + stall_s / np.maximum(b.remaining, 1) if stall_s \
+                else per_step_s  # joining a batch, computing nothing: the same for each
             self.cost += float(np.sum(added / np.maximum(b.allowance_s, 1e-6)))
             slack = b.allowance_s - side.step
             broken = (slack >= 0) & (added > slack) & (b.priority <= request.priority)
@@ -258,32 +306,33 @@ class _Harm:
                 / _REFERENCE_TPOT_S
 
 
-def _forecast(make, names: tuple[str, ...], request: RequestView, state: ClusterState,
-              ttft: float, tpot: float,
-              harms: list[_Harm], decode: WorkerState, decode_seqs: int,
-              computes: _Side, transfer_s: float, ttft_scale: float) -> Forecast:
-    """ttft: from now; the forecast's, and the decision's make(ttft, tpot), count from
-    the request's arrival."""
+def _forecast(kind: type[Colocate | Disaggregate], names: tuple[str, ...],
+              request: RequestView, state: ClusterState, ttft: float, tpot: float,
+              harms: tuple[_Harm, ...], decodes: _Side, computes: _Side, transfer_s: float,
+              ttft_scale: float, tpot_scale: float) -> Forecast:
+    """ttft: from now; the forecast's, and its decision's, count from the request's
+    arrival."""
     slo = request.slo
     ttft, from_now = request.waited_s + ttft, ttft
+    harm, breaks_until = 0.0, None
+    for h in harms:
+        harm += h.cost
+        if h.breaks_until is not None and (breaks_until is None
+                                           or h.breaks_until > breaks_until):
+            breaks_until = h.breaks_until
     cost = (ttft / (slo.ttft_s or _REFERENCE_TTFT_S) + tpot / (slo.tpot_s or _REFERENCE_TPOT_S)
-            + sum(h.cost for h in harms))
-    breaks_until = max((h.breaks_until for h in harms if h.breaks_until is not None),
-                       default=None)
-    miss, retry_after = _miss(request, state, ttft, from_now, tpot, decode, decode_seqs,
-                              breaks_until)
-    return Forecast(make, names, ttft, tpot, cost, miss, retry_after, computes, transfer_s,
-                    ttft_scale)
+            + harm)
+    miss, retry_after = _miss(request, state, ttft, from_now, tpot, decodes, breaks_until)
+    return Forecast(kind, names, ttft, tpot, cost, miss, retry_after, computes, transfer_s,
+                    ttft_scale, tpot_scale)
 
 
 def _miss(request: RequestView, state: ClusterState, ttft: float, from_now: float,
-          tpot: float, decode: WorkerState, decode_seqs: int,
-          breaks_until: float | None) -> tuple[str, float]:
+          tpot: float, decodes: _Side, breaks_until: float | None) -> tuple[str, float]:
     """Why the placement does not fit ("" if it does), and the predicted time until
     it would."""
     slo = request.slo
-    free = state.free_blocks(decode)
-    if free is not None and free < request.blocks_needed:
+    if decodes.kv_short:
         return "kv", state.retry_after_s
     if not slo.ttft_met(ttft):
         # a retry arrives afresh: when the queue ahead will have drained that much
@@ -291,26 +340,25 @@ def _miss(request: RequestView, state: ClusterState, ttft: float, from_now: floa
     # A one-token request has no TPOT. And one that would decode alone is not refused
     # on its TPOT forecast: nothing could serve it faster, and only measuring it can
     # correct a model that overestimates (an idle worker reports no steps).
-    if request.max_tokens > 1 and not slo.tpot_met(tpot) and decode_seqs > 0:
-        return "tpot", _shrunk_enough(state, decode, (tpot - slo.tpot_s) / tpot)
+    if request.max_tokens > 1 and not slo.tpot_met(tpot) and decodes.decode_seqs > 0:
+        return "tpot", _shrunk_enough(state, decodes, (tpot - slo.tpot_s) / tpot)
     if breaks_until is not None:  # until every request it would break has finished
         return "harm", breaks_until
     return "", 0.0
 
 
-def _shrunk_enough(state: ClusterState, w: WorkerState, excess: float) -> float:
+def _shrunk_enough(state: ClusterState, w: _Side, excess: float) -> float:
     """When enough of this router's requests running on w are forecast to have ended
     (each its remaining tokens at w's decode step now) for a step with the request in
     it to be `excess` (a share) shorter: the forecast TPOT is that step stretched and
     calibrated, so the share, not the seconds, carries over. The configured retry
     when its known requests are not enough."""
-    cost, load = state.step_cost(w), state.load(w)
-    excess_s = excess * (decode_step_seconds(cost, load) + cost.decode_seq_s)
-    ends = np.sort(state.budgets.get(w.worker_id, NO_BUDGETS).remaining)
-    needed = (max(1, math.ceil(excess_s / cost.decode_seq_s)) if cost.decode_seq_s > 0
-              else len(ends) + 1)
-    if len(ends) and len(ends) >= load.decode_seqs:
+    per_seq = w._cost.decode_seq_s
+    excess_s = excess * (w.step + per_seq)
+    ends = np.sort(w.budgets.remaining)
+    needed = max(1, math.ceil(excess_s / per_seq)) if per_seq > 0 else len(ends) + 1
+    if len(ends) and len(ends) >= w.decode_seqs:
         needed = min(needed, len(ends))  # once all end it decodes alone: never refused
     if needed > len(ends):
         return state.retry_after_s
-    return float(ends[needed - 1]) * decode_step_seconds(cost, load)
+    return float(ends[needed - 1]) * w.step

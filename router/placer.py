@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import operator
 import weakref
 from dataclasses import replace
 
@@ -27,6 +28,8 @@ from pdserve.router.prefix_index import block_hashes
 from pdserve.router.slo import Slo
 from pdserve.router.snapshot import snapshot
 from pdserve.router.worker_columns import ColumnsMemo
+
+_STATE = operator.attrgetter("state")  # a worker handle's state
 
 
 class Placer:
@@ -145,7 +148,7 @@ class Placer:
         """Every worker's state now, as the policy sees it, with the TPOT budgets of
         this router's requests running on each; those in `avoid` as if draining."""
         workers = self.pool.workers
-        states = tuple(w.state for w in workers.values()) if not avoid else tuple(
+        states = tuple(map(_STATE, workers.values())) if not avoid else tuple(
             replace(w.state, draining=True) if w.worker_id in avoid else w.state
             for w in workers.values())
         return snapshot(states, workers,

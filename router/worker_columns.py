@@ -5,6 +5,7 @@ kept since the last snapshot keeps its row (`WorkerColumns.of(..., previous)`), 
 only the workers that reported since are read again. Pure."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -46,8 +47,8 @@ class WorkerColumns:
         snapshot's, of the same workers in the same order) already read are kept."""
         if (previous is not None and previous.adaptive == adaptive
                 and len(previous.states) == len(states)):
-            changed = [i for i, (a, b) in enumerate(zip(states, previous.states))
-                       if a is not b]
+            changed = np.flatnonzero(np.fromiter(map(operator.is_not, states, previous.states),
+                                                 dtype=np.bool_, count=len(states))).tolist()
             if len(changed) <= _PATCH_SHARE * len(states):
                 return previous._patched(states, changed)
         rows = [_row(w, adaptive) for w in states]
