@@ -18,7 +18,9 @@ either). For each pool, from its serving workers past their cold start:
            TPOT SLO, colocated workers at steps of the TPOT SLO that each carry the
            decodes and a chunk of the arriving prompts (one step overhead for both);
            a floor that scales ahead of a rising load (ISL: prompt tokens not cached;
-           decode context ISL + OSL/2). Growth reads it at the SLO, shrinking at
+           decode context ISL + OSL/2); decoding pools also hold the KV their
+           workers report held, scaled from the arrival rate now to the one sized
+           for, within KV_FULL of each. Growth reads it at the SLO, shrinking at
            margin x SLO: the band between them is where a pool holds
 
 A signal acts once it held for `sustain` ticks in a row (shrinking: `down_sustain`).
@@ -353,7 +355,8 @@ def _spare(role: str, warm: list[WorkerView], members: list[WorkerView], obs: Ob
 def _need(role: str, warm: list[WorkerView], obs: Observation, rate: float,
           margin: float) -> float:
     """Workers (a fraction) `rate` requests a second need with every worker kept
-    within margin x SLO; 0 when unknown (no measured worker, no traffic figures)."""
+    within margin x SLO, and (decoding roles) their KV within margin x KV_FULL; 0
+    when unknown (no measured worker, no traffic figures)."""
     t = obs.traffic
     if not warm or t.isl <= 0 or t.osl <= 0 or rate == 0:
         return 0.0
@@ -364,25 +367,28 @@ def _need(role: str, warm: list[WorkerView], obs: Observation, rate: float,
     prefill = rate * per_prompt_s / _busy_share(per_prompt_s, obs.slo.ttft_s, margin)
     if role == "prefill":
         return prefill
+    # The KV the decodes hold now, at the rate to size for (Little: as many decode at
+    # once as arrive per second times how long each decodes, so KV scales with the rate).
+    kv = sum(w.kv_used for w in warm) * rate / t.rate / (margin * KV_FULL) if t.rate else 0.0
     if obs.slo.tpot_s is None:  # decode sized on misses and KV alone
-        return prefill if role == "both" else 0.0
+        return max(prefill if role == "both" else 0.0, kv)
     step_s = margin * obs.slo.tpot_s  # the longest step the TPOT SLO allows, at the margin
     per_seq = cost.decode_seq_s + cost.decode_context_s * (isl + osl / 2)
     if step_s <= cost.base_s:  # no number of workers meets it: sized on misses
-        return prefill if role == "both" else 0.0
+        return max(prefill if role == "both" else 0.0, kv)
     if role == "decode":
         if per_seq <= 0:  # a decode costs its step nothing: any batch fits one worker
-            return 0.0
+            return kv
         seqs_per_worker = max((step_s - cost.base_s) / per_seq, 1.0)
         # Little: requests decoding at once = rate x their time decoding.
-        return rate * osl * step_s / seqs_per_worker
+        return max(rate * osl * step_s / seqs_per_worker, kv)
     # Colocated: every step carries the running decodes and a chunk of the prompts
     # arriving; at steps of step_s a worker has step_s - base_s of each for them, so
     # r requests a second need r x (prompt + osl decode steps' worth) / (1 - base/step)
     # workers (one base a step, not one for prompts and one for decodes); and at least
     # what its prompts alone need against the TTFT SLO.
     work_s = prompt_s + per_seq * osl
-    return max(rate * work_s / (1 - cost.base_s / step_s), prefill)
+    return max(rate * work_s / (1 - cost.base_s / step_s), prefill, kv)
 
 
 def _rate_ahead(obs: Observation, config: PlannerConfig) -> float:
