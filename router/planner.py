@@ -18,10 +18,10 @@ either). For each pool, from its serving workers past their cold start:
            TPOT SLO, colocated workers at steps of the TPOT SLO that each carry the
            decodes and a chunk of the arriving prompts (one step overhead for both);
            a floor that scales ahead of a rising load (ISL: prompt tokens not cached;
-           decode context ISL + OSL/2); decoding pools also hold the KV their
-           workers report held, scaled from the arrival rate now to the one sized
-           for, within KV_FULL of each. Growth reads it at the SLO, shrinking at
-           margin x SLO: the band between them is where a pool holds
+           decode context ISL + OSL/2); decoding pools also hold their decodes'
+           KV within KV_FULL of each (as many decode at once as the rate times OSL
+           steps, each holding what one holds now). Growth reads it at the SLO,
+           shrinking at margin x SLO: the band between them is where a pool holds
 
 A signal acts once it held for `sustain` ticks in a row (shrinking: `down_sustain`).
 A short pool takes a worker flipped from a pool that can spare one (its weights stay
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.engine.latency_forecast import (
     WorkerLoad,
+    decode_step_seconds,
     prompt_compute_seconds,
     tpot_seconds,
     ttft_seconds,
@@ -367,9 +368,7 @@ def _need(role: str, warm: list[WorkerView], obs: Observation, rate: float,
     prefill = rate * per_prompt_s / _busy_share(per_prompt_s, obs.slo.ttft_s, margin)
     if role == "prefill":
         return prefill
-    # The KV the decodes hold now, at the rate to size for (Little: as many decode at
-    # once as arrive per second times how long each decodes, so KV scales with the rate).
-    kv = sum(w.kv_used for w in warm) * rate / t.rate / (margin * KV_FULL) if t.rate else 0.0
+    kv = _kv_need(warm, rate, osl, margin)
     if obs.slo.tpot_s is None:  # decode sized on misses and KV alone
         return max(prefill if role == "both" else 0.0, kv)
     step_s = margin * obs.slo.tpot_s  # the longest step the TPOT SLO allows, at the margin
@@ -389,6 +388,19 @@ def _need(role: str, warm: list[WorkerView], obs: Observation, rate: float,
     # what its prompts alone need against the TTFT SLO.
     work_s = prompt_s + per_seq * osl
     return max(rate * work_s / (1 - cost.base_s / step_s), prefill, kv)
+
+
+def _kv_need(warm: list[WorkerView], rate: float, osl: float, margin: float) -> float:
+    """Workers whose KV the decodes at `rate` fill to margin x KV_FULL: as many decode
+    at once as arrive a second times how long each decodes (Little: OSL steps at the
+    warm workers' mean step now), each holding the share of a worker's KV that a
+    request decoding there holds now. 0 when none decodes (nothing to read)."""
+    seqs = sum(w.load.decode_seqs for w in warm)
+    if not seqs:
+        return 0.0
+    per_seq = sum(w.kv_used for w in warm) / seqs
+    step = sum(decode_step_seconds(w.cost, w.load) for w in warm) / len(warm)
+    return rate * osl * step * per_seq / (margin * KV_FULL)
 
 
 def _rate_ahead(obs: Observation, config: PlannerConfig) -> float:

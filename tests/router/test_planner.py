@@ -319,17 +319,18 @@ def test_decodes_that_cost_their_step_nothing_need_no_more_decode_workers():
 
 
 def test_a_decode_pool_grows_for_the_kv_a_rising_load_will_hold():
-    # 1 req/s now, 2 req/s 40 s ahead (the signal held 2 more ticks of 5 s, then a 30 s
-    # start-up). Its TPOT needs a quarter of a worker (2 x 100 x 50 ms / 40); but the
-    # one worker holds 90% of its KV now, so at twice the rate 1.9 workers' worth: a
-    # second is added before the KV is full (at 95% the worker would miss).
+    # 2 req/s now, 4 req/s 40 s ahead (the signal held 2 more ticks of 5 s, then a 30 s
+    # start-up). The worker runs 3 decodes at 13 ms steps holding 25% of its KV each.
+    # Its TPOT needs half a worker at 4 req/s (4 x 100 x 50 ms / 40); its KV: 4 req/s
+    # x 100 steps x 13 ms = 5.2 decoding at once, x 25% = 1.3 workers at 95% full each,
+    # so a second is added before the KV is full (at 95% the worker would miss).
     cfg = config(roles=("decode",), min_workers=(("decode", 1),), startup_s=30.0)
-    rising = Traffic(rate=1.0, rate_slope=0.025, isl=100, osl=100)
-    seen, _, out = ticks([view("d0", "decode", seqs=2, kv=0.9)], traffic=rising, n=3, cfg=cfg)
+    rising = Traffic(rate=2.0, rate_slope=0.05, isl=100, osl=100)
+    seen, _, out = ticks([view("d0", "decode", seqs=3, kv=0.75)], traffic=rising, n=3, cfg=cfg)
     assert out.signals["decode"].demand == 2 and out.signals["decode"].short_cause == "demand"
     add, = seen[2]
     assert (add.kind, add.role) == ("add", "decode")
-    # Steady at the rate now, the same KV fits the worker it has: nothing added.
-    seen, _, out = ticks([view("d0", "decode", seqs=2, kv=0.9)],
+    # Steady at the rate now (2.6 decoding at once: 0.68 of a worker), nothing added.
+    seen, _, out = ticks([view("d0", "decode", seqs=3, kv=0.75)],
                          traffic=replace(rising, rate_slope=0.0), n=6, cfg=cfg)
     assert not any(seen) and out.signals["decode"].demand == 1
