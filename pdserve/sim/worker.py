@@ -282,7 +282,7 @@ class SimWorker:
         """A token of the request reached the router at `at`: the gap since its last."""
         last = self._last_token_at.get(request_id)
         if last is not None and self._itl is not None:
-            self._itl.add((at - last,))
+            self._itl.add_one(at - last)
         self._last_token_at[request_id] = at
 
     def _done(self, request_id: str) -> None:
