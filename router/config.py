@@ -94,8 +94,8 @@ class AutoscaleSpec:
         "to spare a worker (its load re-forecast at one fewer within the margin) before "
         "one is removed", ge=1)
     planner_reversal_guard_s: float = option(
-        PlannerConfig.reversal_guard_s, "--autoscale: seconds after a pool grew before it "
-        "may shrink", ge=0)
+        PlannerConfig.reversal_guard_s, "--autoscale: seconds after a pool's new worker "
+        "would serve (a start-up after it was asked for) before the pool may shrink", ge=0)
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):

@@ -29,8 +29,10 @@ loaded) before a new one is added. A miss grows it by one, and not while a worke
 its own is still coming (starting, or serving for less than cold_start_s: capacity
 on its way, not yet in the reports); the demand, which counts the coming workers,
 gets all the workers it lacks at once (a new one serves only a start-up later).
-A pool that grew is not shrunk for reversal_guard_s; one that shrinks gives up a
-worker still starting first, so a worker stuck starting never blocks scale-down.
+A pool that grew is not shrunk for reversal_guard_s after its new worker would
+serve (a start-up after it was asked for: a worker still starting is not given up
+on a forecast that moved within the start-up); one that shrinks gives up a worker
+still starting first, so a worker stuck starting never blocks scale-down for longer.
 Bounds hold at every tick: a pool below its minimum gets a worker at once, the pools
 never exceed their maxima, and all together never the budget (max_workers).
 """
@@ -250,9 +252,10 @@ def plan(obs: Observation, state: PlannerState, config: PlannerConfig) -> Plan:
                 break
     for role in config.roles:
         signal = signals[role]
+        guarded_until = grew_at.get(role, -math.inf) + _startup(obs, config) \
+            + config.reversal_guard_s
         if spare_ticks[role] < config.down_sustain or counts[role] <= config.minimum(role) \
-                or obs.now_s - grew_at.get(role, -math.inf) < config.reversal_guard_s \
-                or any(a.role == role for a in actions):
+                or obs.now_s < guarded_until or any(a.role == role for a in actions):
             continue
         victim = _victim(obs, role, taken)
         if victim is not None:
@@ -407,8 +410,13 @@ def _rate_ahead(obs: Observation, config: PlannerConfig) -> float:
     """The arrival rate (on the last period's course, or the recent trend) when a
     worker asked for on this signal would serve: once the signal has held (sustain -
     1 more ticks), a start-up later."""
-    startup = config.startup_s if obs.startup_s is None else obs.startup_s
-    return obs.traffic.ahead(startup + (config.sustain - 1) * config.interval_s)
+    return obs.traffic.ahead(_startup(obs, config) + (config.sustain - 1) * config.interval_s)
+
+
+def _startup(obs: Observation, config: PlannerConfig) -> float:
+    """How long a worker asked for now takes to serve: as the last ones took, or the
+    configured guess before any did."""
+    return config.startup_s if obs.startup_s is None else obs.startup_s
 
 
 def _busy_share(service_s: float, ttft_s: float | None, margin: float) -> float:

@@ -334,3 +334,18 @@ def test_a_decode_pool_grows_for_the_kv_a_rising_load_will_hold():
     seen, _, out = ticks([view("d0", "decode", seqs=3, kv=0.75)],
                          traffic=replace(rising, rate_slope=0.0), n=6, cfg=cfg)
     assert not any(seen) and out.signals["decode"].demand == 1
+
+
+def test_a_worker_asked_for_is_not_given_up_before_it_could_serve_and_show_its_worth():
+    # 60 req/s needs 2 prefill workers (60 x 20 ms / 0.95): one is asked for at 10 s.
+    # Then the forecast falls: the pool could spare one at once, the starting one; it
+    # is kept until a start-up (30 s) and the guard (15 s) after it was asked for.
+    cfg = config(roles=("prefill",), min_workers=(("prefill", 1),), startup_s=30.0,
+                 reversal_guard_s=15.0)
+    seen, state, _ = ticks([view("p0", "prefill")], traffic=Traffic(rate=60.0, isl=100, osl=1),
+                           n=3, cfg=cfg)
+    assert [(a.kind, a.role) for a in seen[2]] == [("add", "prefill")]
+    coming = [view("p0", "prefill"), view("p1", "prefill", state="starting", age=5.0)]
+    seen, _, out = ticks(coming, n=12, cfg=cfg, state=state, start=15.0)
+    removed = [(15.0 + 5 * i, a.worker_id) for i, actions in enumerate(seen) for a in actions]
+    assert removed == [(55.0, "p1")], removed
