@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import operator
-import weakref
 from dataclasses import replace
 
 from pdserve.engine.errors import InvalidRequestError
@@ -39,8 +38,6 @@ class Placer:
         self.model, self.metrics, self.clock = model, metrics, clock
         self.queue = CapacityQueue()
         self._placed = itertools.count()  # decisions made (round robin's sequence)
-        # each worker's running requests' TPOT deadlines, until its version changes
-        self._deadlines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._columns = ColumnsMemo()
 
     async def place(self, flight: Flight, refused: frozenset[str]) -> Decision:
@@ -153,4 +150,4 @@ class Placer:
             for w in workers.values())
         return snapshot(states, workers,
                         self.clock.monotonic(), self.clock.time(), self.config, self.model,
-                        self.models.transfer_costs, self._deadlines, self._columns)
+                        self.models.transfer_costs, self._columns)

@@ -125,7 +125,7 @@ class RequestRunner:
             self._dequeue(flight)  # its prompt is computed
             flight.output_token_ids += delta.token_ids
             if flight.decode is not None:
-                flight.decode.progressed()
+                flight.decode.progressed(flight)
         flight.text_sent += len(delta.text)
         return delta
 

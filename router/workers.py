@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pdserve.engine.worker_messages import WorkerTelemetry
+from pdserve.router.budget_rows import BudgetRows
 from pdserve.router.cluster_state import WorkerState
 from pdserve.router.errors import WorkerDied, WorkerStalled, short_reason
 from pdserve.router.worker_client import WorkerClient
@@ -28,7 +29,8 @@ class WorkerHandle:
     # request id (Flight.key) -> this router's request held here (reserved, starting
     # or running): its flight (lifecycle.Flight), whose queue the pump feeds.
     flights: dict[str, object] = field(default_factory=dict)
-    version: int = 0  # changes whenever a flight here joins, leaves or is sent tokens
+    # the TPOT budgets of its flights, kept as they join, leave and are sent tokens
+    budget_rows: BudgetRows = field(default_factory=BudgetRows)
     # When it last began serving in its role (joined, came back, changed role), on
     # the loop's clock: its first reports after it are a cold start.
     serving_since: float = 0.0
@@ -70,17 +72,17 @@ class WorkerHandle:
     def hold(self, flight) -> None:
         """The request is reserved, submitted or running here."""
         self.flights[flight.key] = flight
-        self.version += 1
+        self.budget_rows.join(flight)
         self.update(inflight=self.state.inflight + 1)
 
     def unhold(self, flight) -> None:
         self.flights.pop(flight.key, None)
-        self.version += 1
+        self.budget_rows.leave(flight)
         self.update(inflight=self.state.inflight - 1)
 
-    def progressed(self) -> None:
+    def progressed(self, flight) -> None:
         """A flight here was sent tokens (its TPOT budget moved)."""
-        self.version += 1
+        self.budget_rows.progressed(flight)
 
     def start_pump(self, stall_timeout_s: float, subscriber: str,
                    on_report: Callable[["WorkerHandle", WorkerTelemetry], None],
