@@ -233,6 +233,22 @@ def test_every_error_crossing_a_process_boundary_round_trips(error):
     assert vars(back) == vars(error)
 
 
+class Ticking:
+    """A clock a microsecond further on at each read: the router measures whatever
+    this test does between two tokens (on a busy machine, more than a step's
+    forecast) as next to nothing."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def time(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.time()
+
+
 def test_finished_requests_calibrate_the_forecasts_of_the_workers_they_ran_on(tok):
     """The fakes answer at once: measured far below forecast, so the prefill worker's
     TTFT and the decode worker's TPOT factors (split placements) fall below 1. Once
@@ -243,7 +259,8 @@ def test_finished_requests_calibrate_the_forecasts_of_the_workers_they_ran_on(to
                         address=resolve("d0-again"))
         prefill = FakeWorker(prefill=prefill_ok(7), abort=resolve(None), connect=resolve(None))
         router = Router(tok, ModelInfo("m", 512, tok.vocab_size, 16),
-                        [worker("p0", prefill, "prefill"), worker("d0", d0, "decode", 100)])
+                        [worker("p0", prefill, "prefill"), worker("d0", d0, "decode", 100)],
+                        clock=Ticking())
         await router.start()
         stream = router.generate(await router.accept([5, 6, 7], PARAMS))
         first = await stream.__anext__()
