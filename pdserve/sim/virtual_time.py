@@ -9,7 +9,18 @@ The router reads time through its Clock: `LoopClock` is the loop's virtual time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import selectors
+
+# The cyclic collector's thresholds while a simulation runs (Python's: 700, 10, 10). A
+# simulation keeps millions of objects alive (each worker's KV blocks, requests and
+# queues), and under the defaults the collector walked them all again and again: a
+# third of the wall time of 1,000 workers (3,000 requests: 50 s, 33 s with these,
+# 35 s with no collection at all, the same peak memory each; the run's 2,877 young
+# collections freed 2,240 objects in all). Young collections still run, every 50,000
+# allocations, so the rare cycle is still freed.
+SIM_GC_THRESHOLDS = (50_000, 20, 100)
 
 
 class SimulationStalled(RuntimeError):
@@ -59,12 +70,25 @@ def run(coro, start: float = 0.0):
     """Runs `coro` to its end on a fresh virtual-time loop and returns its result; as
     asyncio.run, the tasks it left are cancelled and awaited before the loop closes."""
     loop = VirtualTimeLoop(start)
+    with _collector(SIM_GC_THRESHOLDS):
+        try:
+            return loop.run_until_complete(coro)
+        finally:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            if left:  # gather() of nothing would make its future on another loop
+                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+
+@contextlib.contextmanager
+def _collector(thresholds: tuple[int, int, int]):
+    """The cyclic collector at `thresholds` inside, as it was after."""
+    before = gc.get_threshold()
+    gc.set_threshold(*thresholds)
     try:
-        return loop.run_until_complete(coro)
+        yield
     finally:
-        left = asyncio.all_tasks(loop)
-        for task in left:
-            task.cancel()
-        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
+        gc.set_threshold(*before)

@@ -4,6 +4,7 @@ the same seed gives a byte-identical report; and what decides is the production
 scheduler, policy and latency model, not a copy."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -110,3 +111,12 @@ def test_the_production_scheduler_policy_and_latency_model_decide(monkeypatch):
                        Load(request_rate=20.0, slo=SLO(ttft_ms=500, tpot_ms=50)))
     assert summary["completed"] == 20
     assert all(count > 0 for count in calls.values()), calls
+
+
+def test_a_simulation_collects_cycles_at_its_own_thresholds_and_restores_the_process_s():
+    before = gc.get_threshold()
+
+    async def inside():
+        return gc.get_threshold()
+    assert virtual_time.run(inside()) == virtual_time.SIM_GC_THRESHOLDS != before
+    assert gc.get_threshold() == before
