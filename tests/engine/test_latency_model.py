@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 from dataclasses import astuple
 
+import numpy as np
 import pytest
 
 from pdserve.engine.latency_forecast import (
@@ -13,6 +14,7 @@ from pdserve.engine.latency_forecast import (
     ttft_seconds,
 )
 from pdserve.engine.latency_model import (
+    OnlineFit,
     PromptShare,
     StepCost,
     StepModel,
@@ -69,6 +71,48 @@ def test_the_window_follows_a_worker_that_got_slower():
     slower = StepCost(*(2 * c for c in astuple(TRUE)))
     model.observe(synthetic_steps(slower, 256, noise=0.02, rng=rng))
     assert model.cost().base_s == pytest.approx(slower.base_s, rel=0.05)
+
+
+def _ridge_lstsq(fit: OnlineFit, samples: list[tuple[list[float], float]]) -> np.ndarray:
+    """The rule, stacked and solved by numpy's least squares: rows over their own
+    durations, scaled to unit RMS, pulled toward the prior, clipped at zero."""
+    x = np.array([s[0] for s in samples]) / np.array([[max(s[1], 1e-6)] for s in samples])
+    y = np.array([s[1] / max(s[1], 1e-6) for s in samples])
+    scale = np.sqrt((x * x).mean(axis=0))
+    scale[scale == 0] = 1.0
+    ridge = np.sqrt(fit.strength * len(y))
+    k = len(fit.prior)
+    v, *_ = np.linalg.lstsq(np.vstack([x / scale, ridge * np.eye(k)]),
+                            np.concatenate([y, ridge * fit.prior * scale]), rcond=None)
+    return np.maximum(v / scale, 0.0)
+
+
+def test_the_fit_is_the_ridge_least_squares_over_the_samples_still_in_the_window():
+    """The ring of samples (wrapping, aged out from its head, refilled) against the
+    rule solved from a plain list of what should be in it (to 1e-4: a zero duration
+    weighs its row a million times, and the normal equations square its condition)."""
+    rng = random.Random(11)
+    for trial in range(40):
+        window, max_age = rng.randint(3, 80), rng.choice([None, 2.0, 10.0])
+        prior = [rng.uniform(0, 1e-3) for _ in range(6)]
+        fit = OnlineFit(prior, window=window, max_age_s=max_age)
+        kept: list[tuple[list[float], float, float]] = []
+        now = 0.0
+        for _ in range(rng.randint(1, 300)):
+            now += rng.expovariate(10.0)
+            x = [1.0, *(rng.randint(0, 4000) * (rng.random() < 0.5) for _ in range(5))]
+            y = rng.choice([0.0, rng.uniform(1e-4, 0.5), rng.uniform(1e-4, 0.5)])
+            fit.add(x, y, now)
+            kept = (kept + [(x, y, now)])[-window:]
+            if rng.random() < 0.2:
+                if max_age is not None:
+                    kept = [s for s in kept if s[2] >= now - max_age]
+                fit.refit_every = 1
+                got = fit.coefficients(now)
+                assert len(fit) == len(kept)
+                want = (_ridge_lstsq(fit, [(x, y) for x, y, _ in kept]) if kept
+                        else np.asarray(prior))
+                assert got == pytest.approx(want, rel=1e-4, abs=1e-12), (trial, len(kept))
 
 
 def test_bad_measurements_are_ignored_and_coefficients_stay_non_negative():
