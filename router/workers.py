@@ -19,7 +19,10 @@ from pdserve.router.worker_client import WorkerClient
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
+# slots: a decision reads every worker's state through its handle, and at a thousand
+# workers that read is a cache miss per handle and object (the __dict__ was one more:
+# 230-256 -> 118-167 us for 1,000 handles with cold caches, here).
+@dataclass(eq=False, slots=True)
 class WorkerHandle:
     client: WorkerClient
     state: WorkerState
