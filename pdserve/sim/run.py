@@ -44,8 +44,10 @@ def simulate(setup: Setup, requests: list[BenchRequest], load: Load) -> dict:
             return await drive(router, requests, load)
         finally:
             await cluster.stop()
-    records, duration = virtual_time.run(run())
-    return summarize(records, duration, load.slo, setup.num_workers, cluster.itl.stats_ms())
+    with virtual_time.sim_collector():
+        records, duration = virtual_time.run(run())
+        return summarize(records, duration, load.slo, setup.num_workers,
+                         cluster.itl.stats_ms())
 
 
 def sweep(setup: Setup, workload: Callable[[int], list[BenchRequest]], rates: list[float],

@@ -70,7 +70,7 @@ def run(coro, start: float = 0.0):
     """Runs `coro` to its end on a fresh virtual-time loop and returns its result; as
     asyncio.run, the tasks it left are cancelled and awaited before the loop closes."""
     loop = VirtualTimeLoop(start)
-    with _collector(SIM_GC_THRESHOLDS):
+    with sim_collector():
         try:
             return loop.run_until_complete(coro)
         finally:
@@ -84,10 +84,12 @@ def run(coro, start: float = 0.0):
 
 
 @contextlib.contextmanager
-def _collector(thresholds: tuple[int, int, int]):
-    """The cyclic collector at `thresholds` inside, as it was after."""
+def sim_collector():
+    """The cyclic collector at SIM_GC_THRESHOLDS inside, as it was after (also around
+    what reads a finished simulation's records while its objects are still alive: a
+    full collection at the default thresholds walks them all)."""
     before = gc.get_threshold()
-    gc.set_threshold(*thresholds)
+    gc.set_threshold(*SIM_GC_THRESHOLDS)
     try:
         yield
     finally:
