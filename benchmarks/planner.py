@@ -109,8 +109,9 @@ def run_arm(profile: Profile, pools: PoolSpec, router: RouterConfig, requests, s
             decisions = list(r.planner.decisions) if r.planner else []
             await cluster.stop()
         return records, duration, sizes, decisions
-    records, duration, sizes, decisions = virtual_time.run(run())
-    summary = summarize(records, duration, slo, len(pools.roles))
+    with virtual_time.sim_collector():
+        records, duration, sizes, decisions = virtual_time.run(run())
+        summary = summarize(records, duration, slo, len(pools.roles))
     errors: dict[str, int] = {}
     for record in records:
         if record.error is not None:
