@@ -101,9 +101,10 @@ class BudgetRows:
                            allowance_s=(deadline - now) / remaining)
 
     def _count(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(priority, deadline, remaining) of the requests counted. A row's arrays
-        are never written again once the rows move on (compacting makes new ones),
-        so these may be views."""
+        """(priority, deadline, remaining) of the requests counted. Only priority
+        may be a view (a slice of its column, when every row counts): a row's
+        priority is written once, when it joins, past the rows counted here, and
+        compacting makes new columns. deadline and remaining are new arrays."""
         n = self._n
         counted = self._live[:n] & ~np.isnan(self._first[:n])
         if counted.all():
