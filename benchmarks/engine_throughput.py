@@ -3,7 +3,8 @@
 1. Mixed offline workload (seeded prompt / output lengths, ignore_eos): pdserve output
    tokens/s divided by HF `generate` over the same requests in static batches of 16.
 2. Prefill efficiency: prefill tokens/s x 2 x matmul parameters, divided by the FLOP/s
-   torch.mm reaches at the model's own linear shapes. "Matmul parameters" are the
+   torch.mm reaches at the model's own linear shapes (measured after every step, and
+   paired with it: a step's duration is schedule to outputs). "Matmul parameters" are the
    weights every prompt token multiplies (q/k/v/o, gate/up/down of every layer); the
    embedding lookup and the lm_head (run only for each prompt's last token) are left out.
 3. Scheduler overhead: microseconds per schedule() + update() with 256 running decodes.
@@ -90,21 +91,28 @@ def run_hf(model_dir: Path, requests, batch_size: int) -> dict:
             "batch_size": batch_size}
 
 
-def matmul_flops(llm: LLM, rows: int, repeats: int = 5) -> float:
-    """FLOP/s of torch.mm over the model's linear shapes, weighted as in one forward."""
-    cfg = llm.engine.model_config
-    shapes = [(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, cfg.hidden_size),
-              (cfg.hidden_size, 2 * cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)]
-    xs = [(torch.randn(rows, k), torch.randn(k, n)) for k, n in shapes]
-    for a, b in xs:
-        torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for a, b in xs:
-            torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return sum(2 * rows * k * n for k, n in shapes) / best
+class MatmulReference:
+    """torch.mm over the model's linear shapes at `rows` rows (weighted as in one
+    forward pass): the FLOP/s a step's matmuls could reach on this machine now."""
+
+    def __init__(self, llm: LLM, rows: int):
+        cfg = llm.engine.model_config
+        shapes = [(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size),
+                  (cfg.q_size, cfg.hidden_size),
+                  (cfg.hidden_size, 2 * cfg.intermediate_size),
+                  (cfg.intermediate_size, cfg.hidden_size)]
+        self.flops = sum(2 * rows * k * n for k, n in shapes)
+        self.xs = [(torch.randn(rows, k), torch.randn(k, n)) for k, n in shapes]
+        self.flop_s()  # warm-up
+
+    def flop_s(self, repeats: int = 3) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for a, b in self.xs:
+                torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+        return self.flops / best
 
 
 def matmul_params(llm: LLM) -> int:
@@ -115,31 +123,41 @@ def matmul_params(llm: LLM) -> int:
 
 
 def prefill_efficiency(llm: LLM, num: int, prompt_range, seed: int, rounds: int = 3) -> dict:
-    """Prefill-only load (distinct prompts, one output token each) against the FLOP/s
-    of torch.mm over the model's shapes, measured right after it in each of `rounds`
-    rounds (each round its own prompts: no prefix hits); the median of the rounds'
-    ratios, with their spread (the two figures drift together on a shared machine)."""
-    vocab = llm.engine.model_config.vocab_size
+    """Prefill-only load (distinct prompts, one output token each: no prefix hits)
+    against torch.mm over the model's shapes, paired step by step: the reference is
+    measured right after each step, and a round's efficiency is its steps' matmul
+    FLOPs over what their durations at those references allow. This machine's speed
+    drifts within seconds (the reference read 115-161 GFLOP/s within one run), so a
+    reference taken once per round moved the figure by +-15%. The median of
+    `rounds` rounds (each its own prompts), with their spread."""
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
     warmup = [p for p, _ in workload(4, vocab, seed + 2, prompt_range, (1, 1))]
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     llm.generate(warmup, params)
-    rows = llm.engine.config.scheduler.max_num_batched_tokens
+    reference = MatmulReference(llm, engine.config.scheduler.max_num_batched_tokens)
+    flops_per_token = 2 * matmul_params(llm)
     runs = []
     for round_ in range(rounds):
         prompts = [p for p, _ in workload(num, vocab, seed + 10 + round_, prompt_range, (1, 1))]
-        hits = llm.engine.stats.prefix_cache_hits
-        t0 = time.perf_counter()
-        llm.generate(prompts, params)
-        elapsed = time.perf_counter() - t0
-        assert llm.engine.stats.prefix_cache_hits == hits, "prefill load must not hit the cache"
-        tok_s = sum(map(len, prompts)) / elapsed
-        peak = matmul_flops(llm, rows)
-        achieved = tok_s * 2 * matmul_params(llm)
-        runs.append({"prefill_tok_s": tok_s, "achieved_flop_s": achieved, "mm_flop_s": peak,
-                     "efficiency": achieved / peak})
+        hits = engine.stats.prefix_cache_hits
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"prefill-{round_}-{i}", prompt, params)
+        tokens = seconds = allowed = 0.0
+        while engine.has_unfinished():
+            engine.step()
+            step = engine.step_timings[-1]
+            peak = reference.flop_s()
+            tokens += step.shape.prefill_tokens
+            seconds += step.duration_s
+            allowed += step.duration_s * peak
+        assert engine.stats.prefix_cache_hits == hits, "prefill load must not hit the cache"
+        assert tokens == sum(map(len, prompts))
+        runs.append({"prefill_tok_s": tokens / seconds, "mm_flop_s": allowed / seconds,
+                     "efficiency": tokens * flops_per_token / allowed})
     median = statistics.median(r["efficiency"] for r in runs)
-    return {"matmul_params": matmul_params(llm), "mm_rows": rows, "rounds": runs,
-            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+    return {"matmul_params": matmul_params(llm), "mm_rows": reference.xs[0][0].shape[0],
+            "rounds": runs, "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
             "efficiency": median, "efficiency_runs": [r["efficiency"] for r in runs]}
 
 
@@ -205,7 +223,8 @@ def main() -> int:
     if not args.skip_hf:
         result["hf"] = run_hf(model_dir, requests, args.hf_batch_size)
         print(f"hf: {result['hf']['output_tok_s']:.0f} output tok/s", flush=True)
-        result["throughput_ratio"] = result["pdserve"]["output_tok_s"] / result["hf"]["output_tok_s"]
+        result["throughput_ratio"] = (result["pdserve"]["output_tok_s"]
+                                      / result["hf"]["output_tok_s"])
     result["prefill_efficiency"] = result["prefill"]["efficiency"]
     result["scheduler_us"] = result["scheduler"]["us_per_step"]
 
