@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,19 +61,28 @@ def _ray_start(command: str, port: int, temp_dir: Path) -> str:
     return f"{command} --block --temp-dir={temp_dir}"
 
 
-def _kill_tree(sessions: list[subprocess.Popen], temp_dir: Path) -> None:
-    """End every process of the test's Ray nodes: their sessions, then any process
-    whose command line names the nodes' temp dir (Ray's workers)."""
+def _kill_tree(sessions: list[subprocess.Popen], temp_dir: Path,
+               grace_s: float = 5.0) -> None:
+    """End every process of the test's Ray nodes: their sessions (SIGTERM, and SIGKILL
+    for what is left after `grace_s` in all: the router, whose drain is what matters,
+    stopped before; `ray start --block` on the head outlasted 20 s of SIGTERM in every
+    run, and killed it left nothing behind), then any process whose command line names
+    the nodes' temp dir (Ray's workers)."""
     for process in sessions:
         try:
             os.killpg(process.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
+    deadline = time.monotonic() + grace_s
     for process in sessions:
         try:
-            process.wait(timeout=20)
+            process.wait(timeout=max(deadline - time.monotonic(), 0.0))
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
     for proc in Path("/proc").iterdir():
         try:
             if proc.name.isdigit() and str(temp_dir) in (proc / "cmdline").read_text():
