@@ -52,6 +52,7 @@ class TrafficWindow:
         self._advance(now)
         self._bins[-1] += 1
         self._arrivals.append((now, prompt_tokens))
+        _age_out(self._arrivals, now - self.window_s)  # read or not (no planner: never)
 
     def _advance(self, now: float) -> None:
         """Bins up to the one `now` falls in (an idle history longer than the bins
@@ -66,12 +67,11 @@ class TrafficWindow:
 
     def finished(self, now: float, output_tokens: int) -> None:
         self._finished.append((now, output_tokens))
+        _age_out(self._finished, now - self.window_s)
 
     def traffic(self, now: float) -> Traffic:
-        start = now - self.window_s
         for items in (self._arrivals, self._finished):
-            while items and items[0][0] < start:
-                items.popleft()
+            _age_out(items, now - self.window_s)
         if self._since is None:
             return Traffic()
         span = min(self.window_s, max(now - self._since, self.window_s / self.buckets))
@@ -109,3 +109,9 @@ def period(rates: np.ndarray, min_lag: int, lead: int, min_correlation: float) -
         if r > best or (r == best and not best_lag):
             best, best_lag = r, lag
     return best_lag
+
+
+def _age_out(items: deque, start: float) -> None:
+    """Drops what happened before `start` (items are (time, ...), oldest first)."""
+    while items and items[0][0] < start:
+        items.popleft()

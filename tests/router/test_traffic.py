@@ -105,3 +105,14 @@ def test_an_idle_history_longer_than_the_bins_starts_afresh():
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         TrafficWindow(**bad)
+
+
+def test_a_window_no_planner_reads_holds_only_its_window():
+    """The router counts every request whether or not a planner reads the window
+    (without --autoscale none does): what it keeps must age out as it records."""
+    window = TrafficWindow(window_s=30.0, recent_s=10.0)
+    for i in range(100_000):  # 10 req/s for 10,000 s
+        window.arrived(i / 10, 100)
+        window.finished(i / 10, 40)
+    kept = [len(window._arrivals), len(window._finished)]
+    assert kept[0] <= 301 and kept[1] <= 301, kept
