@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import operator
+from collections.abc import Callable
 from dataclasses import replace
 
 from pdserve.engine.errors import InvalidRequestError
@@ -33,9 +34,12 @@ _STATE = operator.attrgetter("state")  # a worker handle's state
 
 class Placer:
     def __init__(self, pool: Pool, models: ClusterModels, config: RouterConfig,
-                 model: ModelInfo, metrics: RouterMetrics, clock: Clock):
+                 model: ModelInfo, metrics: RouterMetrics, clock: Clock,
+                 on_refused: Callable[[Reject], None] = lambda decision: None):
+        """on_refused(decision): a request answered 429 (the planner counts it)."""
         self.pool, self.models, self.config = pool, models, config
         self.model, self.metrics, self.clock = model, metrics, clock
+        self.on_refused = on_refused
         self.queue = CapacityQueue()
         self._placed = itertools.count()  # decisions made (round robin's sequence)
         self._columns = ColumnsMemo()
@@ -57,6 +61,7 @@ class Placer:
                      self.config.routing.max_wait_s - waited_s)
         if wait_s <= 0:
             self.metrics.decided(decision)
+            self.on_refused(decision)
             raise OverloadedError(decision.reason, decision.retry_after_s)
         self.metrics.waited.inc()
         if flight.waited_since is None:
@@ -72,6 +77,7 @@ class Placer:
         self.metrics.decided(decision)
         if isinstance(decision, Reject):
             self.metrics.waited_out("refused", waited_s)
+            self.on_refused(decision)
             raise OverloadedError(decision.reason, decision.retry_after_s)
         self.metrics.waited_out("placed", waited_s)
         # It takes its place (its load counted) before the next waiter is asked.

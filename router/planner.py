@@ -11,7 +11,10 @@ either). For each pool, from its serving workers past their cold start:
            nearly full), or the demand below needs more workers than the pool has
     spare  the pool's load spread over one worker fewer still forecasts within
            margin x SLO on every term (the consolidation check that ends 2 <-> 1
-           oscillation), and the demand sized at margin x SLO fits one worker fewer
+           oscillation), the demand sized at margin x SLO fits one worker fewer,
+           and its recent requests met their SLOs at least as often as
+           attainment_target (what the forecasts call spare, the outcome may not be:
+           they are sized at the SLO's mean)
     demand the arrival rate, extrapolated over a new worker's start-up time, sized
            with the pool's step cost: prefill workers kept as busy as a queue of
            random arrivals allows within the TTFT SLO, decode workers at steps of the
@@ -70,6 +73,10 @@ class PlannerConfig:
     # this far ahead.
     startup_s: float = 30.0
     reversal_guard_s: float = 60.0  # a pool that grew is not shrunk sooner
+    # A pool whose recent requests met their SLOs less often than this (read once
+    # min_judged of them ended) is not shrunk.
+    attainment_target: float = 0.9
+    min_judged: int = 20
 
     def __post_init__(self) -> None:
         if not self.roles or any(r not in ("prefill", "decode", "both") for r in self.roles):
@@ -81,6 +88,8 @@ class PlannerConfig:
             raise ValueError("the pools' minima exceed max_workers")
         if not (self.sustain >= 1 and self.down_sustain >= 1 and 0 < self.margin <= 1):
             raise ValueError("sustain and down_sustain must be >= 1, margin in (0, 1]")
+        if not (0 <= self.attainment_target <= 1 and self.min_judged >= 1):
+            raise ValueError("attainment_target must be in [0, 1], min_judged >= 1")
         for name in ("interval_s", "cold_start_s", "startup_s", "reversal_guard_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -119,6 +128,14 @@ class Traffic:
     echo_bin_s: float = 0.0
     echo_lead: int = 0
     echo_age_s: float = 0.0
+    # Requests that ended over the last few seconds (finished, or refused for want of
+    # capacity), per pool: (role, met their SLO there, judged). traffic.outcomes and
+    # traffic.refused say which pool answers for what.
+    judged: tuple[tuple[str, int, int], ...] = ()
+
+    def attainment(self, role: str) -> tuple[int, int]:
+        """(met, judged) of the pool's recent requests."""
+        return next(((met, n) for r, met, n in self.judged if r == role), (0, 0))
 
     def ahead(self, horizon_s: float) -> float:
         """The arrival rate `horizon_s` from now: where the load repeats, the course
@@ -169,6 +186,8 @@ class PoolSignal:
     spare: str  # why it could lose one ("" if it cannot)
     demand: int  # workers the demand needs at the SLO (0: unknown)
     keep: int  # workers it needs at margin x SLO: the pool shrinks only below this
+    met: int = 0  # of its requests that ended over the last few seconds, those that
+    judged: int = 0  # met their SLOs there, and all
 
 
 @dataclass(frozen=True)
@@ -285,14 +304,16 @@ def _signal(role: str, obs: Observation, config: PlannerConfig) -> PoolSignal:
     keep = math.ceil(_need(role, warm, obs, max(ahead, obs.traffic.rate), config.margin)
                      - 1e-9)
     short, cause = _short(role, warm, obs, config), "miss"
+    t = obs.traffic
     if not short and demand > len(members):
-        t = obs.traffic
         short, cause = (f"the demand needs {demand} workers, it has {len(members)} "
                         f"({ahead:.1f} req/s a start-up ahead, now "
                         f"{t.rate:.1f}; ISL {t.isl:.0f}, OSL {t.osl:.0f})"), "demand"
-    spare = _spare(role, warm, members, obs, config) if keep < len(members) else ""
+    met, judged = t.attainment(role)
+    behind = judged >= config.min_judged and met < config.attainment_target * judged
+    spare = "" if behind or keep >= len(members) else _spare(role, warm, members, obs, config)
     return PoolSignal(len(members), len(coming), short, cause if short else "", spare,
-                      demand, keep)
+                      demand, keep, met, judged)
 
 
 def _short(role: str, warm: list[WorkerView], obs: Observation, config: PlannerConfig) -> str:

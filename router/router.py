@@ -23,7 +23,7 @@ from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.clock import SYSTEM_CLOCK, Clock
 from pdserve.router.cluster_models import ClusterModels
 from pdserve.router.config import RouterConfig
-from pdserve.router.decision import Decision
+from pdserve.router.decision import Decision, Reject
 from pdserve.router.intake import Intake
 from pdserve.router.leader_lease import lease_for
 from pdserve.router.lifecycle import Accepted, Flight
@@ -38,7 +38,7 @@ from pdserve.router.request_directory import RequestDirectory, directory_for
 from pdserve.router.request_runner import RequestRunner
 from pdserve.router.shared_load import load_board_for
 from pdserve.router.spawner import Spawner
-from pdserve.router.traffic import TrafficWindow
+from pdserve.router.traffic import TrafficWindow, outcomes, refused
 from pdserve.router.workers import WorkerHandle
 
 __all__ = ["Accepted", "Router"]
@@ -75,7 +75,8 @@ class Router:
         for worker in workers:
             self.pool.admit(worker)
         self.intake = Intake(tokenizer, model, config.routing.default_slo, clock)
-        self.placer = Placer(self.pool, self.models, config, model, self.metrics, clock)
+        self.placer = Placer(self.pool, self.models, config, model, self.metrics, clock,
+                             on_refused=self._refused)
         # A worker back in service may take what waits (a request moving off a dead one)
         self.pool.on_change.append(self.placer.queue.freed)
         self.directory = directory or directory_for(config.shared, self.router_id)
@@ -196,7 +197,14 @@ class Router:
             self.placer.queue.freed()  # not on every step: waiters would be asked in vain
 
     def _measured(self, flight: Flight, ttft_s: float, tpot_s: float | None) -> None:
-        self.traffic.finished(self.clock.monotonic(), flight.num_output_tokens)
+        now = self.clock.monotonic()
+        self.traffic.finished(now, flight.num_output_tokens)
+        # The planner's attainment: each pool on the term it answers for (a moved
+        # request's latencies are no one placement's).
+        decode, prefill = flight.decode, flight.prefill or flight.decode
+        if not flight.migrations and decode is not None:
+            self.traffic.judged(now, outcomes(prefill.state.role, decode.state.role,
+                                              flight.req.slo, ttft_s, tpot_s))
         decision = flight.predicted
         if not self.config.routing.calibrate or decision is None or flight.migrations:
             return  # a moved request's latencies are no one placement's
@@ -205,6 +213,11 @@ class Router:
             self.clock.monotonic(), self.pool.workers)
         for worker_id, calibration in learned.items():
             self.pool.workers[worker_id].update(calibration=calibration)
+
+    def _refused(self, decision: Reject) -> None:
+        """A request refused for want of capacity: a miss of the pools that lacked it."""
+        roles = {worker.state.role for worker in self.pool.workers.values()}
+        self.traffic.judged(self.clock.monotonic(), refused(decision.kind, roles))
 
     def _left(self, worker: WorkerHandle) -> None:
         self.metrics.forget_worker(worker.worker_id)

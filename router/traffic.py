@@ -13,7 +13,13 @@ which that series best matches itself (Pearson's r over the overlap, at least
 period's course from one period ago on, and the planner reads the rate ahead on it
 (`Traffic.ahead`). A ramp matches itself at every lag, and its course, shifted by
 how far now differs from one period ago, continues it in a straight line, as the
-trend would. Pure: time is passed in."""
+trend would.
+
+It also keeps what the planner is judged on: whether each request that ended over
+the last `recent_s` met its SLOs, charged to the pools that answer for it (`outcomes`:
+the pool that computed its prompt for the TTFT, the one that decoded it for the TPOT;
+`refused`: a request refused for want of capacity missed in the pools it lacked).
+Pure: time is passed in."""
 from __future__ import annotations
 
 from collections import deque
@@ -21,6 +27,7 @@ from collections import deque
 import numpy as np
 
 from pdserve.router.planner import Traffic
+from pdserve.router.slo import Slo
 
 
 class TrafficWindow:
@@ -40,6 +47,7 @@ class TrafficWindow:
         self._min_lag, self._lead = round(min_period_s / bin_s), max(round(recent_s / bin_s), 1)
         self._arrivals: deque = deque()  # (time, prompt tokens)
         self._finished: deque = deque()  # (time, output tokens)
+        self._judged: deque = deque()  # (time, pool role, met its SLO there)
         self._since: float | None = None  # the first arrival: a young window is shorter
         # Arrivals per bin over the history, the last bin filling (it ends at _bin_end).
         self._bins: deque[int] = deque(maxlen=max(round(history_s / bin_s), 2))
@@ -69,9 +77,17 @@ class TrafficWindow:
         self._finished.append((now, output_tokens))
         _age_out(self._finished, now - self.window_s)
 
+    def judged(self, now: float, outcomes: tuple[tuple[str, bool], ...]) -> None:
+        """Per pool, whether a request that ended (finished, or refused for want of
+        capacity) met its SLO there: `outcomes`, `refused`."""
+        self._judged.extend((now, role, met) for role, met in outcomes)
+        _age_out(self._judged, now - self.recent_s)
+
     def traffic(self, now: float) -> Traffic:
         for items in (self._arrivals, self._finished):
             _age_out(items, now - self.window_s)
+        _age_out(self._judged, now - self.recent_s)
+        judged = _attainment(self._judged)
         if self._since is None:
             return Traffic()
         span = min(self.window_s, max(now - self._since, self.window_s / self.buckets))
@@ -89,8 +105,8 @@ class TrafficWindow:
         rates = np.array(list(self._bins)[:-1], dtype=np.float64) / self.bin_s  # whole bins
         lag = period(rates, self._min_lag, self._lead, self.min_correlation)
         if not lag:
-            return Traffic(rate=rate, rate_slope=slope, isl=isl, osl=osl)
-        return Traffic(rate=rate, rate_slope=slope, isl=isl, osl=osl,
+            return Traffic(rate=rate, rate_slope=slope, isl=isl, osl=osl, judged=judged)
+        return Traffic(rate=rate, rate_slope=slope, isl=isl, osl=osl, judged=judged,
                        echo=tuple(float(r) for r in rates[len(rates) - lag - self._lead:]),
                        echo_bin_s=self.bin_s, echo_lead=self._lead,
                        echo_age_s=now - (self._bin_end - self.bin_s))
@@ -111,7 +127,45 @@ def period(rates: np.ndarray, min_lag: int, lead: int, min_correlation: float) -
     return best_lag
 
 
+def outcomes(prompt_role: str, decode_role: str, slo: Slo, ttft_s: float,
+             tpot_s: float | None) -> tuple[tuple[str, bool], ...]:
+    """Per pool, whether a finished request met its SLO there: the TTFT is the pool's
+    that computed its prompt, the TPOT the pool's that decoded it (tpot_s None: one
+    token, nothing to judge); one pool that did both answers for both. Terms without
+    a target judge nothing."""
+    ttft = None if slo.ttft_s is None else ttft_s <= slo.ttft_s
+    tpot = None if slo.tpot_s is None or tpot_s is None else tpot_s <= slo.tpot_s
+    if prompt_role == decode_role:
+        terms = [t for t in (ttft, tpot) if t is not None]
+        return ((prompt_role, all(terms)),) if terms else ()
+    return tuple((role, met) for role, met in ((prompt_role, ttft), (decode_role, tpot))
+                 if met is not None)
+
+
+def refused(kind: str, roles: set[str]) -> tuple[tuple[str, bool], ...]:
+    """A request refused for want of capacity (a Reject's kind) as a miss of the pools
+    present (`roles`) that lacked it: for its TTFT the pools that compute prompts, for
+    its TPOT, the harm to others' or its KV the decoding pools, else every pool."""
+    if kind == "ttft":
+        lacking = {"prefill", "both"}
+    elif kind in ("tpot", "harm", "kv"):
+        lacking = {"decode", "both"}
+    else:
+        lacking = {"prefill", "decode", "both"}
+    return tuple((role, False) for role in sorted(roles & lacking))
+
+
 def _age_out(items: deque, start: float) -> None:
     """Drops what happened before `start` (items are (time, ...), oldest first)."""
     while items and items[0][0] < start:
         items.popleft()
+
+
+def _attainment(judged) -> tuple[tuple[str, int, int], ...]:
+    """(role, met, judged) per pool, by role."""
+    counts: dict[str, list[int]] = {}
+    for _, role, met in judged:
+        count = counts.setdefault(role, [0, 0])
+        count[0] += met
+        count[1] += 1
+    return tuple((role, met, total) for role, (met, total) in sorted(counts.items()))

@@ -349,3 +349,21 @@ def test_a_worker_asked_for_is_not_given_up_before_it_could_serve_and_show_its_w
     seen, _, out = ticks(coming, n=12, cfg=cfg, state=state, start=15.0)
     removed = [(15.0 + 5 * i, a.worker_id) for i, actions in enumerate(seen) for a in actions]
     assert removed == [(55.0, "p1")], removed
+
+
+def test_a_pool_whose_requests_miss_their_slos_is_not_shrunk():
+    """The light decode pool of the shrink test above, whose forecasts would give a
+    worker up, while 10 of its last 30 requests missed their SLOs (the forecasts are
+    sized at the SLO's mean): it holds. Once they meet the target, or too few ended
+    to read, it shrinks as before."""
+    light = [view("p0", "prefill"), view("d0", "decode", seqs=5), view("d1", "decode", seqs=4)]
+    missing = Traffic(rate=0.5, isl=100, osl=100, judged=(("decode", 20, 30),
+                                                          ("prefill", 30, 30)))
+    seen, _, out = ticks(light, traffic=missing, n=10)
+    assert not any(seen) and out.signals["decode"].spare == ""
+    assert out.signals["decode"].keep < 2  # the forecasts alone would give one up
+    assert (out.signals["decode"].met, out.signals["decode"].judged) == (20, 30)
+    for judged in ((("decode", 27, 30),), (("decode", 5, 19),)):
+        seen, _, _ = ticks(light, traffic=replace(missing, judged=judged), n=4)
+        remove, = seen[3]
+        assert (remove.kind, remove.role, remove.cause) == ("remove", "decode", "spare")

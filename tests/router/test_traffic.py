@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from pdserve.router.traffic import TrafficWindow
+from pdserve.router.slo import Slo
+from pdserve.router.traffic import TrafficWindow, outcomes, refused
 
 
 def test_a_steady_rate_is_read_with_no_trend_and_the_mean_lengths():
@@ -107,6 +108,38 @@ def test_bad_settings_are_refused(bad):
         TrafficWindow(**bad)
 
 
+def test_each_pool_answers_for_the_slo_term_it_served():
+    slo = Slo(ttft_s=0.5, tpot_s=0.05)
+    # Disaggregated: the prefill pool on the TTFT, the decode pool on the TPOT.
+    assert outcomes("prefill", "decode", slo, 0.6, 0.04) == (("prefill", False),
+                                                              ("decode", True))
+    # One pool did both: met only if both are.
+    assert outcomes("both", "both", slo, 0.4, 0.06) == (("both", False),)
+    assert outcomes("both", "both", slo, 0.4, 0.04) == (("both", True),)
+    # One token: no TPOT to judge; no targets: nothing to judge.
+    assert outcomes("both", "both", slo, 0.4, None) == (("both", True),)
+    assert outcomes("prefill", "decode", Slo(ttft_s=0.5), 0.6, 0.5) == (("prefill", False),)
+    assert outcomes("both", "both", Slo(), 9.0, 9.0) == ()
+    # Refused for want of capacity: a miss of the pools present that lacked it.
+    assert refused("ttft", {"prefill", "decode"}) == (("prefill", False),)
+    assert refused("kv", {"prefill", "decode"}) == (("decode", False),)
+    assert refused("harm", {"both"}) == (("both", False),)
+    assert refused("overloaded", {"prefill", "decode"}) == (("decode", False),
+                                                            ("prefill", False))
+
+
+def test_attainment_is_read_per_pool_over_the_last_seconds():
+    window = TrafficWindow(recent_s=10.0)
+    window.arrived(0.0, 100)
+    for i in range(40):  # every 0.5 s for 20 s, the decode pool missing every other one
+        window.judged(i * 0.5, (("prefill", True), ("decode", i % 2 == 0)))
+    traffic = window.traffic(20.0)
+    assert traffic.attainment("prefill") == (20, 20)  # 10 s back: from t = 10 on
+    assert traffic.attainment("decode") == (10, 20)
+    assert traffic.attainment("both") == (0, 0)
+    assert window.traffic(40.0).attainment("decode") == (0, 0)  # aged out
+
+
 def test_a_window_no_planner_reads_holds_only_its_window():
     """The router counts every request whether or not a planner reads the window
     (without --autoscale none does): what it keeps must age out as it records."""
@@ -114,5 +147,6 @@ def test_a_window_no_planner_reads_holds_only_its_window():
     for i in range(100_000):  # 10 req/s for 10,000 s
         window.arrived(i / 10, 100)
         window.finished(i / 10, 40)
-    kept = [len(window._arrivals), len(window._finished)]
-    assert kept[0] <= 301 and kept[1] <= 301, kept
+        window.judged(i / 10, (("both", True),))
+    kept = [len(window._arrivals), len(window._finished), len(window._judged)]
+    assert kept[0] <= 301 and kept[1] <= 301 and kept[2] <= 101, kept

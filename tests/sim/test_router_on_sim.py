@@ -101,15 +101,23 @@ def test_refusals_are_typed_and_leave_nothing_held():
             for i in range(12)], return_exceptions=True)
         await asyncio.sleep(1.0)
         free = _all_free(cluster)
+        traffic = router.traffic.traffic(router.clock.monotonic())
         await cluster.stop()
-        return never.value, burst, free, router.num_inflight
-    never, burst, free, inflight = virtual_time.run(scenario())
+        return never.value, burst, free, router.num_inflight, traffic
+    never, burst, free, inflight, traffic = virtual_time.run(scenario())
     assert never.field == "max_tokens" and "KV blocks" in str(never)
     refused = [r for r in burst if isinstance(r, OverloadedError)]
     served = [r for r in burst if isinstance(r, tuple)]
     assert refused and served and len(refused) + len(served) == len(burst)
     assert all(len(tokens) == 16 for tokens, _ in served)
     assert free and inflight == 0
+    # What the planner reads: each served request judged by the prefill pool on its
+    # TTFT (the decode pool's TPOT has no target here), each refused one (no worker
+    # had room) a miss of both pools; the 400 is no one's.
+    assert {str(r) for r in refused} == {"no worker can take this request now"}
+    (met_p, judged_p), (met_d, judged_d) = (traffic.attainment(r) for r in ("prefill", "decode"))
+    assert (judged_p, judged_d) == (len(served) + len(refused), len(refused))
+    assert judged_p - met_p >= len(refused) and met_d == 0
 
 
 def test_requests_waiting_for_capacity_are_placed_in_deadline_order():
