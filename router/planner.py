@@ -15,16 +15,10 @@ either). For each pool, from its serving workers past their cold start:
            and its recent requests met their SLOs at least as often as
            attainment_target (what the forecasts call spare, the outcome may not be:
            they are sized at the SLO's mean)
-    demand the arrival rate, extrapolated over a new worker's start-up time, sized
-           with the pool's step cost: prefill workers kept as busy as a queue of
-           random arrivals allows within the TTFT SLO, decode workers at steps of the
-           TPOT SLO, colocated workers at steps of the TPOT SLO that each carry the
-           decodes and a chunk of the arriving prompts (one step overhead for both);
-           a floor that scales ahead of a rising load (ISL: prompt tokens not cached;
-           decode context ISL + OSL/2); decoding pools also hold their decodes'
-           KV within KV_FULL of each (as many decode at once as the rate times OSL
-           steps, each holding what one holds now). Growth reads it at the SLO,
-           shrinking at margin x SLO: the band between them is where a pool holds
+    demand the workers the arrival rate a start-up ahead needs (planner_demand.py:
+           sized with the pool's measured step cost; ISL: prompt tokens not cached,
+           decode context ISL + OSL/2). Growth reads it at the SLO, shrinking at
+           margin x SLO: the band between them is where a pool holds
 
 A signal acts once it held for `sustain` ticks in a row (shrinking: `down_sustain`).
 A short pool takes a worker flipped from a pool that can spare one (its weights stay
@@ -44,17 +38,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from pdserve.engine.latency_forecast import (
-    WorkerLoad,
-    decode_step_seconds,
-    prompt_compute_seconds,
-    tpot_seconds,
-    ttft_seconds,
-)
+from pdserve.engine.latency_forecast import WorkerLoad, tpot_seconds, ttft_seconds
 from pdserve.engine.latency_model import StepCost
+from pdserve.router.planner_demand import KV_FULL, need, worst_cost
 from pdserve.router.slo import Slo
-
-KV_FULL = 0.95  # a decode worker this full cannot take the next request's KV
 
 
 @dataclass(frozen=True)
@@ -300,11 +287,11 @@ def _signal(role: str, obs: Observation, config: PlannerConfig) -> PoolSignal:
     # does not run ahead of a falling load (a worker drains at once, and a rise back
     # would wait a start-up), so it reads the larger of now and ahead.
     ahead = _rate_ahead(obs, config)
-    demand = math.ceil(_need(role, warm, obs, ahead, 1.0) - 1e-9)
-    keep = math.ceil(_need(role, warm, obs, max(ahead, obs.traffic.rate), config.margin)
-                     - 1e-9)
-    short, cause = _short(role, warm, obs, config), "miss"
     t = obs.traffic
+    demand = math.ceil(need(role, warm, obs.slo, t.isl, t.osl, ahead, 1.0) - 1e-9)
+    keep = math.ceil(need(role, warm, obs.slo, t.isl, t.osl, max(ahead, t.rate),
+                          config.margin) - 1e-9)
+    short, cause = _short(role, warm, obs, config), "miss"
     if not short and demand > len(members):
         short, cause = (f"the demand needs {demand} workers, it has {len(members)} "
                         f"({ahead:.1f} req/s a start-up ahead, now "
@@ -358,7 +345,7 @@ def _spare(role: str, warm: list[WorkerView], members: list[WorkerView], obs: Ob
     spread = _spread(load, left)
     t, slo, m = obs.traffic, obs.slo, config.margin
     isl, osl = max(int(t.isl), 1), max(int(t.osl), 1)
-    cost = _worst_cost(warm)
+    cost = worst_cost(warm)
     terms = []
     if role in ("prefill", "both") and slo.ttft_s is not None:
         ttft = ttft_seconds(cost, spread, isl)
@@ -377,56 +364,6 @@ def _spare(role: str, warm: list[WorkerView], members: list[WorkerView], obs: Ob
            f"(within {m:g} x SLO)"
 
 
-def _need(role: str, warm: list[WorkerView], obs: Observation, rate: float,
-          margin: float) -> float:
-    """Workers (a fraction) `rate` requests a second need with every worker kept
-    within margin x SLO, and (decoding roles) their KV within margin x KV_FULL; 0
-    when unknown (no measured worker, no traffic figures)."""
-    t = obs.traffic
-    if not warm or t.isl <= 0 or t.osl <= 0 or rate == 0:
-        return 0.0
-    cost, isl, osl = _worst_cost(warm), t.isl, t.osl
-    # A worker's share of time per prompt: its compute, plus the steps it spans.
-    prompt_s = prompt_compute_seconds(cost, int(isl))
-    per_prompt_s = prompt_s + cost.base_s * math.ceil(isl / WorkerLoad().token_budget)
-    prefill = rate * per_prompt_s / _busy_share(per_prompt_s, obs.slo.ttft_s, margin)
-    if role == "prefill":
-        return prefill
-    kv = _kv_need(warm, rate, osl, margin)
-    if obs.slo.tpot_s is None:  # decode sized on misses and KV alone
-        return max(prefill if role == "both" else 0.0, kv)
-    step_s = margin * obs.slo.tpot_s  # the longest step the TPOT SLO allows, at the margin
-    per_seq = cost.decode_seq_s + cost.decode_context_s * (isl + osl / 2)
-    if step_s <= cost.base_s:  # no number of workers meets it: sized on misses
-        return max(prefill if role == "both" else 0.0, kv)
-    if role == "decode":
-        if per_seq <= 0:  # a decode costs its step nothing: any batch fits one worker
-            return kv
-        seqs_per_worker = max((step_s - cost.base_s) / per_seq, 1.0)
-        # Little: requests decoding at once = rate x their time decoding.
-        return max(rate * osl * step_s / seqs_per_worker, kv)
-    # Colocated: every step carries the running decodes and a chunk of the prompts
-    # arriving; at steps of step_s a worker has step_s - base_s of each for them, so
-    # r requests a second need r x (prompt + osl decode steps' worth) / (1 - base/step)
-    # workers (one base a step, not one for prompts and one for decodes); and at least
-    # what its prompts alone need against the TTFT SLO.
-    work_s = prompt_s + per_seq * osl
-    return max(rate * work_s / (1 - cost.base_s / step_s), prefill, kv)
-
-
-def _kv_need(warm: list[WorkerView], rate: float, osl: float, margin: float) -> float:
-    """Workers whose KV the decodes at `rate` fill to margin x KV_FULL: as many decode
-    at once as arrive a second times how long each decodes (Little: OSL steps at the
-    warm workers' mean step now), each holding the share of a worker's KV that a
-    request decoding there holds now. 0 when none decodes (nothing to read)."""
-    seqs = sum(w.load.decode_seqs for w in warm)
-    if not seqs:
-        return 0.0
-    per_seq = sum(w.kv_used for w in warm) / seqs
-    step = sum(decode_step_seconds(w.cost, w.load) for w in warm) / len(warm)
-    return rate * osl * step * per_seq / (margin * KV_FULL)
-
-
 def _rate_ahead(obs: Observation, config: PlannerConfig) -> float:
     """The arrival rate (on the last period's course, or the recent trend) when a
     worker asked for on this signal would serve: once the signal has held (sustain -
@@ -438,19 +375,6 @@ def _startup(obs: Observation, config: PlannerConfig) -> float:
     """How long a worker asked for now takes to serve: as the last ones took, or the
     configured guess before any did."""
     return config.startup_s if obs.startup_s is None else obs.startup_s
-
-
-def _busy_share(service_s: float, ttft_s: float | None, margin: float) -> float:
-    """How busy a prefill worker may be kept and still meet margin x the TTFT SLO:
-    arrivals at random, prompts of one length (M/D/1), a prompt waits on average
-    rho S / 2(1 - rho) before its own S; so rho <= 2B / (S + 2B), B = margin x SLO - S.
-    At most 0.95 (the queue grows without bound at 1); without a TTFT SLO, margin."""
-    if ttft_s is None:
-        return margin
-    slack = margin * ttft_s - service_s
-    if slack <= 0:
-        return 0.5  # the SLO barely fits one prompt alone: keep the queue short
-    return min(2 * slack / (service_s + 2 * slack), 0.95)
 
 
 def _victim(obs: Observation, role: str, taken: set[str]) -> str | None:
@@ -499,9 +423,3 @@ def _spread(load: WorkerLoad, n: int) -> WorkerLoad:
                    queued_requests=math.ceil(load.queued_requests / n),
                    decode_seqs=math.ceil(load.decode_seqs / n),
                    decode_context=math.ceil(load.decode_context / n))
-
-
-def _worst_cost(workers: list[WorkerView]) -> StepCost:
-    """The slowest measured step among them (its base plus a mid-sized prompt)."""
-    return max((w.cost for w in workers),
-               key=lambda c: c.base_s + 512 * c.prefill_token_s + 32 * c.decode_seq_s)
