@@ -35,7 +35,7 @@ _STATE = operator.attrgetter("state")  # a worker handle's state
 class Placer:
     def __init__(self, pool: Pool, models: ClusterModels, config: RouterConfig,
                  model: ModelInfo, metrics: RouterMetrics, clock: Clock,
-                 on_refused: Callable[[Reject], None] = lambda decision: None):
+                 on_refused: Callable[[Reject], None]):
         """on_refused(decision): a request answered 429 (the planner counts it)."""
         self.pool, self.models, self.config = pool, models, config
         self.model, self.metrics, self.clock = model, metrics, clock
