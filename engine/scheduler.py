@@ -214,12 +214,10 @@ class Scheduler:
         check_stop inlined, the rest only for requests completing a block or stopping
         (a 16-token block: one step in 16 per request)."""
         bs = self.block_manager.block_size
-        running = RequestStatus.RUNNING
-        events, generated = [], len(requests)
+        if self.running != requests:  # changed since schedule(): one finished, or joined
+            requests = [r for r in requests if r.status is RequestStatus.RUNNING]
+        events = []
         for request in requests:
-            if request.status is not running:
-                generated -= 1  # finished between schedule and update
-                continue
             token = sampled[request.request_id]
             request.output_token_ids.append(token)
             computed = request.num_computed_tokens = request.num_computed_tokens + 1
@@ -228,7 +226,7 @@ class Scheduler:
                     and token not in request.stop_token_set:
                 continue
             events.append(request)
-        self.stats.generation_tokens += generated
+        self.stats.generation_tokens += len(requests)
         finished, short = [], self._short
         self.block_manager.cache_decoded_blocks(
             [r for r in events if not r.num_computed_tokens % bs])

@@ -214,6 +214,9 @@ def _replay(seed: int, steady_path: bool, policy: str, prioritize_prefill: bool,
                               FinishReason.ABORT)
         out = s.schedule()
         steady_steps += out.steady
+        if out.requests and rng.random() < 0.05:  # an abort while the step runs
+            s.finish_requests([rng.choice(sorted(r.request_id for r in out.requests))],
+                              FinishReason.ABORT)
         # The "model": a token that depends only on the request and its position
         # (crc32, not hash(): the same tokens in every process).
         result = ModelRunnerOutput({
