@@ -72,15 +72,22 @@ def tpot_seconds(cost: StepCost, load: WorkerLoad, prompt_tokens: int,
     """Mean time per output token of a request joining the decode batch now: a step
     of the batch with it (its context at mid-generation), plus the prompt work queued
     there, which the steps carrying its decode compute too, spread over its output;
-    all stretched by the prompts still to arrive while it decodes, at the worker's
-    recent prompt share s (of every second, s goes to them: 1 / (1 - s)). With
-    speculative decoding a step gives it cost.decode_yield tokens."""
+    all stretched by the prompts still to arrive while it decodes
+    (with_prompts_to_come). With speculative decoding a step gives it
+    cost.decode_yield tokens."""
     joined = WorkerLoad(decode_seqs=load.decode_seqs + 1,
                         decode_context=load.decode_context + prompt_tokens + max_tokens // 2)
     stall = queue_compute_seconds(cost, load)
     own = (decode_step_seconds(cost, joined) / max(cost.decode_yield, 1.0)
            + stall / max(1, max_tokens - 1))
-    return own / (1.0 - min(max(load.prompt_share, 0.0), _MAX_PROMPT_SHARE))
+    return with_prompts_to_come(own, load)
+
+
+def with_prompts_to_come(seconds: float, load: WorkerLoad) -> float:
+    """A decode's seconds per token stretched by the prompts still to arrive while it
+    runs, at the worker's recent prompt share s (of every second, s goes to them:
+    1 / (1 - s))."""
+    return seconds / (1.0 - min(max(load.prompt_share, 0.0), _MAX_PROMPT_SHARE))
 
 
 def joining_slowdown(cost: StepCost, prompt_tokens: int) -> float:

@@ -34,9 +34,10 @@ _FIELDS = (("priority", np.int64), ("tpot", np.float64), ("max_tokens", np.int64
 
 class BudgetRows:
     """One row per request with a TPOT SLO, in the order they joined (rows of those
-    that left are dropped now and then, the order kept). A request counts once it
-    has its first token: by when it must have generated all it expects (the mean
-    over its output; it expects max_tokens) and how many tokens it has left."""
+    that left are dropped now and then, the order kept). A request counts from
+    when it joins: by when it must have generated all it expects (the mean over
+    its output; it expects max_tokens), or before its first token, how long it may
+    take once that comes; and how many tokens it has left."""
 
     def __init__(self, capacity: int = 8) -> None:
         self._row: dict[int, int] = {}  # id(request) -> its row
@@ -45,9 +46,9 @@ class BudgetRows:
         self._n = 0  # rows in use, those of requests that left included
         for name, dtype in _FIELDS:
             setattr(self, f"_{name}", np.zeros(capacity, dtype=dtype))
-        # (priority, deadline, remaining) of the counted rows, as the last read left
-        # them; None: a request joined, left or was sent tokens since
-        self._counted: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        # _count() as the last read left it; None: a request joined, left or was
+        # sent tokens since
+        self._counted: tuple[np.ndarray, ...] | None = None
 
     def __len__(self) -> int:
         return len(self._row)
@@ -94,27 +95,31 @@ class BudgetRows:
             self._first_came(i)
         if self._counted is None:
             self._counted = self._count()
-        priority, deadline, remaining = self._counted
+        priority, deadline, remaining, allowed = self._counted
         if not len(remaining):
             return NO_BUDGETS
-        return TpotBudgets(priority=priority, remaining=remaining,
-                           allowance_s=(deadline - now) / remaining)
+        allowance = (deadline - now) / remaining
+        waiting = np.isnan(deadline)  # no first token: its whole allowance ahead
+        num_waiting = int(np.count_nonzero(waiting))
+        if num_waiting:
+            allowance[waiting] = allowed[waiting] / remaining[waiting]
+        return TpotBudgets(priority=priority, remaining=remaining, allowance_s=allowance,
+                           num_waiting=num_waiting)
 
-    def _count(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(priority, deadline, remaining) of the requests counted. Only priority
-        may be a view (a slice of its column, when every row counts): a row's
-        priority is written once, when it joins, past the rows counted here, and
-        compacting makes new columns. deadline and remaining are new arrays."""
+    def _count(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(priority, deadline, remaining, allowed) of the live requests: allowed is
+        the time its output may take after its first token, and deadline when that
+        ends (NaN before its first token). Only priority may be a view (a slice of
+        its column, when every row is live): a row's priority is written once, when
+        it joins, past the rows counted here, and compacting makes new columns. The
+        others are new arrays."""
         n = self._n
-        counted = self._live[:n] & ~np.isnan(self._first[:n])
-        if counted.all():
-            take = slice(0, n)
-        else:
-            take = np.flatnonzero(counted)
+        live = self._live[:n]
+        take = slice(0, n) if live.all() else np.flatnonzero(live)
         done = self._done[take]
         total = np.maximum(self._max_tokens[take], done + 1)
-        deadline = self._first[take] + self._tpot[take] * (total - 1)
-        return self._priority[take], deadline, total - done
+        allowed = self._tpot[take] * (total - 1)
+        return self._priority[take], self._first[take] + allowed, total - done, allowed
 
     def _first_came(self, i: int) -> None:
         first = self._requests[i].first_token_at

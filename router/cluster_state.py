@@ -28,14 +28,16 @@ if TYPE_CHECKING:  # it reads WorkerState
 
 @dataclass(frozen=True, eq=False)
 class TpotBudgets:
-    """The TPOT SLOs of this router's requests running on one decode worker, as they
+    """The TPOT SLOs of this router's requests placed to decode on one worker, as they
     stand now: one entry per request, in arrays (a worker may run hundreds, and a
-    decision reads a dozen workers')."""
+    decision reads a dozen workers'). Those still waiting for their first token
+    count as if it came now: their whole allowance is ahead."""
     priority: np.ndarray  # each request's; lower runs first
-    # How long each of its remaining steps may take and still meet its SLO: its slack
-    # is this less its worker's decode step now (< 0: missed already).
+    # How long each of its remaining steps may take and still meet its SLO (on track
+    # while it covers its worker's step as the goodput policy expects it).
     allowance_s: np.ndarray
     remaining: np.ndarray  # tokens it may still generate
+    num_waiting: int = 0  # of them, those without a first token (not in its batch yet)
 
     @classmethod
     def of(cls, rows: Iterable[tuple[int, float, int]]) -> "TpotBudgets":

@@ -10,16 +10,21 @@ decodes. For each, from the workers' fitted step costs and loads:
             chunks, each step carrying P's running decodes
             (+ for a pair: the exposed KV transfer of the blocks D does not hold)
     TPOT  = a step of D's decode batch with this request in it, plus the prompt work
-            queued on D spread over this request's output
+            queued on D spread over this request's output, stretched by the
+            prompts still to come there (D's recent prompt share)
     harm  = per running request on D: each step longer by the join; on a worker that
             computes the prompt (colocated, or a P in role both): its decodes stall
-            for the prompt's compute, spread over their remaining tokens
+            for the prompt's compute, spread over their remaining tokens. Requests
+            placed there that wait for their first token count as running.
 
 A candidate fits when its TTFT and TPOT meet this request's SLOs and no running
 request of the same or a more important priority that is on track is pushed past
-its TPOT SLO. Among those that fit the cheapest wins: its own latencies as shares
-of its SLOs plus the shares of their SLOs it takes from the others. So colocating
-or disaggregating is decided by comparing forecasts, with no length threshold.
+its TPOT SLO: past what it expects per token without this request (D's step
+stretched by the prompts still to come, and the prompts queued there spread over
+its remaining tokens). Among those that fit the cheapest wins: its
+own latencies as shares of its SLOs plus the shares of their SLOs it takes from the
+others. So colocating or disaggregating is decided by comparing forecasts, with no
+length threshold.
 When none fits: admission "slo" refuses (429) with the predicted time until one
 would (the router waits instead while capacity may still free in time for the
 request's TTFT), admission "always" (and a best-effort request) takes the least
@@ -38,8 +43,10 @@ from pdserve.engine.latency_forecast import (
     decode_step_seconds,
     joining_slowdown,
     prompt_compute_seconds,
+    queue_compute_seconds,
     tpot_seconds,
     ttft_seconds,
+    with_prompts_to_come,
 )
 from pdserve.router.cluster_state import NO_BUDGETS, ClusterState, RequestView, WorkerState
 from pdserve.router.decision import Colocate, Decision, Disaggregate, Reject
@@ -192,27 +199,32 @@ class _Side:
 
     def __init__(self, request: RequestView, state: ClusterState, w: WorkerState):
         self.w, self._request, self._state = w, request, state
-        self._cost, self._load = state.step_cost(w), state.load(w)
+        self._cost, self.load = state.step_cost(w), state.load(w)
         self.cached = request.cached_tokens.get(w.worker_id, 0)
-        self.decode_seqs = self._load.decode_seqs
+        self.decode_seqs = self.load.decode_seqs
         self._harms: dict[tuple[bool, bool], _Harm] = {}
 
     @_once
     def ttft(self) -> float:
         """Computing the prompt here, from now."""
-        return ttft_seconds(self._cost, self._load, self._request.num_prompt_tokens,
+        return ttft_seconds(self._cost, self.load, self._request.num_prompt_tokens,
                             self.cached)
 
     @_once
     def tpot(self) -> float:
         """Decoding it here."""
         r = self._request
-        return tpot_seconds(self._cost, self._load, r.num_prompt_tokens, r.max_tokens)
+        return tpot_seconds(self._cost, self.load, r.num_prompt_tokens, r.max_tokens)
 
     @_once
     def step(self) -> float:
         """Its decode batch's step now."""
-        return decode_step_seconds(self._cost, self._load)
+        return decode_step_seconds(self._cost, self.load)
+
+    @_once
+    def queued_stall(self) -> float:
+        """What the prompts queued here add to its decodes' steps, in all."""
+        return queue_compute_seconds(self._cost, self.load)
 
     @_once
     def budgets(self):
@@ -296,11 +308,18 @@ class _Harm:
             added = per_step_s + stall_s / np.maximum(b.remaining, 1) if stall_s \
                 else per_step_s  # joining a batch, computing nothing: the same for each
             self.cost += float(np.sum(added / np.maximum(b.allowance_s, 1e-6)))
-            slack = b.allowance_s - side.step
-            broken = (slack >= 0) & (added > slack) & (b.priority <= request.priority)
+            # Their time per token from now on without this request: a step stretched
+            # by the prompts still to come, and the prompts queued there once, spread
+            # over what they have left.
+            step = with_prompts_to_come(side.step, side.load)
+            expected = step + side.queued_stall / np.maximum(b.remaining, 1)
+            on_track = b.allowance_s >= step
+            broken = on_track & (expected + added > b.allowance_s) \
+                & (b.priority <= request.priority)
             if broken.any():
                 self.breaks_until = float(b.remaining[broken].max()) * side.step
-        others = max(side.decode_seqs - len(b), 0)  # best effort, or another router's
+        # best effort, or another router's (those waiting here are not in its batch)
+        others = max(side.decode_seqs - (len(b) - b.num_waiting), 0)
         if others:
             self.cost += others * (per_step_s + stall_s / max(request.max_tokens, 1)) \
                 / _REFERENCE_TPOT_S

@@ -142,6 +142,32 @@ def test_an_admission_that_would_push_running_requests_past_their_tpot_is_reject
     assert decide(request(100, slo=Slo()), state(e, slack=slack)) == Colocate("e")
 
 
+def test_prompts_already_queued_on_a_worker_count_against_its_decodes_slack():
+    # Alone, 100 tokens take e's 8 decodes 10 ms over their 20 remaining (0.5 ms) + 1
+    # ms join: inside their 3 ms of slack. Behind two queued prompts of 200 tokens
+    # (20 ms each, 2 ms a token over 20), they would lose 3.5 ms: past it. Each
+    # prompt judged alone used to pass, and prompts piled onto decoding workers.
+    slack = {"e": on_track(8, slack_s=0.003, remaining=20)}
+    idle_queue = worker("e", "both", running=8)
+    assert decide(request(100), state(idle_queue, slack=slack)) == Colocate("e")
+    queued = worker("e", "both", running=8, waiting_tokens=400, waiting=2)
+    decision = decide(request(100), state(queued, slack=slack))
+    assert isinstance(decision, Reject) and decision.kind == "harm"
+
+
+def test_prompts_still_to_come_stretch_the_steps_a_running_decode_expects():
+    # e's step is 18 ms; having spent half its recent time on prompts, its decodes
+    # expect 36 ms a token from now on. With 19 ms of slack over the 18 ms step
+    # (37 ms a token allowed), the 1.5 ms this prompt takes from them breaks them
+    # there, not where no prompts come.
+    slack = {"e": on_track(8, slack_s=0.019, remaining=20)}
+    calm = worker("e", "both", running=8)
+    assert decide(request(100), state(calm, slack=slack)) == Colocate("e")
+    busy = worker("e", "both", running=8, prompt_share=0.5)
+    decision = decide(request(100), state(busy, slack=slack))
+    assert isinstance(decision, Reject) and decision.kind == "harm"
+
+
 def test_a_more_important_request_may_take_less_important_headroom():
     e = worker("e", "both", running=8)
     slack = {"e": on_track(8, slack_s=0.0005, remaining=40, priority=5)}

@@ -44,14 +44,16 @@ def budgets_at(held: dict, wall_now: float):
 
 
 def by_the_rule(requests, now: float):
-    """(priority, allowance, remaining) of each request counted, in the order held."""
+    """(priority, allowance, remaining) of each request with a TPOT SLO, in the order
+    held: one without its first token yet has all its allowance ahead."""
     rows = []
     for r in requests:
-        if r.tpot_slo_s is None or r.first_token_at is None:
+        if r.tpot_slo_s is None:
             continue
         n = r.num_output_tokens
         total = max(r.max_tokens, n + 1)
-        deadline = r.first_token_at + r.tpot_slo_s * (total - 1)
+        start = now if r.first_token_at is None else r.first_token_at
+        deadline = start + r.tpot_slo_s * (total - 1)
         rows.append((r.priority, (deadline - now) / (total - n), total - n))
     return rows
 
@@ -60,22 +62,26 @@ def test_a_budget_spreads_what_is_left_of_the_slo_over_the_remaining_tokens():
     held = {"d0": Held().hold(Running(), Running(tpot_slo_s=None),
                               Running(first_token_at=None), Running(priority=2))}
     b = budgets_at(held, wall_now=100.2)["d0"]
-    # 10 more tokens by 100 + 0.05 x 10; 0.3 s left for them: 0.03 s a step
-    assert list(b.remaining) == [10, 10] and list(b.priority) == [0, 2]
-    assert b.allowance_s == pytest.approx([0.03, 0.03])
+    # 10 more tokens by 100 + 0.05 x 10; 0.3 s left for them: 0.03 s a step. The one
+    # waiting for its first token (placed, not yet in the worker's batch) may take
+    # 0.05 x 10 once it comes: 0.05 s a step.
+    assert list(b.remaining) == [10, 10, 10] and list(b.priority) == [0, 0, 2]
+    assert b.allowance_s == pytest.approx([0.03, 0.05, 0.03])
+    assert b.num_waiting == 1
 
 
 def test_budgets_follow_the_clock_and_the_tokens_sent():
     request, waiting = Running(), Running(first_token_at=None)
     held = {"d0": Held().hold(request, waiting)}
-    assert budgets_at(held, 100.2)["d0"].allowance_s == pytest.approx([0.03])
-    assert budgets_at(held, 100.3)["d0"].allowance_s == pytest.approx([0.02])
+    assert budgets_at(held, 100.2)["d0"].allowance_s == pytest.approx([0.03, 0.05])
+    assert budgets_at(held, 100.3)["d0"].allowance_s == pytest.approx([0.02, 0.05])
     request.num_output_tokens = 6
     held["d0"].budget_rows.progressed(request)  # WorkerHandle.progressed
     b = budgets_at(held, 100.3)["d0"]
-    assert list(b.remaining) == [5] and b.allowance_s == pytest.approx([0.04])
-    waiting.first_token_at = 100.25  # its first token: it counts from then on
-    assert list(budgets_at(held, 100.3)["d0"].remaining) == [5, 10]
+    assert list(b.remaining) == [5, 10] and b.allowance_s == pytest.approx([0.04, 0.05])
+    waiting.first_token_at = 100.25  # its first token: its deadline runs from then on
+    b = budgets_at(held, 100.3)["d0"]
+    assert b.allowance_s == pytest.approx([0.04, 0.045]) and b.num_waiting == 0
     held["d0"].budget_rows.leave(request)
     assert list(budgets_at(held, 100.3)["d0"].remaining) == [10]
 
@@ -115,8 +121,11 @@ def test_the_rows_follow_the_rule_as_requests_join_leave_and_get_tokens(seed):
             now = 100.0 + step * 1e-3
             b, expected = rows.at(now), by_the_rule(held, now)
             assert len(rows) == sum(r.tpot_slo_s is not None for r in held)
-            assert list(zip(b.priority.tolist(), b.allowance_s.tolist(),
-                            b.remaining.tolist())) == expected
+            assert [(p, r) for p, _, r in expected] == list(zip(b.priority.tolist(),
+                                                                b.remaining.tolist()))
+            assert b.allowance_s.tolist() == pytest.approx([a for _, a, _ in expected])
+            assert b.num_waiting == sum(r.tpot_slo_s is not None and r.first_token_at is None
+                                        for r in held)
             checked += bool(expected)
     assert checked > 200
     rows.leave(Running())  # one it never held: nothing happens
