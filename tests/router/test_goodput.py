@@ -155,6 +155,19 @@ def test_prompts_already_queued_on_a_worker_count_against_its_decodes_slack():
     assert isinstance(decision, Reject) and decision.kind == "harm"
 
 
+def test_requests_waiting_for_their_first_token_do_not_hide_the_batch_already_there():
+    # a and b each report 8 decodes (best effort: no budgets of this router). On a,
+    # this router also placed 8 requests still waiting for their first token, with
+    # ample slack: they will join those 8, not be them, so a is the busier. Taken for
+    # the 8 a reports, they hid its batch: a cost only their little harm, b its
+    # batch's, and a won.
+    a, b = worker("a", "both", running=8), worker("b", "both", running=8)
+    base = state(a, b, slack={"a": on_track(8, slack_s=0.5, remaining=20)})
+    waiting = replace(base.budgets["a"], num_waiting=8)
+    decision = decide(request(100), replace(base, budgets={"a": waiting}))
+    assert decision == Colocate("b")
+
+
 def test_prompts_still_to_come_stretch_the_steps_a_running_decode_expects():
     # e's step is 18 ms; having spent half its recent time on prompts, its decodes
     # expect 36 ms a token from now on. With 19 ms of slack over the 18 ms step
