@@ -116,10 +116,12 @@ class BudgetRows:
         n = self._n
         live = self._live[:n]
         take = slice(0, n) if live.all() else np.flatnonzero(live)
-        done = self._done[take]
+        done, first = self._done[take], self._first[take]
         total = np.maximum(self._max_tokens[take], done + 1)
         allowed = self._tpot[take] * (total - 1)
-        return self._priority[take], self._first[take] + allowed, total - done, allowed
+        # Before its first token it will decode all its tokens but that one.
+        remaining = np.maximum(total - np.where(np.isnan(first), np.maximum(done, 1), done), 1)
+        return self._priority[take], first + allowed, remaining, allowed
 
     def _first_came(self, i: int) -> None:
         first = self._requests[i].first_token_at

@@ -52,8 +52,11 @@ def by_the_rule(requests, now: float):
             continue
         n = r.num_output_tokens
         total = max(r.max_tokens, n + 1)
-        start = now if r.first_token_at is None else r.first_token_at
-        deadline = start + r.tpot_slo_s * (total - 1)
+        if r.first_token_at is None:  # all its tokens but the first are decode steps
+            left = max(total - max(n, 1), 1)
+            rows.append((r.priority, r.tpot_slo_s * (total - 1) / left, left))
+            continue
+        deadline = r.first_token_at + r.tpot_slo_s * (total - 1)
         rows.append((r.priority, (deadline - now) / (total - n), total - n))
     return rows
 
@@ -68,6 +71,10 @@ def test_a_budget_spreads_what_is_left_of_the_slo_over_the_remaining_tokens():
     assert list(b.remaining) == [10, 10, 10] and list(b.priority) == [0, 0, 2]
     assert b.allowance_s == pytest.approx([0.03, 0.05, 0.03])
     assert b.num_waiting == 1
+    # Placed, nothing sent yet: its 10 tokens after the first may take 0.05 s each.
+    fresh = budgets_at({"d0": Held().hold(Running(first_token_at=None, num_output_tokens=0))},
+                       wall_now=100.2)["d0"]
+    assert list(fresh.remaining) == [10] and fresh.allowance_s == pytest.approx([0.05])
 
 
 def test_budgets_follow_the_clock_and_the_tokens_sent():
