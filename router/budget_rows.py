@@ -100,11 +100,11 @@ class BudgetRows:
             return NO_BUDGETS
         allowance = (deadline - now) / remaining
         waiting = np.isnan(deadline)  # no first token: its whole allowance ahead
-        num_waiting = int(np.count_nonzero(waiting))
-        if num_waiting:
-            allowance[waiting] = allowed[waiting] / remaining[waiting]
+        if not waiting.any():
+            return TpotBudgets(priority=priority, remaining=remaining, allowance_s=allowance)
+        allowance[waiting] = allowed[waiting] / remaining[waiting]
         return TpotBudgets(priority=priority, remaining=remaining, allowance_s=allowance,
-                           num_waiting=num_waiting)
+                           waiting=waiting)
 
     def _count(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(priority, deadline, remaining, allowed) of the live requests: allowed is

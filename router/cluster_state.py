@@ -37,7 +37,8 @@ class TpotBudgets:
     # while it covers its worker's step as the goodput policy expects it).
     allowance_s: np.ndarray
     remaining: np.ndarray  # tokens it may still generate
-    num_waiting: int = 0  # of them, those without a first token (not in its batch yet)
+    # Each request's: no first token yet (not in its worker's batch yet); None: none.
+    waiting: np.ndarray | None = None
 
     @classmethod
     def of(cls, rows: Iterable[tuple[int, float, int]]) -> "TpotBudgets":
@@ -49,6 +50,10 @@ class TpotBudgets:
 
     def __len__(self) -> int:
         return len(self.remaining)
+
+    @property
+    def num_waiting(self) -> int:
+        return 0 if self.waiting is None else int(np.count_nonzero(self.waiting))
 
 
 NO_BUDGETS = TpotBudgets.of(())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from pdserve.engine.latency_calibration import Calibration
@@ -156,16 +157,15 @@ def test_prompts_already_queued_on_a_worker_count_against_its_decodes_slack():
 
 
 def test_requests_waiting_for_their_first_token_do_not_hide_the_batch_already_there():
-    # a and b each report 8 decodes (best effort: no budgets of this router). On a,
-    # this router also placed 8 requests still waiting for their first token, with
-    # ample slack: they will join those 8, not be them, so a is the busier. Taken for
-    # the 8 a reports, they hid its batch: a cost only their little harm, b its
-    # batch's, and a won.
-    a, b = worker("a", "both", running=8), worker("b", "both", running=8)
-    base = state(a, b, slack={"a": on_track(8, slack_s=0.5, remaining=20)})
-    waiting = replace(base.budgets["a"], num_waiting=8)
-    decision = decide(request(100), replace(base, budgets={"a": waiting}))
-    assert decision == Colocate("b")
+    # a reports 8 decodes and b 9, none of them this router's (best effort). On b,
+    # this router also placed 8 requests still waiting for their first token: they
+    # will join those 9, not be 8 of them. Taken for the batch, they hid it: b's
+    # unknown decodes counted as 1, its harm priced lower than a's 8, and b won.
+    a, b = worker("a", "both", running=8), worker("b", "both", running=9)
+    base = state(a, b, slack={"b": on_track(8, slack_s=0.5, remaining=20)})
+    waiting = replace(base.budgets["b"], waiting=np.ones(8, dtype=bool))
+    decision = decide(request(100), replace(base, budgets={"b": waiting}))
+    assert decision == Colocate("a")
 
 
 def test_prompts_still_to_come_stretch_the_steps_a_running_decode_expects():
