@@ -15,16 +15,17 @@ decodes. For each, from the workers' fitted step costs and loads:
     harm  = per running request on D: each step longer by the join; on a worker that
             computes the prompt (colocated, or a P in role both): its decodes stall
             for the prompt's compute, spread over their remaining tokens. Requests
-            placed there that wait for their first token count as running.
+            placed there still waiting for their first token are protected as
+            running ones, not priced
 
 A candidate fits when its TTFT and TPOT meet this request's SLOs and no running
 request of the same or a more important priority that is on track is pushed past
 its TPOT SLO: past what it expects per token without this request (D's step
 stretched by the prompts still to come, and the prompts queued there spread over
-its remaining tokens). Among those that fit the cheapest wins: its
-own latencies as shares of its SLOs plus the shares of their SLOs it takes from the
-others. So colocating or disaggregating is decided by comparing forecasts, with no
-length threshold.
+its remaining tokens). Among those that fit the cheapest wins: its own latencies
+as shares of its SLOs plus the shares of their SLOs it takes from the others. So
+colocating or disaggregating is decided by comparing forecasts, with no length
+threshold.
 When none fits: admission "slo" refuses (429) with the predicted time until one
 would (the router waits instead while capacity may still free in time for the
 request's TTFT), admission "always" (and a best-effort request) takes the least
