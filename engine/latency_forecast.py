@@ -22,6 +22,9 @@ class WorkerLoad:
     # The share of its recent time spent computing prompts (latency_model.PromptShare):
     # prompts arriving while a request decodes there stretch its steps.
     prompt_share: float = 0.0
+    # The most requests it runs at once (SchedulerConfig.max_num_seqs; 0: unbounded):
+    # while that many run, its scheduler admits no prompt (slots_short).
+    max_seqs: int = 0
 
 
 # Above it the forecast would run away (a worker that only computed prompts lately
@@ -48,6 +51,16 @@ def queue_compute_seconds(cost: StepCost, load: WorkerLoad) -> float:
     each = load.queued_tokens // n if n else 0
     return n * prompt_compute_seconds(cost, each) if n else (
         cost.prefill_token_s * load.queued_tokens)
+
+
+def slots_short(load: WorkerLoad) -> int:
+    """How many of the requests running there must end before a new prompt, behind
+    the queued ones, is admitted: each running request (decoding, computing its
+    prompt, or reserved for KV on its way) and each queued prompt holds a slot of
+    max_seqs. 0: it is admitted as the queue reaches it."""
+    if not load.max_seqs:
+        return 0
+    return max(load.decode_seqs + load.queued_requests + 1 - load.max_seqs, 0)
 
 
 def decode_step_seconds(cost: StepCost, load: WorkerLoad) -> float:

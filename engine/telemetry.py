@@ -23,6 +23,7 @@ def gauges(worker_id: str, role: str, scheduler: Scheduler, now: float) -> dict:
             "free_blocks": blocks.num_free_blocks, "num_blocks": blocks.num_blocks,
             "num_preemptions": stats.num_preemptions,
             "token_budget": scheduler.config.max_num_batched_tokens,
+            "max_num_seqs": scheduler.config.max_num_seqs,
             "spec_num_drafts": stats.spec_decode_num_drafts,
             "spec_num_draft_tokens": stats.spec_decode_num_draft_tokens,
             "spec_num_accepted_tokens": stats.spec_decode_num_accepted_tokens,

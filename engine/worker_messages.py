@@ -191,6 +191,9 @@ class WorkerTelemetry:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # The most requests it runs at once (max_num_seqs): no prompt is admitted while
+    # that many run. 0: unbounded, or unknown.
+    max_num_seqs: int = 0
 
     def merged(self, later: "WorkerTelemetry") -> "WorkerTelemetry":
         """`later`'s gauges with both reports' steps, and their events' net change."""

@@ -137,7 +137,8 @@ class WorkerState:
         return WorkerLoad(queued_tokens=queued_tokens, queued_requests=queued,
                           decode_seqs=seqs, decode_context=context,
                           token_budget=self.telemetry.token_budget or WorkerLoad.token_budget,
-                          prompt_share=self.prompt_share)
+                          prompt_share=self.prompt_share,
+                          max_seqs=self.telemetry.max_num_seqs)
 
     def rough(self) -> tuple[float, float, int]:
         """What shortlists the workers of a large cluster, as last reported, give or
@@ -196,6 +197,10 @@ class ClusterState:
     @property
     def admission(self) -> str:
         return self.config.routing.admission
+
+    @property
+    def ttft_headroom(self) -> float:
+        return self.config.routing.ttft_headroom
 
     @property
     def block_size(self) -> int:

@@ -31,6 +31,11 @@ class RoutingSpec:
     calibrate: bool = option(True, "goodput: scale each worker's forecasts by how far "
                              "they ran from what its finished requests measured (per "
                              "TTFT and TPOT, colocated and split)")
+    ttft_headroom: float = option(0.9, "goodput: place a request only where its forecast "
+                                  "TTFT is within this share of its TTFT SLO (1: the SLO "
+                                  "itself): one placed at the forecast's edge misses about as "
+                                  "often as not, and lengthens the queue of every request "
+                                  "placed behind it", gt=0, le=1)
     max_wait_ms: float | None = option(None, "admission slo: the longest a request refused "
                                        "for want of capacity (KV, or headroom under the "
                                        "running requests' TPOT SLOs) waits for some to "
@@ -55,6 +60,8 @@ class RoutingSpec:
             raise ValueError(f"routing_policy must be one of {POLICIES}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}")
+        if not 0 < self.ttft_headroom <= 1:
+            raise ValueError(f"ttft_headroom must be in (0, 1], got {self.ttft_headroom}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.max_wait_ms is not None and not 0 <= self.max_wait_ms < float("inf"):

@@ -7,8 +7,10 @@ prefills for others (role prefill, or both in adaptive mode) and another that
 decodes. For each, from the workers' fitted step costs and loads:
 
     TTFT  = P's queue ahead + this prompt's uncached tokens, chunked as the scheduler
-            chunks, each step carrying P's running decodes
-            (+ for a pair: the exposed KV transfer of the blocks D does not hold)
+            chunks, each step carrying P's running decodes, and not before a sequence
+            slot frees where max_num_seqs requests run (the scheduler admits no
+            prompt then) (+ for a pair: the exposed KV transfer of the blocks D does
+            not hold)
     TPOT  = a step of D's decode batch with this request in it, plus the prompt work
             queued on D spread over this request's output, stretched by the
             prompts still to come there (D's recent prompt share)
@@ -18,7 +20,9 @@ decodes. For each, from the workers' fitted step costs and loads:
             placed there still waiting for their first token are protected as
             running ones, not priced
 
-A candidate fits when its TTFT and TPOT meet this request's SLOs and no running
+A candidate fits when its TTFT is within the headroom of this request's TTFT SLO
+(RoutingSpec.ttft_headroom: placed at the forecast's edge, a request misses about as
+often as not and lengthens the queue behind it), its TPOT meets its SLO, and no running
 request of the same or a more important priority that is on track is pushed past
 its TPOT SLO: past what it expects per token without this request (D's step
 stretched by the prompts still to come, and the prompts queued there spread over
@@ -45,6 +49,7 @@ from pdserve.engine.latency_forecast import (
     joining_slowdown,
     prompt_compute_seconds,
     queue_compute_seconds,
+    slots_short,
     tpot_seconds,
     ttft_seconds,
     with_prompts_to_come,
@@ -112,7 +117,8 @@ def decide(request: RequestView, state: ClusterState) -> Decision:
 
 
 _REASONS = {
-    "ttft": "no worker can meet this request's TTFT SLO now (best predicted {ttft:.0f} ms)",
+    "ttft": "no worker can meet this request's TTFT SLO now with the headroom a placement "
+            "keeps (best predicted {ttft:.0f} ms)",
     "tpot": "no worker can meet this request's TPOT SLO now (best predicted {tpot:.1f} ms)",
     "harm": "admitting this request would push running requests past their TPOT SLO",
     "kv": "no decode worker has room for this request's KV",
@@ -207,9 +213,29 @@ class _Side:
 
     @_once
     def ttft(self) -> float:
-        """Computing the prompt here, from now."""
-        return ttft_seconds(self._cost, self.load, self._request.num_prompt_tokens,
-                            self.cached)
+        """Computing the prompt here, from now: behind the queued prompts, and not
+        before a slot frees when max_num_seqs requests run here (slot_wait)."""
+        r = self._request
+        queued = ttft_seconds(self._cost, self.load, r.num_prompt_tokens, self.cached)
+        if not self.slot_wait:
+            return queued
+        return max(queued, self.slot_wait + self.idle_ttft)
+
+    @_once
+    def slot_wait(self) -> float:
+        """Until enough of the requests running here have ended for the scheduler to
+        admit the prompt (slots_short): the k-th of this router's timed requests to
+        end, each at its expected pace. inf when more must end than this router
+        knows of (best-effort requests, another router's)."""
+        short = slots_short(self.load)
+        if not short:
+            return 0.0
+        b = self.budgets
+        ends = b.remaining if b.waiting is None else b.remaining[~b.waiting]
+        if short > len(ends):
+            return math.inf
+        pace = with_prompts_to_come(self.step, self.load)
+        return float(np.partition(ends, short - 1)[short - 1]) * pace
 
     @_once
     def tpot(self) -> float:
@@ -358,9 +384,11 @@ def _miss(request: RequestView, state: ClusterState, ttft: float, from_now: floa
     slo = request.slo
     if decodes.kv_short:
         return "kv", state.retry_after_s
-    if not slo.ttft_met(ttft):
+    if not slo.ttft_met(ttft / state.ttft_headroom):
         # a retry arrives afresh: when the queue ahead will have drained that much
-        return "ttft", max(from_now - slo.ttft_s, 0.0)
+        # (unknown when it waits for requests this router does not know of)
+        return "ttft", (max(from_now - slo.ttft_s * state.ttft_headroom, 0.0)
+                        if math.isfinite(from_now) else state.retry_after_s)
     # A one-token request has no TPOT. And one that would decode alone is not refused
     # on its TPOT forecast: nothing could serve it faster, and only measuring it can
     # correct a model that overestimates (an idle worker reports no steps).

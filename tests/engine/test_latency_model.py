@@ -7,9 +7,12 @@ from dataclasses import astuple
 import numpy as np
 import pytest
 
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.latency_forecast import (
     WorkerLoad,
     prompt_pairs,
+    slots_short,
     tpot_seconds,
     ttft_seconds,
 )
@@ -21,7 +24,12 @@ from pdserve.engine.latency_model import (
     TransferCost,
     TransferModel,
 )
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import ModelRunnerOutput
 from pdserve.engine.step_shape import StepShape, StepTiming
+from pdserve.engine.telemetry import report
 
 TRUE = StepCost(base_s=3e-3, prefill_token_s=4e-5, prefill_pair_s=2e-8,
                 decode_seq_s=6e-4, decode_context_s=2e-7)
@@ -147,6 +155,20 @@ def test_ttft_counts_the_queue_the_chunks_and_the_decodes_carried():
     assert ttft_seconds(cost, load, 150) == pytest.approx(5 * 2e-3 + 450 * 1e-5)
     # 128 of those tokens cached: 322 tokens, 4 steps
     assert ttft_seconds(cost, load, 150, cached=128) == pytest.approx(4 * 2e-3 + 322 * 1e-5)
+
+
+def test_a_prompt_waits_for_as_many_requests_to_end_as_it_is_over_max_num_seqs():
+    # every running request and every queued prompt holds a slot
+    assert slots_short(WorkerLoad(decode_seqs=6, queued_requests=1, max_seqs=8)) == 0
+    assert slots_short(WorkerLoad(decode_seqs=8, queued_requests=2, max_seqs=8)) == 3
+    assert slots_short(WorkerLoad(decode_seqs=500, queued_requests=9)) == 0  # unbounded
+    # and the bound is what a worker's telemetry reports of its scheduler
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2), BlockManager(64, 16))
+    for i in range(3):
+        sched.add_request(Request(f"r{i}", list(range(1, 40)), SamplingParams(), 0.0))
+    sched.update(sched.schedule(), ModelRunnerOutput({"r0": 5, "r1": 5}))
+    t = report("w", "both", sched, 0.0, ())
+    assert (t.max_num_seqs, t.running, t.waiting) == (2, 2, 1)
 
 
 def test_tpot_spreads_the_queued_prompts_over_the_output():

@@ -30,19 +30,21 @@ MS = 1e-3
 
 
 def worker(wid, role, running=0, waiting_tokens=0, waiting=0, free=1000,
-           heard_s_ago=0.0, inflight=0, cost=COST, prompt_share=0.0):
+           heard_s_ago=0.0, inflight=0, cost=COST, prompt_share=0.0, max_num_seqs=0):
     t = WorkerTelemetry(wid, role, 0.0, waiting=waiting, waiting_tokens=waiting_tokens,
                         running=running, context_tokens=0, reserved=0, free_blocks=free,
-                        num_blocks=1000, num_preemptions=0, token_budget=2048)
+                        num_blocks=1000, num_preemptions=0, token_budget=2048,
+                        max_num_seqs=max_num_seqs)
     return WorkerState(wid, role, telemetry=t, heard_at=NOW - heard_s_ago, num_blocks=1000,
                        step_cost=cost, inflight=inflight, prompt_share=prompt_share)
 
 
-def state(*workers, adaptive=False, admission="slo", transfer=None, slack=None):
+def state(*workers, adaptive=False, admission="slo", transfer=None, slack=None,
+          headroom=RoutingSpec.ttft_headroom):
     """slack: worker id -> its running requests' (priority, slack_s, remaining), the
     slack counted from that worker's decode step in this state."""
     config = RouterConfig(telemetry_stale_s=5.0, retry_after_s=1.0, adaptive=adaptive,
-                          routing=RoutingSpec(admission=admission))
+                          routing=RoutingSpec(admission=admission, ttft_headroom=headroom))
     base = ClusterState(tuple(workers), NOW, config, ModelInfo("m", 4096, 1000, 16, 1000),
                         transfer=transfer or {})
     by_id = {w.worker_id: w for w in workers}
@@ -194,12 +196,44 @@ def test_requests_already_past_their_slo_do_not_block_admission():
         == Colocate("e")
 
 
+def test_a_ttft_forecast_at_the_slos_edge_is_refused_within_the_headroom():
+    # 4,000 queued tokens + 100 on e: 440 ms, within a 480 ms SLO but not within the
+    # 432 ms its 0.9 headroom leaves: placed only where the headroom is the SLO
+    e = worker("e", "both", waiting_tokens=4000, waiting=2)
+    edge = request(100, slo=Slo(ttft_s=0.48))
+    refused = decide(edge, state(e))
+    assert isinstance(refused, Reject) and refused.kind == "ttft"
+    assert "headroom" in refused.reason and refused.ttft_s == pytest.approx(0.44)
+    assert decide(edge, state(e, headroom=1.0)) == Colocate("e")
+    with pytest.raises(ValueError, match="ttft_headroom"):
+        RoutingSpec(ttft_headroom=0.0)
+
+
+def test_a_prompt_waits_for_a_sequence_slot_where_max_num_seqs_requests_run():
+    # e runs its max_num_seqs (8): its scheduler admits no prompt until one ends. The
+    # first of its requests to end has 30 tokens left, at e's step (10 + 8 x 1 ms):
+    # 540 ms, then the prompt alone (10 ms step + 10 ms): 560 ms, not e's 28 ms.
+    full = worker("e", "both", running=8, max_num_seqs=8)
+    running = {"e": [(0, 0.05, 30)] + [(0, 0.05, 200)] * 7}
+    long_slo = request(100, slo=Slo(ttft_s=1.0, tpot_s=0.05))
+    decision = decide(long_slo, state(full, slack=running))
+    assert decision == Colocate("e") and decision.ttft_s == pytest.approx(0.560)
+    # f has a prompt queue (230 ms) but free slots: it is the one within a 500 ms SLO
+    queued = worker("f", "both", waiting_tokens=2000, waiting=1, max_num_seqs=8)
+    assert decide(request(100), state(full, queued, slack=running)) == Colocate("f")
+    # a slot e frees only when a request this router does not know of ends: unknown,
+    # refused on its TTFT, to retry after the configured interval
+    alone = decide(request(100), state(full, slack={"e": running["e"][:0]}))
+    assert isinstance(alone, Reject) and alone.kind == "ttft" and alone.retry_after_s == 1.0
+
+
 def test_an_impossible_ttft_is_rejected_with_the_predicted_wait():
-    # 4,000 queued tokens + 100: 3 steps (30 ms) + 410 ms = 440 ms against 100 ms
+    # 4,000 queued tokens + 100: 3 steps (30 ms) + 410 ms = 440 ms against the 90 ms
+    # a 100 ms SLO leaves at the default 0.9 headroom: it would fit 350 ms from now
     e = worker("e", "both", waiting_tokens=4000, waiting=2)
     decision = decide(request(100, slo=Slo(ttft_s=0.1)), state(e))
     assert isinstance(decision, Reject) and decision.kind == "ttft"
-    assert decision.retry_after_s == pytest.approx(0.34)
+    assert decision.retry_after_s == pytest.approx(0.35)
 
 
 def test_a_ttft_slo_no_idle_worker_could_meet_is_unattainable_not_a_wait():
@@ -327,17 +361,18 @@ def test_the_decode_side_avoids_a_worker_whose_steps_prompts_keep_stretching():
 
 
 def test_the_time_a_request_already_waited_counts_in_its_ttft():
-    # 100 tokens on idle e: 1 step (10 ms) + 10 ms, after 450 ms waiting for capacity
-    # (a 500 ms TTFT SLO): 470 ms from its arrival, which is what it is measured by.
+    # 100 tokens on idle e: 1 step (10 ms) + 10 ms, after 420 ms waiting for capacity
+    # (a 500 ms TTFT SLO, of which the 0.9 headroom leaves 450 ms): 440 ms from its
+    # arrival, which is what it is measured by.
     s = state(worker("e", "both"))
     waited = RequestView(100, 7, slo=Slo(ttft_s=0.5, tpot_s=0.05), max_tokens=101,
-                         waited_s=0.45)
+                         waited_s=0.42)
     decision = decide(waited, s)
-    assert decision == Colocate("e") and decision.ttft_s == pytest.approx(0.470)
-    # 40 ms more and it would not make it: refused, its Retry-After from a fresh start
-    late = decide(replace(waited, waited_s=0.49), s)
+    assert decision == Colocate("e") and decision.ttft_s == pytest.approx(0.440)
+    # 20 ms more and it would not make it: refused, its Retry-After from a fresh start
+    late = decide(replace(waited, waited_s=0.44), s)
     assert isinstance(late, Reject) and late.kind == "ttft"
-    assert late.ttft_s == pytest.approx(0.510)
+    assert late.ttft_s == pytest.approx(0.460)
     assert late.retry_after_s == 0.05  # the least: afresh, it would fit at once
 
 

@@ -88,9 +88,12 @@ def test_an_abort_ends_the_stream_and_frees_every_block():
 
 def test_refusals_are_typed_and_leave_nothing_held():
     """A request the KV cache can never hold is the worker's 400; under a burst on a
-    small cache with a tight TTFT SLO some are refused (429) and the rest finish."""
+    small cache with a tight TTFT SLO some are refused (429) and the rest finish.
+    Forecasts are held to the SLO itself (no headroom): the refusals here are the KV
+    cache's."""
     async def scenario():
-        cluster = SimCluster(small_profile(num_kv_blocks=40), PoolSpec(1, 1))
+        cluster = SimCluster(small_profile(num_kv_blocks=40), PoolSpec(1, 1),
+                             RouterConfig(routing=RoutingSpec(ttft_headroom=1.0)))
         router = await cluster.start()
         params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
         with pytest.raises(InvalidRequestError) as never:
