@@ -55,6 +55,11 @@ class TpotBudgets:
     def num_waiting(self) -> int:
         return 0 if self.waiting is None else int(np.count_nonzero(self.waiting))
 
+    def in_batch(self, values: np.ndarray) -> np.ndarray:
+        """Of `values` (one per request), those of the requests in the worker's batch
+        now: the ones waiting for their first token left out."""
+        return values if self.waiting is None else values[~self.waiting]
+
 
 NO_BUDGETS = TpotBudgets.of(())
 

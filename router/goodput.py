@@ -230,8 +230,7 @@ class _Side:
         short = slots_short(self.load)
         if not short:
             return 0.0
-        b = self.budgets
-        ends = b.remaining if b.waiting is None else b.remaining[~b.waiting]
+        ends = self.budgets.in_batch(self.budgets.remaining)
         if short > len(ends):
             return math.inf
         pace = with_prompts_to_come(self.step, self.load)
@@ -338,7 +337,7 @@ class _Harm:
             # The cost: the batch there now (those waiting to join it are protected
             # below, not priced: pricing them pulled a split's pairs off their best
             # prefill sides, 0.96 -> 0.89 attainment on azure-code at TPOT 25 ms).
-            self.cost += float(np.sum(shares if b.waiting is None else shares[~b.waiting]))
+            self.cost += float(np.sum(b.in_batch(shares)))
             # Their time per token from now on without this request: a step stretched
             # by the prompts still to come, and the prompts queued there once, spread
             # over what they have left.
