@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.latency_model import DEFAULT_STEP_COST
 from pdserve.engine.model_path import resolve_model_path
 from pdserve.engine.sampling_params import SamplingParams
@@ -55,7 +56,7 @@ def router(n: int, running: int, policy: str, rng: random.Random, tok: Tokenizer
             waiting=rng.randrange(8), waiting_tokens=rng.randrange(4000),
             running=rng.randrange(64), context_tokens=rng.randrange(60000),
             reserved=rng.randrange(8), free_blocks=rng.randrange(1000), num_blocks=1000,
-            num_preemptions=0)
+            num_preemptions=0, max_num_seqs=SchedulerConfig.max_num_seqs)
         handle.update(telemetry=report, heard_at=now, step_cost=DEFAULT_STEP_COST,
                       queued=rng.randrange(4), queued_tokens=rng.randrange(4000))
         if role == "decode":
