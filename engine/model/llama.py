@@ -43,11 +43,11 @@ class Attention(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         c = self.config
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(t, c.num_heads, c.head_dim)
-        k = k.view(t, c.num_kv_heads, c.head_dim)
+        qk, v = self.qkv_proj(x).split([c.q_size + c.kv_size, c.kv_size], dim=-1)
+        # q's and k's heads side by side, rotated in one go: [T, H + Hkv, D]
+        qk = rotary.apply(qk.view(t, c.num_heads + c.num_kv_heads, c.head_dim))
+        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         v = v.view(t, c.num_kv_heads, c.head_dim)
-        q, k = rotary.apply(q), rotary.apply(k)
         return self.o_proj(backend.forward(q, k, v, kv_cache, meta))
 
 
@@ -60,10 +60,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # silu(g) as sigmoid(g) * g: the same function within an ulp, and ~3x faster
-        # than F.silu on CPU.
-        gate = self.gate_proj(x)
-        return self.down_proj(torch.sigmoid(gate).mul_(gate).mul_(self.up_proj(x)))
+        # HF's act_fn(gate) * up, in place on the gate's output: two passes over it and
+        # no new tensor (a fresh [T, intermediate] tensor is page-faulted in on CPU).
+        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -75,8 +74,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, rotary, backend, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, backend, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The residual added into each block's fresh output (x + y == y + x, bit for
+        # bit), not into a third tensor.
+        x = self.self_attn(self.input_layernorm(x), rotary, backend, kv_cache, meta).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class LlamaForCausalLM(nn.Module):

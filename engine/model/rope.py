@@ -49,7 +49,11 @@ class RotaryTables:
         self.cos, self.sin = cos, sin  # [T, 1, D]
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D]
+        """x * cos + rotate_half(x) * sin, as HF computes it to the bit, in three
+        passes and one new tensor (negating and concatenating the halves took five
+        passes and four). x: [T, heads, D], a view is fine."""
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * self.cos + rotated * self.sin
+        out = x * self.cos
+        out[..., :half] -= x[..., half:] * self.sin[..., :half]
+        out[..., half:] += x[..., :half] * self.sin[..., half:]
+        return out
