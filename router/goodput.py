@@ -56,7 +56,7 @@ from pdserve.engine.latency_forecast import (
 )
 from pdserve.router.cluster_state import NO_BUDGETS, ClusterState, RequestView, WorkerState
 from pdserve.router.decision import Colocate, Decision, Disaggregate, Reject
-from pdserve.router.worker_columns import columns_of, shortlist
+from pdserve.router.worker_columns import shortlists
 
 # SLO shares for a request without one: costs stay comparable across candidates.
 _REFERENCE_TTFT_S = 1.0
@@ -131,8 +131,6 @@ def _rank(f: Forecast):
 
 # Pairs forecast at most: beyond it, the best prefill and decode sides alone are paired.
 _MAX_PAIRS = 64
-# Workers forecast at most per side: beyond it, those a rough estimate puts first.
-_SHORTLIST = 16
 
 
 def candidates(request: RequestView, state: ClusterState) -> list[Forecast]:
@@ -151,38 +149,6 @@ def candidates(request: RequestView, state: ClusterState) -> list[Forecast]:
         out += [_pair(request, state, sides[p.worker_id], sides[d.worker_id]) for d in decoders
                 if d is not p and (adaptive or d.role == "decode" or p.role == "prefill")]
     return out
-
-
-def shortlists(request: RequestView, state: ClusterState) -> tuple[list[WorkerState],
-                                                                     list[WorkerState]]:
-    """The workers forecast as decode sides, and as prefill sides: every available one
-    that may take the request (a decode side: not one that refused it; a prefill
-    side: one whose prompt queue has room, `least_loaded.has_room`). Past _SHORTLIST
-    on a side, a rough estimate (`WorkerState.rough`, as last reported, read into the
-    router's columns once per state) picks the ones forecast, least first: a
-    decoder's step and queued prompt work, a prefill side's queue and this prompt's
-    uncached tokens at its per-token cost. Their forecasts read staleness as usual.
-    Every worker is scanned in arrays: a cluster may have a thousand."""
-    n, cached = request.num_prompt_tokens, request.cached_tokens
-    cols = columns_of(state)
-    decodes = cols.decodes
-    if request.refused:
-        decodes = decodes.copy()
-        decodes[cols.rows(request.refused)] = False
-    limit = state.max_queued_prefill_tokens
-    sends = cols.sends_kv if not limit else cols.sends_kv & (
-        (cols.queued == 0) | (cols.queued_tokens + n <= limit))
-    decode_rows = np.flatnonzero(decodes)
-    decode_rows = shortlist(decode_rows, cols.rough_decode_s[decode_rows], _SHORTLIST)
-    prefill_rows = np.flatnonzero(sends)
-    if len(prefill_rows) > _SHORTLIST:
-        tokens = cols.reported_queued_tokens + n
-        if cached:
-            tokens -= cols.spread(cached)
-        prefill_rows = shortlist(prefill_rows,
-                                 cols.per_token_s[prefill_rows] * tokens[prefill_rows],
-                                 _SHORTLIST)
-    return [cols.states[i] for i in decode_rows], [cols.states[i] for i in prefill_rows]
 
 
 class _once:  # a decorator, named as cached_property is

@@ -11,10 +11,12 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from pdserve.router.cluster_state import ClusterState, WorkerState
+from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
 
 # Rows read again one by one up to this share of the workers; past it, all at once.
 _PATCH_SHARE = 0.25
+# Workers forecast at most per side: beyond it, those a rough estimate puts first.
+_SHORTLIST = 16
 
 
 def _row(w: WorkerState, adaptive: bool) -> tuple:
@@ -115,3 +117,35 @@ def shortlist(rows: np.ndarray, key: np.ndarray, n: int) -> np.ndarray:
     if len(rows) <= n:
         return rows
     return rows[np.argsort(key, kind="stable")[:n]]
+
+
+def shortlists(request: RequestView, state: ClusterState) -> tuple[list[WorkerState],
+                                                                     list[WorkerState]]:
+    """The workers forecast as decode sides, and as prefill sides: every available one
+    that may take the request (a decode side: not one that refused it; a prefill
+    side: one whose prompt queue has room, `least_loaded.has_room`). Past _SHORTLIST
+    on a side, a rough estimate (`WorkerState.rough`, as last reported, read into the
+    router's columns once per state) picks the ones forecast, least first: a
+    decoder's step and queued prompt work, a prefill side's queue and this prompt's
+    uncached tokens at its per-token cost. Their forecasts read staleness as usual.
+    Every worker is scanned in arrays: a cluster may have a thousand."""
+    n, cached = request.num_prompt_tokens, request.cached_tokens
+    cols = columns_of(state)
+    decodes = cols.decodes
+    if request.refused:
+        decodes = decodes.copy()
+        decodes[cols.rows(request.refused)] = False
+    limit = state.max_queued_prefill_tokens
+    sends = cols.sends_kv if not limit else cols.sends_kv & (
+        (cols.queued == 0) | (cols.queued_tokens + n <= limit))
+    decode_rows = np.flatnonzero(decodes)
+    decode_rows = shortlist(decode_rows, cols.rough_decode_s[decode_rows], _SHORTLIST)
+    prefill_rows = np.flatnonzero(sends)
+    if len(prefill_rows) > _SHORTLIST:
+        tokens = cols.reported_queued_tokens + n
+        if cached:
+            tokens -= cols.spread(cached)
+        prefill_rows = shortlist(prefill_rows,
+                                 cols.per_token_s[prefill_rows] * tokens[prefill_rows],
+                                 _SHORTLIST)
+    return [cols.states[i] for i in decode_rows], [cols.states[i] for i in prefill_rows]

@@ -13,10 +13,9 @@ from pdserve.engine.latency_model import DEFAULT_STEP_COST, StepCost
 from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
 from pdserve.router.config import RouterConfig
-from pdserve.router.goodput import _SHORTLIST, shortlists
 from pdserve.router.least_loaded import has_room
 from pdserve.router.model_info import ModelInfo
-from pdserve.router.worker_columns import ColumnsMemo, WorkerColumns
+from pdserve.router.worker_columns import _SHORTLIST, ColumnsMemo, WorkerColumns, shortlists
 
 NOW = 1000.0
 
