@@ -49,9 +49,10 @@ class RotaryTables:
         self.cos, self.sin = cos, sin  # [T, 1, D]
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x * cos + rotate_half(x) * sin, as HF computes it to the bit, in three
-        passes and one new tensor (negating and concatenating the halves took five
-        passes and four). x: [T, heads, D], a view is fine."""
+        """x * cos + rotate_half(x) * sin as HF computes it, bit for bit (a - b * s is
+        a + (-b) * s exactly), without building rotate_half(x): one new tensor of x's
+        size and two of half of it, where HF's form makes four and a half.
+        x: [T, heads, D], a view is fine."""
         half = x.shape[-1] // 2
         out = x * self.cos
         out[..., :half] -= x[..., half:] * self.sin[..., :half]
