@@ -56,7 +56,7 @@ def assert_matches_hf(llm: LLM, oracle: Oracle, prompts, outputs: list[list[int]
         k = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
         if k is None:
             continue
-        ours = llm.engine.score(prompt + got[:k])
+        ours = llm.engine.score(prompt + got[:k]).cpu()
         diff = (ours - hf_logits[k]).abs().max().item()
         gap = abs(hf_logits[k][expected[k]] - hf_logits[k][got[k]]).item()
         assert diff <= TOLERANCE and gap <= 2 * TOLERANCE, (

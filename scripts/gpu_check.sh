@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The checks CI cannot run, on a machine with a GPU: the CUDA-only tests (the engine on
+# CUDA in float32 and bfloat16 against HF; kv_transfer's host staging of CUDA caches,
+# and NCCL where there are two GPUs) and benchmarks/kv_transfer.py on every backend the
+# machine has. It needs torch, transformers, tokenizers, safetensors, xxhash, jinja2
+# and pytest there, not pdserve installed (nor Ray): the import package is assembled
+# in a scratch folder as pyproject.toml maps it, and everything runs from there.
+#
+#   scripts/gpu_check.sh OUT_DIR     (logs, JUnit XML and the benchmark's JSON)
+set -uo pipefail
+OUT=$(mkdir -p "${1:?usage: scripts/gpu_check.sh OUT_DIR}" && cd "$1" && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+SITE=$(mktemp -d)
+python3 - "$ROOT" "$SITE" <<'EOF'
+import shutil, sys, tomllib
+from pathlib import Path
+root, site = Path(sys.argv[1]), Path(sys.argv[2])
+mapped = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+shutil.copytree(root / "pdserve", site / "pdserve")
+for package, folder in mapped.items():
+    shutil.copytree(root / folder, site / package.replace(".", "/"))
+for extra in ("tests", "benchmarks"):
+    shutil.copytree(root / extra, site / extra)
+shutil.copy(root / "pyproject.toml", site)
+EOF
+cd "$SITE" || exit 1
+export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
+status=0
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch',
+torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__,
+'gpus', torch.cuda.device_count())"; } 2>&1 | tee "$OUT/env.txt"
+
+timeout 240 python3 -m pytest -q -s -rA -p no:cacheprovider --junitxml "$OUT/cuda_tests.xml" \
+    tests/engine/test_cuda.py \
+    tests/kv_transfer/test_kv_transfer.py::test_cuda_caches_on_one_gpu_move_through_pinned_host_memory \
+    tests/kv_transfer/test_kv_transfer.py::test_cuda_caches_on_two_gpus_move_over_nccl \
+    2>&1 | tee "$OUT/cuda_tests.log" || status=1
+
+timeout 150 python3 benchmarks/kv_transfer.py --out "$OUT/kv_transfer.json" \
+    2>&1 | tee "$OUT/kv_transfer.log" || status=1
+exit $status
