@@ -10,6 +10,9 @@
 3. Scheduler overhead: microseconds per schedule() + update() with 256 running decodes,
    in five fresh processes (this machine's speed differs by process).
 
+`--device cuda` runs all three on a GPU (the engine in its dtype there, bfloat16 unless
+`--dtype` says, HF and the matmul reference in the same one).
+
 Prints JSON and the ratios last; writes the JSON to --out.
 """
 from __future__ import annotations
@@ -72,23 +75,25 @@ def run_pdserve(llm: LLM, requests) -> dict:
             "overhead_ratio": (elapsed - forward_s[0]) / forward_s[0]}
 
 
-def run_hf(model_dir: Path, requests, batch_size: int) -> dict:
+def run_hf(model_dir: Path, requests, batch_size: int, device: str, dtype: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
     pad = 0
     t0 = time.perf_counter()
     tokens = 0
     for start in range(0, len(requests), batch_size):
         batch = requests[start:start + batch_size]
         width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch],
+                            device=device)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, do_sample=False,
                                  max_new_tokens=max(n for _, n in batch),
                                  eos_token_id=None, pad_token_id=pad)
-        tokens += sum(min(n, out.shape[1] - width) for _, n in batch)
+        tokens += sum(min(n, out.shape[1] - width) for _, n in batch)  # out is on the host
     elapsed = time.perf_counter() - t0
     return {"seconds": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed,
             "batch_size": batch_size}
@@ -96,16 +101,20 @@ def run_hf(model_dir: Path, requests, batch_size: int) -> dict:
 
 class MatmulReference:
     """torch.mm over the model's linear shapes at `rows` rows (weighted as in one
-    forward pass): the FLOP/s a step's matmuls could reach on this machine now."""
+    forward pass), on the engine's device and in its dtype: the FLOP/s a step's matmuls
+    could reach on this machine now."""
 
     def __init__(self, llm: LLM, rows: int):
         cfg = llm.engine.model_config
+        config = llm.engine.config
+        self.device = torch.device(config.device)
+        kw = {"device": self.device, "dtype": getattr(torch, config.resolved_dtype)}
         shapes = [(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size),
                   (cfg.q_size, cfg.hidden_size),
                   (cfg.hidden_size, 2 * cfg.intermediate_size),
                   (cfg.intermediate_size, cfg.hidden_size)]
         self.flops = sum(2 * rows * k * n for k, n in shapes)
-        self.xs = [(torch.randn(rows, k), torch.randn(k, n)) for k, n in shapes]
+        self.xs = [(torch.randn(rows, k, **kw), torch.randn(k, n, **kw)) for k, n in shapes]
         self.flop_s()  # warm-up
 
     def flop_s(self, repeats: int = 3) -> float:
@@ -114,6 +123,8 @@ class MatmulReference:
             t0 = time.perf_counter()
             for a, b in self.xs:
                 torch.mm(a, b)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             best = min(best, time.perf_counter() - t0)
         return self.flops / best
 
@@ -211,6 +222,9 @@ def main() -> int:
     ap.add_argument("--prefill-requests", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--dtype", default=None,
+                    help="unset: the engine's default (float32 on cpu, bfloat16 on cuda)")
     ap.add_argument("--skip-hf", action="store_true", help="only pdserve's own figures")
     ap.add_argument("--out", default="bench-results/engine_throughput.json")
     args = ap.parse_args()
@@ -218,12 +232,14 @@ def main() -> int:
         torch.set_num_threads(args.threads)
 
     model_dir = resolve_model_path(args.model)
-    llm = LLM(str(model_dir), kv_cache_memory_bytes=3 << 30)
+    llm = LLM(str(model_dir), kv_cache_memory_bytes=3 << 30, device=args.device,
+              dtype=args.dtype)
+    dtype = llm.engine.config.resolved_dtype
     vocab = llm.engine.model_config.vocab_size
     requests = workload(args.num_requests, vocab, args.seed, args.prompt_range, args.output_range)
     result = {"model": str(model_dir), "threads": torch.get_num_threads(),
               "num_requests": args.num_requests, "prompt_range": args.prompt_range,
-              "output_range": args.output_range}
+              "output_range": args.output_range, "device": args.device, "dtype": dtype}
     result["scheduler"] = scheduler_overhead()
     print(f"scheduler: {show(spread(result['scheduler']['us_per_step_processes']), 0)} us "
           "per step (processes' medians)", flush=True)
@@ -236,7 +252,7 @@ def main() -> int:
           f"{result['pdserve']['overhead_ratio']:.3f} of the forward pass", flush=True)
     del llm
     if not args.skip_hf:
-        result["hf"] = run_hf(model_dir, requests, args.hf_batch_size)
+        result["hf"] = run_hf(model_dir, requests, args.hf_batch_size, args.device, dtype)
         print(f"hf: {result['hf']['output_tok_s']:.0f} output tok/s", flush=True)
         result["throughput_ratio"] = (result["pdserve"]["output_tok_s"]
                                       / result["hf"]["output_tok_s"])

@@ -18,6 +18,8 @@ the target (its first --draft-layers layers: same tokenizer, a fraction of the c
 random weights agree little, so it shows the cost of drafts that miss); the target
 as its own draft (every draft accepted: the upper bound of acceptance, at its cost).
 
+`--device cuda` runs every arm on a GPU (bfloat16 there unless `--dtype` says).
+
 Prints each arm's figures, acceptance (accepted / proposed drafts, by position) and
 the ratios to no speculation last; writes the JSON to --out.
 """
@@ -109,6 +111,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--dtype", default=None,
+                    help="unset: the engine's default (float32 on cpu, bfloat16 on cuda)")
     ap.add_argument("--out", default="bench-results/spec_decode.json")
     args = ap.parse_args()
     if args.threads:
@@ -128,7 +133,8 @@ def main() -> int:
         arms[f"target as draft k={k}"] = {"method": "draft_model", "model": str(model_dir),
                                           "num_speculative_tokens": k}
     engines = {name: LLM(str(model_dir), kv_cache_memory_bytes=KV_BYTES,
-                         enable_prefix_caching=False, speculative_config=spec)
+                         enable_prefix_caching=False, speculative_config=spec,
+                         device=args.device, dtype=args.dtype)
                for name, spec in arms.items()}
     loads = workloads(engines["none"], args)
     for llm in engines.values():  # warm-up

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The checks CI cannot run, on a machine with a GPU: the CUDA-only tests (the engine on
 # CUDA in float32 and bfloat16 against HF; kv_transfer's host staging of CUDA caches,
-# and NCCL where there are two GPUs) and benchmarks/kv_transfer.py on every backend the
-# machine has. It needs torch, transformers, tokenizers, safetensors, xxhash, jinja2
-# and pytest there, not pdserve installed (nor Ray): the import package is assembled
-# in a scratch folder as pyproject.toml maps it, and everything runs from there.
+# and NCCL where there are two GPUs), benchmarks/kv_transfer.py on every backend the
+# machine has, and where an engine step's time goes there (scripts/profile_engine.py).
+# It needs torch, transformers, tokenizers, safetensors, xxhash, jinja2 and pytest
+# there, not pdserve installed (nor Ray): the import package is assembled in a scratch
+# folder as pyproject.toml maps it, and everything runs from there.
 #
-#   scripts/gpu_check.sh OUT_DIR     (logs, JUnit XML and the benchmark's JSON)
+#   scripts/gpu_check.sh OUT_DIR     (logs, JUnit XML, the benchmark's JSON, the profile)
 set -uo pipefail
 OUT=$(mkdir -p "${1:?usage: scripts/gpu_check.sh OUT_DIR}" && cd "$1" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,7 +20,7 @@ mapped = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptool
 shutil.copytree(root / "pdserve", site / "pdserve")
 for package, folder in mapped.items():
     shutil.copytree(root / folder, site / package.replace(".", "/"))
-for extra in ("tests", "benchmarks"):
+for extra in ("tests", "benchmarks", "scripts"):
     shutil.copytree(root / extra, site / extra)
 shutil.copy(root / "pyproject.toml", site)
 EOF
@@ -39,4 +40,6 @@ timeout 240 python3 -m pytest -q -s -rA -p no:cacheprovider --junitxml "$OUT/cud
 
 timeout 150 python3 benchmarks/kv_transfer.py --out "$OUT/kv_transfer.json" \
     2>&1 | tee "$OUT/kv_transfer.log" || status=1
+timeout 120 python3 scripts/profile_engine.py --device cuda --steps 5 \
+    --out-dir "$OUT/profile" 2>&1 | tee "$OUT/profile_engine.log" || status=1
 exit $status
