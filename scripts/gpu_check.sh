@@ -7,7 +7,7 @@
 # there, not pdserve installed (nor Ray): the import package is assembled in a scratch
 # folder as pyproject.toml maps it, and everything runs from there.
 #
-#   scripts/gpu_check.sh OUT_DIR     (logs, JUnit XML, the benchmark's JSON, the profile)
+#   scripts/gpu_check.sh OUT_DIR     (one log, JUnit XML, the benchmarks' and profiles' JSON)
 set -uo pipefail
 OUT=$(mkdir -p "${1:?usage: scripts/gpu_check.sh OUT_DIR}" && cd "$1" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,19 +27,28 @@ EOF
 cd "$SITE" || exit 1
 export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
 status=0
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch',
-torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__,
-'gpus', torch.cuda.device_count())"; } 2>&1 | tee "$OUT/env.txt"
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch',
+torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(),
+'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
 
 timeout 240 python3 -m pytest -q -s -rA -p no:cacheprovider --junitxml "$OUT/cuda_tests.xml" \
     tests/engine/test_cuda.py \
     tests/kv_transfer/test_kv_transfer.py::test_cuda_caches_on_one_gpu_move_through_pinned_host_memory \
     tests/kv_transfer/test_kv_transfer.py::test_cuda_caches_on_two_gpus_move_over_nccl \
-    2>&1 | tee "$OUT/cuda_tests.log" || status=1
+    || status=1
 
-timeout 150 python3 benchmarks/kv_transfer.py --out "$OUT/kv_transfer.json" \
-    2>&1 | tee "$OUT/kv_transfer.log" || status=1
-timeout 120 python3 scripts/profile_engine.py --device cuda --steps 5 \
-    --out-dir "$OUT/profile" 2>&1 | tee "$OUT/profile_engine.log" || status=1
+timeout 150 python3 benchmarks/kv_transfer.py --out "$OUT/kv_transfer.json" || status=1
+
+# Where an engine step's time goes, and the engine's figures, with PyTorch's default
+# attention backend order and with cuDNN's attention put last (it builds a graph for
+# each new shape, and a serving engine's shapes change every step).
+for order in default cudnn_last; do
+    env=(); [ $order = cudnn_last ] && env=(TORCH_CUDNN_SDPA_DEPRIORITIZED=1)
+    env "${env[@]}" timeout 120 python3 scripts/profile_engine.py --device cuda --steps 5 \
+        --out "$OUT/profile_$order.json" || status=1
+    env "${env[@]}" timeout 150 python3 benchmarks/engine_throughput.py --device cuda \
+        --skip-hf --out "$OUT/engine_throughput_$order.json" || status=1
+done
 exit $status

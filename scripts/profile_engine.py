@@ -7,15 +7,20 @@ greedy, ignore_eos), then profiles two phases with torch.profiler:
 For each phase it prints the median step time, the ops with the most self time on the
 host and (on a GPU) on the device, the kernels launched per step, the share of the step
 the device was busy, and (on a GPU) the host-device synchronizations per step, counted
-by torch's sync debug mode. Writes the tables as JSON and each phase's Chrome trace to
---out-dir.
+by torch's sync debug mode. Writes the tables as JSON to --out, and each phase's Chrome
+trace to --trace-dir if given.
 
-  python scripts/profile_engine.py --device cuda --out-dir prof/
+On an H100 / H200 with cuDNN newer than 9.15, PyTorch tries cuDNN's attention first
+(unless TORCH_CUDNN_SDPA_DEPRIORITIZED=1), and cuDNN builds an execution graph for each
+new shape; the JSON records that variable, so runs with and without it compare.
+
+  python scripts/profile_engine.py --device cuda --out prof.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -39,7 +44,7 @@ def _op_table(prof, key: str, steps: int) -> list[dict]:
             if getattr(e, key) > 0]
 
 
-def _profile_steps(engine, steps: int, cuda: bool, trace: Path) -> dict:
+def _profile_steps(engine, steps: int, cuda: bool, trace: Path | None) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     durations = []
     syncs = 0
@@ -56,7 +61,8 @@ def _profile_steps(engine, steps: int, cuda: bool, trace: Path) -> dict:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
     syncs = sum("synchroniz" in str(w.message) for w in caught)
-    prof.export_chrome_trace(str(trace))
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     result = {"steps": steps, "step_ms_median": statistics.median(durations) * 1e3,
               "step_ms": [d * 1e3 for d in durations],
               "host_ops": _op_table(prof, "self_cpu_time_total", steps)}
@@ -95,15 +101,17 @@ def main() -> int:
     ap.add_argument("--prompt-range", type=int, nargs=2, default=(16, 512))
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out-dir", default="bench-results/profile_engine")
+    ap.add_argument("--out", default="bench-results/profile_engine.json")
+    ap.add_argument("--trace-dir", default=None, help="write each phase's Chrome trace here")
     args = ap.parse_args()
 
     llm = LLM(str(resolve_model_path(args.model)), kv_cache_memory_bytes=3 << 30,
               device=args.device, dtype=args.dtype)
     engine = llm.engine
     cuda = engine.config.device.startswith("cuda")
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    traces = Path(args.trace_dir) if args.trace_dir else None
+    if traces is not None:
+        traces.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)
@@ -112,17 +120,22 @@ def main() -> int:
         prompt = [rng.randrange(4, vocab) for _ in range(rng.randint(*args.prompt_range))]
         engine.add_request(f"p{i}", prompt, params)
     result = {"device": engine.config.device, "dtype": engine.config.resolved_dtype,
-              "num_requests": args.num_requests, "prompt_range": args.prompt_range}
-    result["prefill"] = _profile_steps(engine, args.steps, cuda, out / "prefill_trace.json")
+              "num_requests": args.num_requests, "prompt_range": args.prompt_range,
+              "TORCH_CUDNN_SDPA_DEPRIORITIZED": os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED")}
+    result["prefill"] = _profile_steps(engine, args.steps, cuda,
+                                       traces and traces / "prefill_trace.json")
     while engine.scheduler.waiting or any(r.num_output_tokens == 0
                                           for r in engine.scheduler.running):
         engine.step()
     for _ in range(3):  # decodes only, warm
         engine.step()
-    result["decode"] = _profile_steps(engine, args.steps, cuda, out / "decode_trace.json")
+    result["decode"] = _profile_steps(engine, args.steps, cuda,
+                                      traces and traces / "decode_trace.json")
     result["decodes_per_step"] = len(engine.scheduler.running)
     engine.abort([f"p{i}" for i in range(args.num_requests)])
-    (out / "profile.json").write_text(json.dumps(result, indent=2))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
     for phase in ("prefill", "decode"):
         _print(phase, result[phase])
     print(f"\n{result['decodes_per_step']} decodes per decode step; written to {out}")
