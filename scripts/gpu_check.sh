@@ -49,6 +49,6 @@ for order in default cudnn_last; do
     env "${env[@]}" timeout 120 python3 scripts/profile_engine.py --device cuda --steps 5 \
         --out "$OUT/profile_$order.json" || status=1
     env "${env[@]}" timeout 150 python3 benchmarks/engine_throughput.py --device cuda \
-        --skip-hf --out "$OUT/engine_throughput_$order.json" || status=1
+        --skip-hf --rounds 1 --out "$OUT/engine_throughput_$order.json" || status=1
 done
 exit $status
