@@ -77,7 +77,8 @@ class WorkerState:
     silent: bool = False
     draining: bool = False  # takes no new requests
     # Counted by this router: prompts sent to be computed here and not yet computed,
-    # and their tokens; requests reserved or running here (decode and both roles).
+    # and their tokens; requests reserved or running here past their prompt (decode
+    # and both roles; a request placed here whole counts queued until its first token).
     queued: int = 0
     queued_tokens: int = 0
     inflight: int = 0

@@ -167,7 +167,7 @@ class RequestRunner:
 
     def _dequeue(self, flight: Flight) -> None:
         if flight.queued_on is not None:
-            flight.queued_on.unqueue(flight.queued_tokens)
+            flight.queued_on.unqueue(flight.queued_tokens, flight)
             flight.queued_on = None
 
     # ---- the phases -----------------------------------------------------------------
@@ -203,7 +203,7 @@ class RequestRunner:
                 worker = self.pool.workers[decision.worker]
                 # until its first token here, its prompt is queued there
                 flight.queued_on, flight.queued_tokens = worker, num_tokens
-                worker.enqueue(num_tokens)
+                worker.enqueue(num_tokens, flight)
                 await self._submit(flight, worker)
                 return None, 0
             prefill = self.pool.workers[decision.prefill]

@@ -32,6 +32,9 @@ class WorkerHandle:
     # request id (Flight.key) -> this router's request held here (reserved, starting
     # or running): its flight (lifecycle.Flight), whose queue the pump feeds.
     flights: dict[str, object] = field(default_factory=dict)
+    # Those of them whose prompt is queued here (placed whole, no first token yet):
+    # counted queued, not in flight, so the load counts each once.
+    prompting: set[str] = field(default_factory=set)
     # the TPOT budgets of its flights, kept as they join, leave and are sent tokens
     budget_rows: BudgetRows = field(default_factory=BudgetRows)
     # When it last began serving in its role (joined, came back, changed role), on
@@ -63,25 +66,37 @@ class WorkerHandle:
         self.update(draining=True)
         return self._drained
 
-    def enqueue(self, num_tokens: int) -> None:
-        """A prompt sent to be computed here (until its first token)."""
+    def enqueue(self, num_tokens: int, flight=None) -> None:
+        """A prompt sent to be computed here (until its first token); `flight` when
+        the request runs here whole (it is held here too)."""
+        if flight is not None:
+            self.prompting.add(flight.key)
         s = self.state
         self.update(queued=s.queued + 1, queued_tokens=s.queued_tokens + num_tokens)
 
-    def unqueue(self, num_tokens: int) -> None:
-        s = self.state
-        self.update(queued=s.queued - 1, queued_tokens=s.queued_tokens - num_tokens)
+    def unqueue(self, num_tokens: int, flight=None) -> None:
+        """The prompt's first token came (or the request ended): a request held here
+        decodes here now."""
+        s, decoding = self.state, 0
+        if flight is not None and flight.key in self.prompting:
+            self.prompting.discard(flight.key)
+            decoding = flight.key in self.flights
+        self.update(queued=s.queued - 1, queued_tokens=s.queued_tokens - num_tokens,
+                    inflight=s.inflight + decoding)
 
     def hold(self, flight) -> None:
-        """The request is reserved, submitted or running here."""
+        """The request is reserved, submitted or running here (in flight here once
+        past its prompt, if that is queued here)."""
         self.flights[flight.key] = flight
         self.budget_rows.join(flight)
-        self.update(inflight=self.state.inflight + 1)
+        if flight.key not in self.prompting:
+            self.update(inflight=self.state.inflight + 1)
 
     def unhold(self, flight) -> None:
         self.flights.pop(flight.key, None)
         self.budget_rows.leave(flight)
-        self.update(inflight=self.state.inflight - 1)
+        if flight.key not in self.prompting:
+            self.update(inflight=self.state.inflight - 1)
 
     def progressed(self, flight) -> None:
         """A flight here was sent tokens (its TPOT budget moved)."""
