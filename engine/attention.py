@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # On CUDA, attention runs on FlashAttention, memory-efficient attention or the math
 # fallback, never cuDNN's: PyTorch tries cuDNN first on H100 / H200, and cuDNN builds
 # an execution graph for every new shape, which a serving engine makes every step. On
-# an H200 that took 1.57 s of a 2,048-token prefill step of 1.67 s (41 ms without it;
+# an H200 that took 1.57 s of a 2,048-token prefill step of 1.67 s (22 ms on these;
 # docs/gpu.md).
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
