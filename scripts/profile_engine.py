@@ -47,7 +47,6 @@ def _op_table(prof, key: str, steps: int) -> list[dict]:
 def _profile_steps(engine, steps: int, cuda: bool, trace: Path | None) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     durations = []
-    syncs = 0
     with warnings.catch_warnings(record=True) as caught, profile(activities=activities) as prof:
         warnings.simplefilter("always")
         if cuda:
