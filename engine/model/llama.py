@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.model.linear import Linear, linear, pack
 from pdserve.engine.model.rope import RotaryEmbedding, RotaryTables
 from pdserve.engine.model_config import ModelConfig
 
@@ -35,9 +36,9 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size,
+        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size,
                                   bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
 
     def forward(self, x, rotary: RotaryTables, backend: AttentionBackend,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -55,9 +56,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = Linear(h, i, bias=bias)
+        self.up_proj = Linear(h, i, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # HF's act_fn(gate) * up, in place on the gate's output: two passes over it and
@@ -88,7 +89,18 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+                        else Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.tied_packed: torch.Tensor | None = None  # the embedding's, for the logits
+
+    def pack(self) -> None:
+        """Once the weights are loaded: every matmul's weight to its packed layout
+        (`linear.py`). Tied embeddings keep their dense table for the lookup and get
+        a packed copy for the logits."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:
+            self.tied_packed = pack(self.embed_tokens.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 backend: AttentionBackend, kv_caches: list[torch.Tensor],
@@ -104,5 +116,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> float32 logits [N, vocab]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return linear(hidden, self.embed_tokens.weight, None, self.tied_packed).float()

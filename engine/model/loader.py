@@ -43,6 +43,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, device: torch.device,
     missing = {n for n in params if not _covered(n, loaded)}
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {sorted(missing)[:8]}")
+    model.pack()
     return model.eval()
 
 
