@@ -37,7 +37,7 @@ class Attention(nn.Module):
         super().__init__()
         self.config = config
         self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size,
-                                  bias=config.qkv_bias)
+                               bias=config.qkv_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
 
     def forward(self, x, rotary: RotaryTables, backend: AttentionBackend,
