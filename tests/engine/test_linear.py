@@ -27,12 +27,13 @@ def test_packed_linear_is_float32_exact_to_rounding(rows, bias):
     dense = F.linear(x, weight, b)
     layer.pack()
     assert layer.packed is not None and layer.weight.numel() == 0  # dense copy dropped
+    layer.pack()  # a second call keeps what the first packed
     with torch.inference_mode():
         ours = layer(x)
     assert ours.dtype == torch.float32 and ours.shape == (rows, 160)
-    # Within float32 rounding of the exact product, as MKL's result is.
+    # Within float32 rounding of the exact product (|values| ~ 1, K = 96), as MKL's is.
     exact = reference(x, weight, b)
-    assert rows == 0 or (ours.double() - exact).abs().max().item() <= 1e-5
+    assert rows == 0 or (ours.double() - exact).abs().max().item() <= 2e-6
     torch.testing.assert_close(ours, dense, atol=1e-5, rtol=1e-5)
 
 
@@ -66,7 +67,7 @@ def test_a_loaded_model_runs_every_matmul_packed(arch, model_dirs):
     get a packed copy and keep the dense table for the lookup)."""
     model = LLM(str(model_dirs[arch]), kv_cache_memory_bytes=8 << 20).engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed is not None for m in linears)
+    assert linears and all(m.packed is not None and m.weight.numel() == 0 for m in linears)
     assert (model.lm_head is None) == (arch == "qwen2_tied")
     if model.lm_head is None:
         assert model.tied_packed is not None and model.embed_tokens.weight.numel() > 0
