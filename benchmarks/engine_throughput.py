@@ -4,15 +4,16 @@
    tokens/s divided by HF `generate` over the same requests in static batches of 16
    (and, where the engine packs its weights, divided by HF with every nn.Linear on the
    engine's own packed matmul: how much of the ratio is the engine, not its GEMM),
-   in --rounds rounds, each running both on its own requests (seed + 1000 x round: no
-   prompt is seen twice, so no prefix-cache hit; which goes first alternates); the ratio is
-   the median of the rounds' ratios, with their spread (this machine's speed drifts
-   by +-8% within minutes, and a single pair is a draw).
+   in --rounds rounds, each running every arm on its own requests (seed + 1000 x round:
+   no prompt is seen twice, so no prefix-cache hit; the order reverses every round); the
+   ratio is the median of the rounds' ratios, with their spread (this machine's speed
+   drifts by +-8% within minutes, and a single pair is a draw).
 2. Prefill efficiency: prefill tokens/s x 2 x matmul parameters, divided by the FLOP/s
    the engine's own matmul (`engine/model/linear.py`: oneDNN over packed weights on a
    CPU) reaches at the model's linear shapes (measured after every step, and paired
-   with it: a step's duration is schedule to outputs). Also against torch.mm (MKL on a
-   CPU), the reference until the engine moved to oneDNN, so figures from before compare.
+   with it: a step's duration is schedule to outputs). Also, where the engine packs,
+   against F.linear unpacked (MKL's sgemm on a CPU: the engine's kernel before, and as
+   fast as torch.mm, the reference then), so figures from before compare.
    "Matmul parameters" are the weights every prompt token multiplies (q/k/v/o,
    gate/up/down of every layer); the embedding lookup and the lm_head (run only for
    each prompt's last token) are left out.
@@ -91,19 +92,21 @@ def load_hf(model_dir: Path, device: str, dtype: str):
     return model.to(device).eval()
 
 
-def with_engine_matmuls(model) -> int:
+def engine_packs(llm: LLM) -> bool:
+    """Whether the engine's matmuls run packed on this device and dtype (linear.py)."""
+    config = llm.engine.config
+    return pack(torch.ones(1, 1, device=config.device,
+                           dtype=getattr(torch, config.resolved_dtype))) is not None
+
+
+def with_engine_matmuls(model) -> None:
     """HF's model with every nn.Linear's forward on the engine's matmul over a packed
-    copy of its weight (engine/model/linear.py); how many it packed (0: the engine packs
-    nothing here, and the model is as it was)."""
-    packed = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            weight = pack(module.weight)
-            if weight is None:
-                return packed
-            module.forward = (lambda x, m=module, w=weight: linear(x, None, m.bias, w))
-            packed += 1
-    return packed
+    copy of its weight (engine/model/linear.py); only where engine_packs."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    packed = [pack(m.weight) for m in layers]
+    assert all(w is not None for w in packed), "the engine packs no weight here"
+    for module, weight in zip(layers, packed):
+        module.forward = (lambda x, m=module, w=weight: linear(x, None, m.bias, w))
 
 
 def run_hf(model, requests, batch_size: int) -> dict:
@@ -129,7 +132,7 @@ def run_hf(model, requests, batch_size: int) -> dict:
 
 class MatmulReference:
     """The engine's matmul (`linear`, over weights packed as the engine packs them;
-    unpacked: torch.mm's kernel) at the model's linear shapes and `rows` rows (weighted
+    unpacked: F.linear's kernel) at the model's linear shapes and `rows` rows (weighted
     as in one forward pass), on the engine's device and in its dtype: the FLOP/s a
     step's matmuls could reach on this machine now."""
 
@@ -183,8 +186,9 @@ def prefill_efficiency(llm: LLM, num: int, prompt_range, seed: int, rounds: int 
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     llm.generate(warmup, params)
     rows = engine.config.scheduler.max_num_batched_tokens
-    references = {"engine": MatmulReference(llm, rows),
-                  "torch_mm": MatmulReference(llm, rows, packed=False)}
+    references = {"engine": MatmulReference(llm, rows)}
+    if engine_packs(llm):
+        references["unpacked"] = MatmulReference(llm, rows, packed=False)
     flops_per_token = 2 * matmul_params(llm)
     runs = []
     for round_ in range(rounds):
@@ -204,15 +208,16 @@ def prefill_efficiency(llm: LLM, num: int, prompt_range, seed: int, rounds: int 
         assert engine.stats.prefix_cache_hits == hits, "prefill load must not hit the cache"
         assert tokens == sum(map(len, prompts))
         runs.append({"prefill_tok_s": tokens / seconds,
-                     "mm_flop_s": allowed["engine"] / seconds,
-                     "torch_mm_flop_s": allowed["torch_mm"] / seconds,
-                     "efficiency": tokens * flops_per_token / allowed["engine"],
-                     "efficiency_torch_mm": tokens * flops_per_token / allowed["torch_mm"]})
+                     **{f"{name}_flop_s": total / seconds for name, total in allowed.items()},
+                     **{f"efficiency_{name}": tokens * flops_per_token / total
+                        for name, total in allowed.items()}})
+        runs[-1]["efficiency"] = runs[-1].pop("efficiency_engine")
     return {"matmul_params": matmul_params(llm), "mm_rows": rows, "rounds": runs,
             "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
             "efficiency": statistics.median(r["efficiency"] for r in runs),
             "efficiency_runs": [r["efficiency"] for r in runs],
-            "efficiency_torch_mm_runs": [r["efficiency_torch_mm"] for r in runs]}
+            "efficiency_unpacked_runs": [r["efficiency_unpacked"] for r in runs
+                                         if "efficiency_unpacked" in r]}
 
 
 def scheduler_overhead(processes: int = 5) -> dict:
@@ -260,7 +265,7 @@ def main() -> int:
     ap.add_argument("--output-range", type=int, nargs=2, default=(16, 256))
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of the throughput comparison (each runs both)")
+                    help="rounds of the throughput comparison (each runs every arm)")
     ap.add_argument("--prefill-requests", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
@@ -289,15 +294,16 @@ def main() -> int:
     print(f"prefill: {result['prefill']['prefill_tok_s']:.0f} tok/s", flush=True)
     llm.generate([[7] * 64], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     hf = None if args.skip_hf else load_hf(model_dir, args.device, dtype)
-    hf_packed = None if args.skip_hf else load_hf(model_dir, args.device, dtype)
-    if hf_packed is not None and not with_engine_matmuls(hf_packed):
-        hf_packed = None
+    hf_packed = None
+    if not args.skip_hf and engine_packs(llm):
+        hf_packed = load_hf(model_dir, args.device, dtype)
+        with_engine_matmuls(hf_packed)
     ours_runs, hf_runs, hf_packed_runs = [], [], []
     for round_ in range(args.rounds):
         # Seeds far from the prefill rounds' (seed + 2, + 10...): no prompt seen before.
         requests = workload(args.num_requests, vocab, args.seed + 1000 * round_,
                             args.prompt_range, args.output_range)
-        # Which goes first alternates, so a drift over the run does not favour one.
+        # The order reverses every round, so a drift over the run favours no arm.
         arms = ("pdserve", "hf", "hf_packed")
         for arm in (arms if round_ % 2 == 0 else arms[::-1]):
             if arm == "pdserve":
@@ -342,9 +348,10 @@ def main() -> int:
     if "throughput_ratio_same_matmuls_rounds" in result:
         print(f"  against HF on the engine's own matmuls: "
               f"{show(result['throughput_ratio_same_matmuls_rounds'])}")
+    unpacked = result["prefill"]["efficiency_unpacked_runs"]
     print(f"prefill efficiency: {show(spread(result['prefill']['efficiency_runs']))} "
-          "against the engine's matmul (target >= 0.8); "
-          f"{show(spread(result['prefill']['efficiency_torch_mm_runs']))} against torch.mm")
+          "against the engine's matmul (target >= 0.8)"
+          + (f"; {show(spread(unpacked))} against F.linear unpacked" if unpacked else ""))
     print(f"per-step Python overhead / forward pass: "
           f"{show(result['pdserve']['overhead_ratio'], 3)}")
     print(f"scheduler overhead: {show(spread(result['scheduler']['us_per_step_processes']), 0)}"
