@@ -43,7 +43,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.bench.report import show, spread
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.model.linear import linear, pack
+from pdserve.engine.model.linear import linear, pack, packs
 from pdserve.engine.model_path import resolve_model_path
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
@@ -93,10 +93,9 @@ def load_hf(model_dir: Path, device: str, dtype: str):
 
 
 def engine_packs(llm: LLM) -> bool:
-    """Whether the engine's matmuls run packed on this device and dtype (linear.py)."""
+    """Whether the engine's matmuls run packed on its device and dtype (linear.py)."""
     config = llm.engine.config
-    return pack(torch.ones(1, 1, device=config.device,
-                           dtype=getattr(torch, config.resolved_dtype))) is not None
+    return packs(config.device, getattr(torch, config.resolved_dtype))
 
 
 def with_engine_matmuls(model) -> None:
@@ -207,11 +206,12 @@ def prefill_efficiency(llm: LLM, num: int, prompt_range, seed: int, rounds: int 
                 allowed[name] += step.duration_s * reference.flop_s()
         assert engine.stats.prefix_cache_hits == hits, "prefill load must not hit the cache"
         assert tokens == sum(map(len, prompts))
-        runs.append({"prefill_tok_s": tokens / seconds,
-                     **{f"{name}_flop_s": total / seconds for name, total in allowed.items()},
-                     **{f"efficiency_{name}": tokens * flops_per_token / total
-                        for name, total in allowed.items()}})
-        runs[-1]["efficiency"] = runs[-1].pop("efficiency_engine")
+        run = {"prefill_tok_s": tokens / seconds, "mm_flop_s": allowed["engine"] / seconds,
+               "efficiency": tokens * flops_per_token / allowed["engine"]}
+        if "unpacked" in allowed:
+            run["unpacked_flop_s"] = allowed["unpacked"] / seconds
+            run["efficiency_unpacked"] = tokens * flops_per_token / allowed["unpacked"]
+        runs.append(run)
     return {"matmul_params": matmul_params(llm), "mm_rows": rows, "rounds": runs,
             "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
             "efficiency": statistics.median(r["efficiency"] for r in runs),

@@ -21,12 +21,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def packs(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether weights on `device` in `dtype` run packed here (else `F.linear`)."""
+    return (torch.device(device).type == "cpu" and dtype == torch.float32
+            and platform.machine().lower() in ("x86_64", "amd64")
+            and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's packed copy of a [out, in] weight, or None where `F.linear` serves."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32
-            or platform.machine().lower() not in ("x86_64", "amd64")
-            or not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
-            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+    if not packs(weight.device, weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
