@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Protocol
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from pdserve.router.redis_client import stopping
+
 if TYPE_CHECKING:
     from pdserve.router.config import SharedStateSpec
 
@@ -127,7 +129,7 @@ class RedisLease:
             return False
 
     async def _renew(self) -> None:
-        while True:
+        while not stopping():
             asked = time.monotonic()
             try:
                 token = int(await self._lead(keys=self.keys,

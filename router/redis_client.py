@@ -62,6 +62,17 @@ def connect(spec: SharedStateSpec) -> Redis:
     return Redis.from_pool(pool)
 
 
+def stopping() -> bool:
+    """Whether the running task was asked to stop. redis-py can swallow a cancellation
+    that races a command's timeout (redis/redis-py#2551, #2028): the task's request
+    stays counted (Task.cancelling()) but no CancelledError arrives, and a loop that
+    outlives a failed call would run on, its task never ending (seen: a registry's
+    stop() waiting forever on its renewals). Every long-lived loop over Redis calls
+    checks this."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 async def listen(client: Redis, channel: str, on_message: Callable[[str], None],
                  on_up: Callable[[], None], on_down: Callable[[Exception], None],
                  backoff_s: tuple[float, float], what: str) -> None:
@@ -71,12 +82,12 @@ async def listen(client: Redis, channel: str, on_message: Callable[[str], None],
     resubscribes with jittered exponential backoff (backoff_s: the first and longest
     wait)."""
     delay = backoff_s[0]
-    while True:
+    while not stopping():
         pubsub = client.pubsub(ignore_subscribe_messages=True)
         subscribed = False
         try:
             await pubsub.subscribe(channel)
-            while True:
+            while not stopping():
                 # the first read takes the subscription's confirmation; the client's
                 # health checks PING an idle connection, so a dead one is noticed
                 message = await pubsub.get_message(timeout=1.0)

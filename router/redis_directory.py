@@ -25,7 +25,7 @@ import uuid
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from pdserve.router.redis_client import Reachability, listen
+from pdserve.router.redis_client import Reachability, listen, stopping
 from pdserve.router.request_directory import AbortHere
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ class RedisDirectory:
         """Every third of the TTL (sooner while Redis is unreachable, when it asks
         whether Redis answers again): each held entry extended, or set again if Redis
         lost it."""
-        while True:
+        while not stopping():
             held = dict(self._held)
             wait_s = self.ttl_s / 3
             if not self.redis.reachable:  # claims skip Redis until it answers again

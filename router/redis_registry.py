@@ -36,7 +36,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from pdserve.router.pool_registry import Applied, Gone, PoolRecord, RegistryError, WorkerEntry
-from pdserve.router.redis_client import Reachability, blocking, listen
+from pdserve.router.redis_client import Reachability, blocking, listen, stopping
 
 if TYPE_CHECKING:
     from pdserve.router.config import SharedStateSpec
@@ -266,7 +266,7 @@ class RedisRegistry:
                         len(self._mine))
 
     async def _renewing(self) -> None:
-        while True:
+        while not stopping():
             await asyncio.sleep(self.ttl_s / 3 if self.redis.reachable
                                 else min(self.ttl_s / 3, self.backoff_s[1]))
             try:

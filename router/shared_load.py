@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Mapping, Protocol
 
 from redis.exceptions import RedisError
 
-from pdserve.router.redis_client import Reachability, listen
+from pdserve.router.redis_client import Reachability, listen, stopping
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -98,7 +98,7 @@ class RedisLoad:
 
     async def _publishing(self) -> None:
         full_at = 0.0
-        while True:
+        while not stopping():
             await asyncio.sleep(PUBLISH_S)  # the publishing period
             now = time.monotonic()
             counts = self._counts()

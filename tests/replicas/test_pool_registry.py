@@ -10,6 +10,7 @@ import contextlib
 from dataclasses import replace
 
 import pytest
+from redis.exceptions import RedisError
 
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
@@ -160,6 +161,33 @@ def test_a_replica_that_stops_renewing_is_told_to_exactly_one_live_replica(redis
             assert await eventually(lambda: heard_a.gone + heard_b.gone == ["c"] or
                                     heard_b.gone + heard_a.gone == ["c"], timeout_s=TTL_S * 2)
             assert "c" not in await a.client.zrange(a.routers_key, 0, -1)
+    asyncio.run(scenario())
+
+
+def test_a_cancellation_swallowed_inside_a_renewal_still_stops_the_replica(redis_server):
+    """redis-py can turn a cancellation that races a command's timeout into an error
+    (redis/redis-py#2551): the renewals must end all the same, or stop() waits forever
+    (it did: a full run hung in the test below for minutes)."""
+    async def scenario():
+        a = registry(redis_server, "a")
+        await a.start(RECORD, [PREFILL], Heard())
+        entered, swallow = asyncio.Event(), [True]
+
+        async def swallowing() -> None:  # a heartbeat whose Redis call eats the cancel
+            entered.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                if swallow[0]:
+                    raise RedisError("the cancellation, swallowed") from None
+                raise
+        a._heartbeat = swallowing
+        await asyncio.wait_for(entered.wait(), TTL_S)
+        stop = asyncio.ensure_future(a.stop())
+        done, _ = await asyncio.wait([stop], timeout=TTL_S)
+        swallow[0] = False  # a failing run ends too: the next cancellation goes through
+        assert stop in done, "stop() still waits on the renewals"
+        assert stop.result()  # the last replica: it ended the pool
     asyncio.run(scenario())
 
 
