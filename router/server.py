@@ -3,6 +3,7 @@ CLI or a test can start and stop the whole thing from ordinary code."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import uvicorn
@@ -13,8 +14,14 @@ from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_server import create_app
 from pdserve.router.router import Router
 
+log = logging.getLogger(__name__)
+
 
 class RouterServer:
+    # What the router's own stop (its Redis loops, the pool's supervision) may take
+    # once the front ends drained; past it, stop() reports what still runs and raises.
+    stop_margin_s = 10.0
+
     def __init__(self, router: Router, host: str = "127.0.0.1", grpc_port: int = 0,
                  http_port: int = 0, keys: ApiKeys = ApiKeys(), tls: TLSConfig | None = None,
                  admin_keys: ApiKeys = ApiKeys()):
@@ -70,7 +77,9 @@ class RouterServer:
     def stop(self, grace_s: float = 5.0) -> None:
         """Drains: both front ends stop taking requests at once (new HTTP connections
         refused, new gRPC calls UNAVAILABLE), admin operations under way are answered
-        503, in-flight streams get `grace_s` to finish, then the loop stops."""
+        503, in-flight streams get `grace_s` to finish, then the loop stops. A drain
+        that outlasts its bound raises TimeoutError, once the stack of every task it
+        left running is logged."""
         async def shutdown():
             self.router.pool.close()
             # A connection that never finishes (a TLS handshake a client dropped, an
@@ -82,6 +91,36 @@ class RouterServer:
                                  asyncio.wait_for(self._http_task, grace_s + 5))
             await self.router.stop()
             self.app.state.body_parser.close()
-        self._run(shutdown(), timeout=grace_s + 10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+        try:
+            self._run(shutdown(), timeout=grace_s + self.stop_margin_s)
+        except TimeoutError:
+            log.error("the drain did not end within %g s; still running:\n%s",
+                      grace_s + self.stop_margin_s, self._run(_running_tasks(), timeout=5))
+            raise
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+
+
+async def _running_tasks() -> str:
+    """Every task on the loop but the caller's, each with its chain of awaits (the
+    innermost last), as text."""
+    text = []
+    for task in asyncio.all_tasks():
+        if task is not asyncio.current_task():
+            text.append(f"{task.get_name()}:")
+            text += _awaits(task.get_coro())
+    return "\n".join(text)
+
+
+def _awaits(coro) -> list[str]:
+    """Where a coroutine (or async generator) and each one it awaits stand."""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is None:
+            break
+        lines.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno}, '
+                     f"in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+    return lines

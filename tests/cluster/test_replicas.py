@@ -10,13 +10,7 @@ killed under load fails nothing and is rebuilt when back; of the planners one le
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import re
-import signal
-import subprocess
-import sys
-import threading
 
 import httpx
 import pytest
@@ -35,6 +29,7 @@ from pdserve.router.redis_registry import read_registered
 from pdserve.router.server import RouterServer
 from tests import faults
 from tests.cluster.conftest import wait_all_blocks_free
+from tests.front_process import FrontProcess
 from tests.polling import eventually, until
 from tests.redis_server import RedisServer
 
@@ -87,12 +82,9 @@ def named_workers() -> list[str]:
             if a["namespace"] == NAMESPACE]
 
 
-def pdserve_router(redis_url: str, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "router", "--redis-url", redis_url,
-         "--grpc-port", "0", "--http-port", "0", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def pdserve_router(redis_url: str, *flags: str) -> FrontProcess:
+    return FrontProcess("router", "--redis-url", redis_url, "--grpc-port", "0",
+                        "--http-port", "0", *flags)
 
 
 def test_pdserve_router_serves_the_registered_pool_as_another_replica(replicas, llama_dir):
@@ -100,13 +92,8 @@ def test_pdserve_router_serves_the_registered_pool_as_another_replica(replicas, 
     serves exact outputs, refuses an id in flight on another replica, and on SIGTERM
     leaves the pool to the others (its workers serve on)."""
     redis_url = replicas[0].router.config.shared.redis_url
-    process = pdserve_router(redis_url, "--redis-prefix", "r", "--api-key", KEY)
-    errors: list[str] = []
-    threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True).start()
-    lines = iter(process.stdout)
-    try:
-        match = next(m for m in map(re.compile(r"gRPC (\S+)  HTTP (\S+)").search, lines) if m)
-        target = match.group(1)
+    with pdserve_router(redis_url, "--redis-prefix", "r", "--api-key", KEY) as process:
+        target, _ = process.serving()
         prompt = [9, 8, 7, 6, 5]
         llm = LLM(str(llama_dir), kv_cache_memory_bytes=32 << 20, max_model_len=512)
         want = llm.generate([prompt], SamplingParams(max_tokens=200, temperature=0,
@@ -120,12 +107,8 @@ def test_pdserve_router_serves_the_registered_pool_as_another_replica(replicas, 
                 other.generate([1, 2], request_id="via-cli", max_tokens=2)
             tokens += [t for chunk in stream for t in chunk.token_ids]
         assert tokens == want
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert not [line for line in errors if "Traceback" in line], "".join(errors)[-3000:]
+        assert process.terminate(timeout_s=60) == 0
+    assert not process.tracebacks(), process.tracebacks()
     with Client(replicas[0].grpc_target, api_key=KEY) as client:  # the pool serves on
         assert len(client.generate([3, 4], max_tokens=3, ignore_eos=True).token_ids) == 3
 
@@ -139,21 +122,15 @@ def test_a_replica_killed_mid_stream_loses_only_its_own_requests_and_frees_their
     redis_url = replicas[0].router.config.shared.redis_url
     decode = replicas[0].router.workers["decode-0"].client.actor
     ray.get(decode.__ray_call__.remote(faults.slow_sampler, 0.02))  # 450 steps: 9 s or more
-    process = pdserve_router(redis_url, "--redis-prefix", "r", "--api-key", KEY,
-                             "--registry-ttl-s", "1.5")
-    threading.Thread(target=lambda: list(process.stderr), daemon=True).start()
-    try:
-        lines = iter(process.stdout)
-        match = next(m for m in map(re.compile(r"gRPC (\S+)  HTTP (\S+)").search, lines) if m)
-        with Client(match.group(1), api_key=KEY) as client:
+    with pdserve_router(redis_url, "--redis-prefix", "r", "--api-key", KEY,
+                        "--registry-ttl-s", "1.5") as process:
+        target, _ = process.serving()
+        with Client(target, api_key=KEY) as client:
             stream = client.generate_stream([faults.SLOW, 5, 6, 7], max_tokens=450,
                                             ignore_eos=True)
             next(stream)
-            process.kill()
-            process.wait(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
+            process.process.kill()
+            process.process.wait(timeout=30)
     ended_before = sum(srv.router.pool.replicas.orphans_ended for srv in replicas)
     with Client(replicas[1].grpc_target, api_key=KEY) as client:  # the others serve on
         assert len(client.generate([3, 4], max_tokens=3, ignore_eos=True).token_ids) == 3
@@ -219,9 +196,10 @@ def test_redis_killed_under_load_fails_nothing_and_is_rebuilt_when_back(replicas
 
 def test_pdserve_router_without_a_registered_pool_says_what_to_do(replicas):
     redis_url = replicas[0].router.config.shared.redis_url
-    done = pdserve_router(redis_url, "--redis-prefix", "nothing-here")
-    _, err = done.communicate(timeout=60)
-    assert done.returncode != 0
+    with pdserve_router(redis_url, "--redis-prefix", "nothing-here") as done:
+        assert done.process.wait(timeout=60) != 0
+        assert done.stderr.ended(10)
+    err = "".join(done.stderr.lines)
     assert "no pool is registered under --redis-prefix 'nothing-here'" in err
     assert "Traceback" not in err
 

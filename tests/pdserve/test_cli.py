@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
 import subprocess
 import sys
@@ -15,6 +13,7 @@ import pytest
 
 from pdserve.cli import main
 from pdserve.client import Client, UnavailableError
+from tests.front_process import FrontProcess
 
 
 def test_offline_demo_reports_throughput(llama_dir, capsys):
@@ -39,20 +38,14 @@ def test_sigterm_stops_both_front_ends_at_once_and_drains_what_is_in_flight(llam
     HTTP SSE) complete, and the process exits well within --drain-timeout with no
     traceback."""
     drain_timeout = 30
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "serve", "--model", str(llama_dir),
-         "--grpc-port", "0", "--http-port", "0", "--max-model-len", "512",
-         "--kv-cache-memory-bytes", str(32 << 20), "--drain-timeout", str(drain_timeout),
-         "--admin-api-key", "admin-key"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    errors: list[str] = []
-    threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True).start()
+    process = FrontProcess(
+        "serve", "--model", str(llama_dir), "--grpc-port", "0", "--http-port", "0",
+        "--max-model-len", "512", "--kv-cache-memory-bytes", str(32 << 20),
+        "--drain-timeout", str(drain_timeout), "--admin-api-key", "admin-key")
     lines = iter(process.stdout)
     admin_headers = {"Authorization": "Bearer admin-key"}
-    try:
-        match = next(m for m in map(re.compile(r"gRPC (\S+)  HTTP (\S+)").search, lines) if m)
-        target, url = match.groups()
+    with process:
+        target, url = process.serving()
         workers = httpx.get(f"{url}/admin/workers", headers=admin_headers).json()["workers"]
         decode = next(w["worker_id"] for w in workers if w["role"] == "decode")
         sse: list[str] = []
@@ -81,7 +74,7 @@ def test_sigterm_stops_both_front_ends_at_once_and_drains_what_is_in_flight(llam
                     f"{url}/admin/workers", headers=admin_headers).json()["workers"]):
                 assert drain.is_alive(), drained
             signaled = time.monotonic()
-            process.send_signal(signal.SIGTERM)
+            process.process.send_signal(signal.SIGTERM)
             assert next(line for line in lines if "draining" in line)
             drain.join(10)
             assert [r.status_code for r in drained] == [503]
@@ -97,13 +90,10 @@ def test_sigterm_stops_both_front_ends_at_once_and_drains_what_is_in_flight(llam
         assert chunks[-1].finish_reason == "length"
         assert sse[-1] == "[DONE]" and not any('"error"' in event for event in sse)
         assert json.loads(sse[-2])["choices"][0]["finish_reason"] == "length"
-        assert process.wait(timeout=drain_timeout + 15) == 0
+        assert process.exit_code(timeout_s=drain_timeout + 15) == 0
         assert time.monotonic() - signaled < drain_timeout
         assert any("stopped" in line for line in lines)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert not [line for line in errors if "Traceback" in line], "".join(errors)[-3000:]
+    assert not process.tracebacks(), process.tracebacks()
 
 
 def test_bench_compare_runs_both_modes_and_reports_the_ratio(llama_dir, tmp_path):
