@@ -57,7 +57,11 @@ class FrontProcess:
     def serving(self) -> tuple[str, str]:
         """The gRPC target and HTTP URL the process printed once it served."""
         pattern = re.compile(r"gRPC (\S+)  HTTP (\S+)")
-        match = next((m for m in map(pattern.search, self.stdout) if m), None)
+        try:
+            match = next((m for m in map(pattern.search, self.stdout) if m), None)
+        except queue.Empty:
+            pytest.fail(f"it printed nothing for {LINE_TIMEOUT_S:g} s before it served:\n"
+                        f"{self.stderr.tail()}")
         assert match, f"it ended before it served:\n{self.stderr.tail()}"
         return match.group(1), match.group(2)
 
