@@ -176,7 +176,7 @@ def test_a_cancellation_swallowed_inside_a_renewal_still_stops_the_replica(redis
         async def swallowing() -> None:  # a heartbeat whose Redis call eats the cancel
             entered.set()
             try:
-                await asyncio.sleep(60)
+                await asyncio.Event().wait()  # a command in flight: only a cancel ends it
             except asyncio.CancelledError:
                 if swallow[0]:
                     raise RedisError("the cancellation, swallowed") from None
