@@ -67,7 +67,7 @@ def stopping() -> bool:
     that races a command's timeout (redis/redis-py#2551, #2028): the task's request
     stays counted (Task.cancelling()) but no CancelledError arrives, and a loop that
     outlives a failed call would run on, its task never ending (seen: a registry's
-    stop() waiting forever on its renewals). Every long-lived loop over Redis calls
+    stop() waiting forever on its renewals). Every long-lived loop over Redis
     checks this."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0

@@ -94,8 +94,12 @@ class RouterServer:
         try:
             self._run(shutdown(), timeout=grace_s + self.stop_margin_s)
         except TimeoutError:
+            try:
+                running = self._run(_running_tasks(), timeout=5)
+            except TimeoutError:
+                running = "nothing answers: a call blocks the loop's thread"
             log.error("the drain did not end within %g s; still running:\n%s",
-                      grace_s + self.stop_margin_s, self._run(_running_tasks(), timeout=5))
+                      grace_s + self.stop_margin_s, running)
             raise
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
