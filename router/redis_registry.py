@@ -194,7 +194,7 @@ class RedisRegistry:
                         pipe.hdel(self.workers_key, worker_id)
                     else:
                         pipe.hset(self.workers_key, worker_id, entry.to_json())
-                        pipe.pexpire(self.workers_key, self._ttl_ms())
+                        _extend(pipe, self.workers_key, self._ttl_ms())
                     text = "" if entry is None else entry.to_json()
                     pipe.publish(self.channel, f"{self.replica_id}\n{worker_id}\n{text}")
                     await pipe.execute()
@@ -246,9 +246,9 @@ class RedisRegistry:
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.zadd(self.routers_key, {self.replica_id: now + ttl_ms})
             pipe.zrangebyscore(self.routers_key, "-inf", now)
-            for key in (self.routers_key, self.workers_key, self.seq_key):
-                pipe.pexpire(key, ttl_ms)
-            pipe.pexpire(self.pool_key, ttl_ms)
+            for key in (self.routers_key, self.workers_key, self.seq_key, self.pool_key):
+                _extend(pipe, key, ttl_ms)
+            pipe.exists(self.pool_key)
             done = await pipe.execute()
         expired, renewed = done[1], done[-1]
         for replica_id in expired:  # died: the one replica whose ZREM takes it says so
@@ -260,7 +260,7 @@ class RedisRegistry:
                 pipe.set(self.pool_key, self.record.to_json(), px=ttl_ms, nx=True)
                 for entry in self._mine.values():
                     pipe.hsetnx(self.workers_key, entry.worker_id, entry.to_json())
-                pipe.pexpire(self.workers_key, ttl_ms)
+                _extend(pipe, self.workers_key, ttl_ms)
                 await pipe.execute()
             log.warning("pool registry: written again from this replica's view (%d workers)",
                         len(self._mine))
@@ -282,3 +282,13 @@ class RedisRegistry:
 
     def _ttl_ms(self) -> int:
         return max(1, round(self.ttl_s * 1e3))
+
+
+def _extend(pipe, key: str, ttl_ms: int) -> None:
+    """The shared key's TTL to at least ttl_ms, never shorter: replicas may run with
+    different TTLs, and one with a short TTL that dies must not take the pool's keys
+    (the routers' set among them, with its own entry) down before the others renew
+    them. NX for a key that has none (one an HSET or INCR made again), GT otherwise:
+    Redis (7.0+) takes one of the two per call."""
+    pipe.pexpire(key, ttl_ms, nx=True)
+    pipe.pexpire(key, ttl_ms, gt=True)

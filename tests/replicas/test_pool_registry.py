@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import replace
 
 import pytest
@@ -161,6 +162,33 @@ def test_a_replica_that_stops_renewing_is_told_to_exactly_one_live_replica(redis
             assert await eventually(lambda: heard_a.gone + heard_b.gone == ["c"] or
                                     heard_b.gone + heard_a.gone == ["c"], timeout_s=TTL_S * 2)
             assert "c" not in await a.client.zrange(a.routers_key, 0, -1)
+    asyncio.run(scenario())
+
+
+def test_a_replica_with_a_shorter_ttl_never_shortens_the_pool_s_keys(redis_server):
+    """Replicas may run with different --registry-ttl-s. One with a short TTL that dies
+    must not take the shared keys with it before the others renew them: the routers'
+    set would vanish with its entry, and no replica would ever learn it is gone (its
+    requests' KV left held; seen in tests/cluster/test_replicas.py)."""
+    async def scenario():
+        a = RedisRegistry(connect(spec_of(redis_server)), "t", "a", 30.0,
+                          backoff_s=(0.05, 0.2))  # renews every 10 s: not during this test
+        heard_a = Heard()
+        await a.start(RECORD, [PREFILL], heard_a, heard_a.gone.append)
+        b = RedisRegistry(connect(spec_of(redis_server)), "t", "b", 0.5,
+                          backoff_s=(0.05, 0.2))
+        await b.start(None, [PREFILL], Heard())
+        for task in b._tasks:  # it dies: no renewal, no sign-off
+            task.cancel()
+        await asyncio.gather(*b._tasks, return_exceptions=True)
+        await b.client.aclose()
+        expiry_ms = await a.client.zscore(a.routers_key, "b")
+        assert await eventually(lambda: time.time() * 1e3 > expiry_ms + 100, timeout_s=2)
+        for key in (a.pool_key, a.workers_key, a.routers_key, a.seq_key):
+            assert await a.client.exists(key), f"{key} went with the replica that died"
+        await a._heartbeat()  # the survivor's next renewal
+        assert heard_a.gone == ["b"]
+        assert await a.stop()
     asyncio.run(scenario())
 
 
