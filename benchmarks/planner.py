@@ -20,7 +20,9 @@ arm: SLO attainment (both SLOs met, refusals counting as misses), worker-seconds
 (every worker provisioned, starting and draining included, sampled each second),
 requests failed (lost: any error but the 400 of a prompt the model cannot hold), and
 for the planner the changes of scaling direction per pool and period (a planner
-that follows a sinusoid and nothing else makes 2). The goal:
+that follows a sinusoid and nothing else makes 2). --oracle-per-worker R [R ...]
+adds a bound beside them: a colocated pool sized from the trace itself, as if the
+future were known, at R requests a second per worker (see Oracle). The goal:
 the planner at >= 90% attainment with <= 0.8x the worker-seconds of the cheapest
 static arm that reaches 90%. Prints each trace's table (medians and [min, max] over
 the seeds) and the ratio last; writes JSON."""
@@ -34,7 +36,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from pdserve.bench.metrics import SLO, summarize
 from pdserve.bench.report import save_json, show, spread
@@ -78,8 +80,51 @@ def requests_of(trace: str, args, profile: Profile, seed: int):
     return [replace(r, timestamp=t) for r, t in zip(reqs, times)]
 
 
+@dataclass(frozen=True)
+class Oracle:
+    """A colocated pool sized from the trace itself: each second, the workers the
+    highest rate of the next start-up needs at `per_worker` requests a second each
+    (a worker asked for now serves a start-up later, and is paid for meanwhile). It
+    knows the rate function, so no planner that sizes a worker at `per_worker` can
+    do better on the trace's own terms; it acts through the production Pool as the
+    planner does (a new worker starts, a removed one drains first)."""
+    trace: str
+    low_rate: float
+    period_s: float
+    burst_s: float
+    per_worker: float
+    startup_s: float
+
+    def wanted(self, t: float) -> int:
+        horizon = [t + self.startup_s * i / 20 for i in range(21)]
+        return max(1, max(math.ceil(rate_at(self.trace, s, self) / self.per_worker)
+                          for s in horizon))
+
+    async def steer(self, r, start: float, done: asyncio.Event) -> None:
+        """Until `done`: every second, adds the workers the trace wants or removes
+        the surplus (those still starting first: they carry nothing)."""
+        loop = asyncio.get_running_loop()
+        removing: dict[str, asyncio.Task] = {}
+        while not done.is_set():
+            states = r.pool.states()
+            starting = [w for w, j in r.pool.joining.items()
+                        if j.state in ("pending", "starting") and w not in r.pool.workers]
+            serving = [w for w in r.pool.workers if states.get(w) != "draining"]
+            present = [w for w in starting + serving if w not in removing]
+            want = self.wanted(loop.time() - start)
+            for _ in range(want - len(present)):
+                await r.pool.add("both", wait=False)
+            for worker_id in present[:max(len(present) - want, 0)]:
+                task = loop.create_task(r.pool.remove(worker_id))
+                removing[worker_id] = task
+                task.add_done_callback(lambda _, w=worker_id: removing.pop(w, None))
+            await asyncio.sleep(1.0)
+        if removing:
+            await asyncio.wait(set(removing.values()))
+
+
 def run_arm(profile: Profile, pools: PoolSpec, router: RouterConfig, requests, slo: SLO,
-            seed: int) -> dict:
+            seed: int, oracle: Oracle | None = None) -> dict:
     """One arm on the trace: the bench summary, worker-seconds and the pool sizes."""
     cluster = SimCluster(profile, pools, router, seed=seed)
 
@@ -101,11 +146,15 @@ def run_arm(profile: Profile, pools: PoolSpec, router: RouterConfig, requests, s
                 sizes.append((loop.time() - start, counts))
                 await asyncio.sleep(1.0)
         sampler = loop.create_task(sample())
+        steering = (loop.create_task(oracle.steer(r, loop.time(), done))
+                    if oracle is not None else None)
         try:
             records, duration = await drive(r, requests, Load(slo=slo))
         finally:
             done.set()
             await sampler
+            if steering is not None:
+                await steering
             decisions = list(r.planner.decisions) if r.planner else []
             await cluster.stop()
         return records, duration, sizes, decisions
@@ -125,7 +174,7 @@ def run_arm(profile: Profile, pools: PoolSpec, router: RouterConfig, requests, s
             "requests": summary["requests"],
             "worker_seconds": worker_s, "ttft_p90_ms": summary["ttft_ms"].get("p90"),
             "tpot_p90_ms": summary["tpot_ms"].get("p90"),
-            "sizes": sizes if router.autoscale.autoscale else [],
+            "sizes": sizes if router.autoscale.autoscale or oracle else [],
             "decisions": decisions}
 
 
@@ -157,6 +206,14 @@ def planner_arm(args, mode: str) -> tuple[str, PoolSpec, RouterConfig]:
     pools = PoolSpec(0, 1, mode="colocated") if colocated else PoolSpec(1, 1)
     return (f"planner {'colocated' if colocated else 'P/D'}", pools,
             RouterConfig(routing=routing_of(args), autoscale=autoscale))
+
+
+def oracle_arm(args, trace: str, per_worker: float, startup_s: float
+               ) -> tuple[str, PoolSpec, RouterConfig, Oracle]:
+    oracle = Oracle(trace=trace, low_rate=args.low_rate, period_s=args.period_s,
+                    burst_s=args.burst_s, per_worker=per_worker, startup_s=startup_s)
+    return (f"oracle at {per_worker:g}/worker", PoolSpec(0, oracle.wanted(0.0), mode="colocated"),
+            RouterConfig(routing=routing_of(args)), oracle)
 
 
 def static_arms(args, n: int) -> list[tuple[str, PoolSpec, RouterConfig]]:
@@ -204,11 +261,16 @@ def main() -> int:
                     choices=["disaggregated", "colocated"],
                     help="the pools the planner runs: disaggregated (prefill and decode) "
                     "and / or colocated (one pool of role both)")
+    ap.add_argument("--oracle-per-worker", type=float, nargs="*", default=[], metavar="R",
+                    help="also run the oracle (a colocated pool sized from the trace "
+                    "itself) at each R requests a second per worker")
     ap.add_argument("--jobs", type=int, default=1,
                     help="seeds run in this many processes at once (virtual time: the "
                     "results do not depend on it)")
     ap.add_argument("--out", default="bench-results/planner.json")
     args = ap.parse_args()
+    if any(not per_worker > 0 for per_worker in args.oracle_per_worker):
+        ap.error("--oracle-per-worker: every rate must be > 0")
     named = None if args.statics is None else [
         arm for n in range(1, args.budget + 1) for arm in static_arms(args, n)
         if arm[0] in args.statics]
@@ -227,12 +289,12 @@ def main() -> int:
         requests = {seed: requests_of(trace, args, profile, seed) for seed in args.seeds}
         rows: dict[str, list[dict]] = {}
 
-        def run(arms: list[tuple[str, PoolSpec, RouterConfig]]) -> None:
-            """Every seed of every arm given, as one batch of jobs (no process idles
-            while another arm's last seed runs)."""
-            keys = [(name, seed) for name, _, _ in arms for seed in args.seeds]
-            jobs = [(profile, pools, router, requests[seed], slo, seed)
-                    for _, pools, router in arms for seed in args.seeds]
+        def run(arms: list[tuple]) -> None:
+            """Every seed of every arm given (name, pools, router[, oracle]), as one
+            batch of jobs (no process idles while another arm's last seed runs)."""
+            keys = [(arm[0], seed) for arm in arms for seed in args.seeds]
+            jobs = [(profile, arm[1], arm[2], requests[seed], slo, seed, *arm[3:])
+                    for arm in arms for seed in args.seeds]
             ran = executor.map(_run_arm, jobs) if executor else map(_run_arm, jobs)
             for (name, seed), row in zip(keys, ran):
                 if name.startswith("planner"):
@@ -243,10 +305,13 @@ def main() -> int:
                       f"({time.perf_counter() - began:.0f} s)", flush=True)
         planner_arms = [planner_arm(args, mode) for mode in args.planner_modes]
         planners = [name for name, _, _ in planner_arms]
+        oracles = [oracle_arm(args, trace, per_worker, profile.startup_s)
+                   for per_worker in args.oracle_per_worker]
+        dynamic = planners + [arm[0] for arm in oracles]
         if named is not None:  # no search: every arm in one batch
-            run(planner_arms + named)
+            run(planner_arms + oracles + named)
         else:
-            run(planner_arms)
+            run(planner_arms + oracles)
             # Static configurations from the smallest up: the first size at which one
             # reaches the target holds the cheapest (every static arm of a size costs
             # the same worker-seconds).
@@ -265,7 +330,7 @@ def main() -> int:
                 role: spread([r["reversals"][role] / periods for r in rows[planner]])
                 for role in ("prefill", "decode", "both")}
         passing = [(t["worker_seconds"]["median"], name) for name, t in table.items()
-                   if name not in planners and t["attainment"]["median"] >= TARGET]
+                   if name not in dynamic and t["attainment"]["median"] >= TARGET]
         cheapest = min(passing) if passing else None
         results["traces"][trace] = {"table": table, "runs": rows, "cheapest_static": cheapest}
         lines.append(f"{trace} ({len(args.seeds)} seeds): attainment | worker-seconds | failed")
@@ -279,13 +344,14 @@ def main() -> int:
                             if turns else ""))
         if cheapest is not None:
             results["traces"][trace]["ratio"] = {}
-            for planner in planners:
-                ratio = table[planner]["worker_seconds"]["median"] / cheapest[0]
-                results["traces"][trace]["ratio"][planner] = ratio
-                lines.append(f"  {planner} / cheapest static at >= {TARGET:.0%} "
+            for name in dynamic:
+                ratio = table[name]["worker_seconds"]["median"] / cheapest[0]
+                results["traces"][trace]["ratio"][name] = ratio
+                lines.append(f"  {name} / cheapest static at >= {TARGET:.0%} "
                              f"({cheapest[1]}): {ratio:.2f}x worker-seconds at attainment "
-                             f"{table[planner]['attainment']['median']:.3f} "
-                             f"(goal: <= 0.80x at >= {TARGET:.2f})")
+                             f"{table[name]['attainment']['median']:.3f} "
+                             + (f"(goal: <= 0.80x at >= {TARGET:.2f})" if name in planners
+                                else "(a bound: the trace known in advance)"))
         else:
             lines.append(f"  no static arm of up to {args.budget} workers reached "
                          f"{TARGET:.0%}: no ratio")
