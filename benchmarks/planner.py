@@ -202,7 +202,8 @@ def planner_arm(args, mode: str) -> tuple[str, PoolSpec, RouterConfig]:
                               max_decode_workers=args.budget if colocated else args.budget - 1,
                               max_workers=args.budget, planner_interval_s=args.interval_s,
                               planner_down_ticks=args.down_ticks,
-                              planner_reversal_guard_s=args.reversal_guard_s)
+                              planner_reversal_guard_s=args.reversal_guard_s,
+                              planner_load_factor=args.load_factor)
     pools = PoolSpec(0, 1, mode="colocated") if colocated else PoolSpec(1, 1)
     return (f"planner {'colocated' if colocated else 'P/D'}", pools,
             RouterConfig(routing=routing_of(args), autoscale=autoscale))
@@ -253,6 +254,8 @@ def main() -> int:
     ap.add_argument("--reversal-guard-s", type=float,
                     default=AutoscaleSpec.planner_reversal_guard_s,
                     help="the planner's --planner-reversal-guard-s")
+    ap.add_argument("--load-factor", type=float, default=AutoscaleSpec.planner_load_factor,
+                    help="the planner's --planner-load-factor")
     ap.add_argument("--startup-s", type=float, default=None,
                     help="a new worker's start-up, seconds (default: the profile's)")
     ap.add_argument("--slo-ttft-ms", type=float, default=500.0)
@@ -269,6 +272,8 @@ def main() -> int:
                     "results do not depend on it)")
     ap.add_argument("--out", default="bench-results/planner.json")
     args = ap.parse_args()
+    if not args.load_factor > 0:
+        ap.error("--load-factor must be > 0")
     if any(not per_worker > 0 for per_worker in args.oracle_per_worker):
         ap.error("--oracle-per-worker: every rate must be > 0")
     named = None if args.statics is None else [

@@ -103,6 +103,11 @@ class AutoscaleSpec:
     planner_reversal_guard_s: float = option(
         PlannerConfig.reversal_guard_s, "--autoscale: seconds after a pool's new worker "
         "would serve (a start-up after it was asked for) before the pool may shrink", ge=0)
+    planner_load_factor: float = option(
+        PlannerConfig.load_factor, "--autoscale: how many times the load the latency "
+        "model gives a worker within the SLOs it is counted on for: above 1 the pools are "
+        "sized to miss at the peaks (spending the misses an attainment goal allows) "
+        "at fewer workers; below 1, headroom", gt=0)
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):
@@ -119,6 +124,8 @@ class AutoscaleSpec:
             raise ValueError("--planner-down-ticks must be >= 1")
         if not self.planner_reversal_guard_s >= 0:
             raise ValueError("--planner-reversal-guard-s must be >= 0")
+        if not self.planner_load_factor > 0:
+            raise ValueError("--planner-load-factor must be > 0")
         for roles in (("prefill", "decode"), ("both",)):
             self.planner_config(roles)  # and the planner's own checks
 
@@ -133,7 +140,8 @@ class AutoscaleSpec:
                              max_workers=self.max_workers,
                              interval_s=self.planner_interval_s,
                              down_sustain=self.planner_down_ticks,
-                             reversal_guard_s=self.planner_reversal_guard_s)
+                             reversal_guard_s=self.planner_reversal_guard_s,
+                             load_factor=self.planner_load_factor)
 
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")

@@ -18,7 +18,10 @@ either). For each pool, from its serving workers past their cold start:
     demand the workers the arrival rate a start-up ahead needs (planner_demand.py:
            sized with the pool's measured step cost; ISL: prompt tokens not cached,
            decode context ISL + OSL/2). Growth reads it at the SLO, shrinking at
-           margin x SLO: the band between them is where a pool holds
+           margin x SLO: the band between them is where a pool holds. With a
+           load_factor above 1 each worker is counted on for that many times the
+           load the model gives it within the SLO: the pools are sized to miss at
+           the peaks, spending the misses an attainment goal below 100% allows
 
 A signal acts once it held for `sustain` ticks in a row (shrinking: `down_sustain`).
 A short pool takes a worker flipped from a pool that can spare one (its weights stay
@@ -64,6 +67,12 @@ class PlannerConfig:
     # min_judged of them ended) is not shrunk.
     attainment_target: float = 0.9
     min_judged: int = 20
+    # How many times the load the latency model says a worker carries within the SLO
+    # it is counted on for. 1: every moment sized to meet the SLO (each request at its
+    # mean); above 1 the pools run past it at the peaks and meet the SLOs less often
+    # (docs/simulator.md: 1.2 met 0.91-0.93 on a sinusoid, at 0.76-0.81x the
+    # worker-seconds of the cheapest static pool at 90%); below 1, headroom.
+    load_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.roles or any(r not in ("prefill", "decode", "both") for r in self.roles):
@@ -77,6 +86,8 @@ class PlannerConfig:
             raise ValueError("sustain and down_sustain must be >= 1, margin in (0, 1]")
         if not (0 <= self.attainment_target <= 1 and self.min_judged >= 1):
             raise ValueError("attainment_target must be in [0, 1], min_judged >= 1")
+        if not self.load_factor > 0:
+            raise ValueError(f"load_factor must be > 0, not {self.load_factor!r}")
         for name in ("interval_s", "cold_start_s", "startup_s", "reversal_guard_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -286,16 +297,16 @@ def _signal(role: str, obs: Observation, config: PlannerConfig) -> PoolSignal:
     # Growth looks a start-up ahead (a new worker serves that much later); shrinking
     # does not run ahead of a falling load (a worker drains at once, and a rise back
     # would wait a start-up), so it reads the larger of now and ahead.
-    ahead = _rate_ahead(obs, config)
-    t = obs.traffic
-    demand = math.ceil(need(role, warm, obs.slo, t.isl, t.osl, ahead, 1.0) - 1e-9)
+    ahead, t, f = _rate_ahead(obs, config), obs.traffic, config.load_factor
+    demand = math.ceil(need(role, warm, obs.slo, t.isl, t.osl, ahead, 1.0, f) - 1e-9)
     keep = math.ceil(need(role, warm, obs.slo, t.isl, t.osl, max(ahead, t.rate),
-                          config.margin) - 1e-9)
+                          config.margin, f) - 1e-9)
     short, cause = _short(role, warm, obs, config), "miss"
     if not short and demand > len(members):
+        factor = f", at {f:g} x a worker's load" if f != 1 else ""
         short, cause = (f"the demand needs {demand} workers, it has {len(members)} "
                         f"({ahead:.1f} req/s a start-up ahead, now "
-                        f"{t.rate:.1f}; ISL {t.isl:.0f}, OSL {t.osl:.0f})"), "demand"
+                        f"{t.rate:.1f}; ISL {t.isl:.0f}, OSL {t.osl:.0f}{factor})"), "demand"
     met, judged = t.attainment(role)
     behind = judged >= config.min_judged and met < config.attainment_target * judged
     spare = "" if behind or keep >= len(members) else _spare(role, warm, members, obs, config)

@@ -31,20 +31,23 @@ KV_FULL = 0.95  # a decode worker this full cannot take the next request's KV
 
 
 def need(role: str, warm: list[WorkerView], slo: Slo, isl: float, osl: float,
-         rate: float, margin: float) -> float:
+         rate: float, margin: float, load_factor: float = 1.0) -> float:
     """Workers (a fraction) `rate` requests a second need with every worker kept
     within margin x SLO, and (decoding roles) their KV within margin x KV_FULL; 0
-    when unknown (no measured worker, no traffic figures)."""
+    when unknown (no measured worker, no traffic figures). With a load_factor each
+    worker counts for that many times the load the SLO terms give it (not its KV:
+    a request that finds none is refused or preempted, however the SLOs are met)."""
     if not warm or isl <= 0 or osl <= 0 or rate == 0:
         return 0.0
     cost = worst_cost(warm)
+    kv = _kv_need(warm, rate, osl, margin) if role != "prefill" else 0.0
+    rate = rate / load_factor  # the SLO terms' rate
     # A worker's share of time per prompt: its compute, plus the steps it spans.
     prompt_s = prompt_compute_seconds(cost, int(isl))
     per_prompt_s = prompt_s + cost.base_s * math.ceil(isl / WorkerLoad().token_budget)
     prefill = rate * per_prompt_s / _busy_share(per_prompt_s, slo.ttft_s, margin)
     if role == "prefill":
         return prefill
-    kv = _kv_need(warm, rate, osl, margin)
     if slo.tpot_s is None:  # decode sized on misses and KV alone
         return max(prefill if role == "both" else 0.0, kv)
     step_s = margin * slo.tpot_s  # the longest step the TPOT SLO allows, at the margin

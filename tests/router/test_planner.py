@@ -245,13 +245,18 @@ def test_a_config_that_cannot_hold_is_refused():
 def test_the_planner_flags_reach_its_config_and_bad_ones_name_the_flag():
     from pdserve.router.config import AutoscaleSpec
 
-    spec = AutoscaleSpec(autoscale=True, planner_down_ticks=3, planner_reversal_guard_s=15)
+    spec = AutoscaleSpec(autoscale=True, planner_down_ticks=3, planner_reversal_guard_s=15,
+                         planner_load_factor=1.25)
     cfg = spec.planner_config(("prefill", "decode"))
-    assert (cfg.down_sustain, cfg.reversal_guard_s) == (3, 15)
+    assert (cfg.down_sustain, cfg.reversal_guard_s, cfg.load_factor) == (3, 15, 1.25)
     with pytest.raises(ValueError, match="--planner-down-ticks"):
         AutoscaleSpec(planner_down_ticks=0)
     with pytest.raises(ValueError, match="--planner-reversal-guard-s"):
         AutoscaleSpec(planner_reversal_guard_s=-1)
+    with pytest.raises(ValueError, match="--planner-load-factor"):
+        AutoscaleSpec(planner_load_factor=0)
+    with pytest.raises(ValueError, match="load_factor"):
+        PlannerConfig(load_factor=-1.0)
 
 
 def test_a_colocated_pool_grows_on_either_miss():
@@ -285,6 +290,29 @@ def test_a_colocated_pool_is_sized_with_one_step_overhead_and_holds_inside_its_b
     seen, _, out = ticks(two, traffic=replace(steady, rate=15.0), n=3, cfg=cfg)
     add, = seen[2]
     assert add.cause == "demand" and "the demand needs 3 workers, it has 2" in add.reason
+
+
+def test_a_load_factor_counts_each_worker_for_more_and_sizes_the_pool_smaller():
+    """The colocated pool above (a request: 0.11 s of a worker's steps, at 0.8 of each
+    step): at 1.5 x a worker's load 14 req/s are sized as 9.3, 1.28 workers at the SLO
+    and 1.37 at the margin, so three give one up where at 1 they hold; and 22 req/s
+    need 3 workers, not 4."""
+    steady = Traffic(rate=14.0, isl=100, osl=100)
+    three = [view("e0", "both"), view("e1", "both"), view("e2", "both")]
+    for factor, gives_up in ((1.0, False), (1.5, True)):
+        cfg = config(roles=("both",), min_workers=(("both", 1),), load_factor=factor)
+        seen, _, out = ticks(three, traffic=steady, n=4, cfg=cfg)
+        assert out.signals["both"].keep == (2 if gives_up else 3)
+        assert [(a.kind, a.cause) for a in seen[3]] == ([("remove", "spare")] if gives_up
+                                                       else [])
+    two = [view("e0", "both"), view("e1", "both")]
+    for factor, needs in ((1.0, 4), (1.5, 3)):
+        cfg = config(roles=("both",), min_workers=(("both", 1),), load_factor=factor)
+        seen, _, out = ticks(two, traffic=replace(steady, rate=22.0), n=3, cfg=cfg)
+        add = seen[2][0]
+        assert f"the demand needs {needs} workers, it has 2" in add.reason
+        assert ("at 1.5 x a worker's load" in add.reason) == (factor == 1.5)
+        assert out.desired == {"both": needs}
 
 
 def test_the_demand_gets_every_worker_it_lacks_at_once_even_while_one_is_coming():
@@ -324,12 +352,19 @@ def test_a_decode_pool_grows_for_the_kv_a_rising_load_will_hold():
     # Its TPOT needs half a worker at 4 req/s (4 x 100 x 50 ms / 40); its KV: 4 req/s
     # x 100 steps x 13 ms = 5.2 decoding at once, x 25% = 1.3 workers at 95% full each,
     # so a second is added before the KV is full (at 95% the worker would miss).
-    cfg = config(roles=("decode",), min_workers=(("decode", 1),), startup_s=30.0)
+    # A load factor counts a worker for more of the SLO's load, not for more KV: the
+    # same worker is added at 2 x a worker's load.
     rising = Traffic(rate=2.0, rate_slope=0.05, isl=100, osl=100)
-    seen, _, out = ticks([view("d0", "decode", seqs=3, kv=0.75)], traffic=rising, n=3, cfg=cfg)
-    assert out.signals["decode"].demand == 2 and out.signals["decode"].short_cause == "demand"
-    add, = seen[2]
-    assert (add.kind, add.role) == ("add", "decode")
+    for factor in (1.0, 2.0):
+        cfg = config(roles=("decode",), min_workers=(("decode", 1),), startup_s=30.0,
+                     load_factor=factor)
+        seen, _, out = ticks([view("d0", "decode", seqs=3, kv=0.75)], traffic=rising, n=3,
+                             cfg=cfg)
+        assert out.signals["decode"].demand == 2
+        assert out.signals["decode"].short_cause == "demand"
+        add, = seen[2]
+        assert (add.kind, add.role) == ("add", "decode")
+    cfg = config(roles=("decode",), min_workers=(("decode", 1),), startup_s=30.0)
     # Steady at the rate now (2.6 decoding at once: 0.68 of a worker), nothing added.
     seen, _, out = ticks([view("d0", "decode", seqs=3, kv=0.75)],
                          traffic=replace(rising, rate_slope=0.0), n=6, cfg=cfg)
