@@ -70,9 +70,9 @@ class PlannerConfig:
     # How many times the load the latency model says a worker carries within the SLO
     # it is counted on for. 1: every moment sized to meet the SLO (each request at its
     # mean); above 1 the pools run past it at the peaks and meet the SLOs less often
-    # (docs/simulator.md: on a sinusoid 1.25 met 0.90-0.93 at 0.76-0.81x the
-    # worker-seconds of the cheapest static pool at 90%, 1 met 0.95 at 0.89x); below
-    # 1, headroom.
+    # (docs/simulator.md: on the H100 profile's sinusoid 1.25 met 0.90-0.93 at
+    # 0.76-0.81x the worker-seconds of the cheapest static pool at 90%, 1 met 0.95 at
+    # 0.89x; the right value depends on the profile and the load); below 1, headroom.
     load_factor: float = 1.0
 
     def __post_init__(self) -> None:
