@@ -117,14 +117,16 @@ def add_workload_flags(p: argparse.ArgumentParser, default_name: str) -> None:
                      help="file name stem of the outputs (default: %(default)s)")
 
 
-def workload_of(args: argparse.Namespace, vocab: int):
-    """Run i's prompts, drawn with seed + 1 + i (a sweep's warm-up is i = -1)."""
-    from pdserve.bench.workloads import make_workload
+def workload_of(args: argparse.Namespace, vocab: int, lazy: bool = False):
+    """Run i's prompts, drawn with seed + 1 + i (a sweep's warm-up is i = -1): a list,
+    or (lazy) an iterator that draws each when it is asked for."""
+    from pdserve.bench.workloads import iter_workload, make_workload
 
     def workload(i: int):
-        return make_workload(args.workload, args.num_prompts, vocab, args.seed + 1 + i,
-                             args.scale, args.input_len, args.output_len, args.range_ratio,
-                             args.prefix_share, path=args.dataset_path)
+        return (iter_workload if lazy else make_workload)(
+            args.workload, args.num_prompts, vocab, args.seed + 1 + i, args.scale,
+            args.input_len, args.output_len, args.range_ratio, args.prefix_share,
+            path=args.dataset_path)
     return workload
 
 

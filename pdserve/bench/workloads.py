@@ -11,6 +11,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from pdserve.router.prefix_index import block_hashes
 
@@ -44,14 +45,38 @@ PROFILES = {
 }
 
 
+WORKLOADS = ("random", *PROFILES, "prefix-shared", "conversations", "file")
+
+
 def make_workload(name: str, num: int, vocab_size: int, seed: int = 0, scale: float = 1.0,
                   input_len: int = 1024, output_len: int = 128, range_ratio: float = 0.0,
                   prefix_share: float = 0.5, prefix_len: int = 256,
                   path: str | None = None) -> list[BenchRequest]:
-    rng = random.Random(seed)
+    return list(iter_workload(name, num, vocab_size, seed, scale, input_len, output_len,
+                              range_ratio, prefix_share, prefix_len, path))
 
-    ids = range(4, vocab_size)
 
+def iter_workload(name: str, num: int, vocab_size: int, seed: int = 0, scale: float = 1.0,
+                  input_len: int = 1024, output_len: int = 128, range_ratio: float = 0.0,
+                  prefix_share: float = 0.5, prefix_len: int = 256,
+                  path: str | None = None) -> Iterable[BenchRequest]:
+    """make_workload's requests one at a time, each drawn when it is asked for (the
+    same ones, in the same order): a long simulated run holds only the prompts in
+    flight, not the whole run's. A file is read whole (a list): its timestamps, if it
+    has them, set the arrivals."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}: {', '.join(WORKLOADS)}")
+    if name == "file":
+        if path is None:
+            raise ValueError("workload 'file' needs a JSONL path")
+        return load_jsonl(path)
+    return _draw(name, num, random.Random(seed), range(4, vocab_size), scale, input_len,
+                 output_len, range_ratio, prefix_share, prefix_len)
+
+
+def _draw(name: str, num: int, rng: random.Random, ids: range, scale: float, input_len: int,
+          output_len: int, range_ratio: float, prefix_share: float,
+          prefix_len: int) -> Iterator[BenchRequest]:
     def tokens(n: int) -> list[int]:
         return rng.choices(ids, k=n)
 
@@ -60,27 +85,20 @@ def make_workload(name: str, num: int, vocab_size: int, seed: int = 0, scale: fl
         def around(n: int) -> int:
             low, high = int(n * (1 - range_ratio) * scale), int(n * (1 + range_ratio) * scale)
             return max(1, rng.randint(max(1, low), max(1, high)))
-        return [BenchRequest(tokens(around(input_len)), around(output_len)) for _ in range(num)]
-    if name in PROFILES:
+        for _ in range(num):
+            yield BenchRequest(tokens(around(input_len)), around(output_len))
+    elif name in PROFILES:
         inp, out = PROFILES[name]
-        return [BenchRequest(tokens(inp.sample(rng, scale)), out.sample(rng, scale))
-                for _ in range(num)]
-    if name == "prefix-shared":
+        for _ in range(num):
+            yield BenchRequest(tokens(inp.sample(rng, scale)), out.sample(rng, scale))
+    elif name == "prefix-shared":
         groups = [tokens(max(1, int(prefix_len * scale))) for _ in range(4)]
-        reqs = []
         for _ in range(num):
             suffix = tokens(max(1, int(input_len * scale)))
             prefix = rng.choice(groups) if rng.random() < prefix_share else []
-            reqs.append(BenchRequest(prefix + suffix, max(1, int(output_len * scale))))
-        return reqs
-    if name == "conversations":
-        return conversations(num, rng, tokens, scale)
-    if name == "file":
-        if path is None:
-            raise ValueError("workload 'file' needs a JSONL path")
-        return load_jsonl(path)
-    raise ValueError(f"unknown workload {name!r}: random, {', '.join(PROFILES)}, "
-                     "prefix-shared, conversations, file")
+            yield BenchRequest(prefix + suffix, max(1, int(output_len * scale)))
+    else:
+        yield from conversations(num, rng, tokens, scale)
 
 
 # Multi-turn chat, shaped so that about 37% of all prompt blocks were seen before (the
@@ -96,7 +114,7 @@ _MEAN_TURNS = 1.7  # turns per conversation: 1 + geometric (59% are one turn)
 _LIVE_CONVERSATIONS = 16
 
 
-def conversations(num: int, rng: random.Random, tokens, scale: float) -> list[BenchRequest]:
+def conversations(num: int, rng: random.Random, tokens, scale: float) -> Iterator[BenchRequest]:
     """`num` turns of interleaved conversations: _LIVE_CONVERSATIONS go on at once and
     each request is the next turn of one of them, drawn at random, so a conversation's
     turns are about that many requests apart (its last turn has usually finished)."""
@@ -106,18 +124,16 @@ def conversations(num: int, rng: random.Random, tokens, scale: float) -> list[Be
 
     context = max(2, int(_FIRST_MESSAGE.maximum * scale))  # prompt and reply, at most
     live = [new() for _ in range(_LIVE_CONVERSATIONS)]
-    reqs = []
     for _ in range(num):
         i = rng.randrange(len(live))
         conv = live[i]
         prompt = conv["prompt"][:context - 1]
         reply = min(_REPLY.sample(rng, scale), context - len(prompt))
-        reqs.append(BenchRequest(prompt, reply))
+        yield BenchRequest(prompt, reply)
         conv["turns"] -= 1
         conv["prompt"] = prompt + tokens(reply) + tokens(_NEXT_MESSAGE.sample(rng, scale))
         if conv["turns"] <= 0 or len(conv["prompt"]) >= context:
             live[i] = new()  # it ended, or its next turn would not fit the context
-    return reqs
 
 
 def _geometric(rng: random.Random, p: float) -> int:

@@ -132,7 +132,7 @@ def _sim(args: argparse.Namespace) -> int:
 
     setup, load = setup_of(args), load_of(args)
     args.num_workers = setup.num_workers
-    workload = workload_of(args, setup.profile.vocab_size)
+    workload = workload_of(args, setup.profile.vocab_size, lazy=True)
     began = time.perf_counter()
     if args.sweep:
         result = sweep(setup, workload, args.sweep, load)

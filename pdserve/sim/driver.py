@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Iterable
 
-from pdserve.bench.arrivals import arrival_times, trace_times
+from pdserve.bench.arrivals import arrivals, trace_times
 from pdserve.bench.metrics import SLO, RequestRecord
 from pdserve.bench.workloads import BenchRequest
 from pdserve.engine.errors import InvalidRequestError
@@ -44,29 +45,44 @@ class Load:
     slo: SLO = SLO()  # sent with every request, as bench run sends its --goodput
 
 
-async def drive(router: Router, requests: list[BenchRequest],
+async def drive(router: Router, requests: Iterable[BenchRequest],
                 load: Load) -> tuple[list[RequestRecord], float]:
-    """Sends every request; returns their records and the run's duration (virtual
-    seconds from the first send to the last request's end)."""
+    """Sends every request; returns their records, in the requests' order, and the
+    run's duration (virtual seconds from the first send to the last request's end).
+    One sender walks the requests (a list, or an iterator drawing each as it is due)
+    and starts each at its time: the loop holds the requests in flight and one timer,
+    not one sleeping task per request of the run."""
     loop = asyncio.get_running_loop()
-    if requests and all(r.timestamp is not None for r in requests):
-        offsets = trace_times([r.timestamp for r in requests])
+    if isinstance(requests, list) and requests and all(r.timestamp is not None
+                                                       for r in requests):
+        offsets: Iterable[float] = trace_times([r.timestamp for r in requests])
     else:
-        offsets = arrival_times(len(requests), load.request_rate, load.burstiness, load.seed)
+        offsets = arrivals(load.request_rate, load.burstiness, load.seed)
     cap = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     slo = Slo.from_ms(load.slo.ttft_ms, load.slo.tpot_ms)
+    records: list[RequestRecord | None] = []
+    in_flight: set[asyncio.Task] = set()
+
+    async def one(i: int, req: BenchRequest) -> None:
+        try:
+            records[i] = await _send(router, f"sim-{i}", req, slo)
+        finally:
+            if cap is not None:
+                cap.release()
+
     start = loop.time()
-
-    async def one(i: int, req: BenchRequest, offset: float) -> RequestRecord:
-        await asyncio.sleep(max(0.0, start + offset - loop.time()))
-        if cap is None:
-            return await _send(router, f"sim-{i}", req, slo)
-        async with cap:
-            return await _send(router, f"sim-{i}", req, slo)
-
-    records = await asyncio.gather(*[one(i, r, o) for i, (r, o) in
-                                     enumerate(zip(requests, offsets))])
-    return list(records), loop.time() - start
+    for i, (req, offset) in enumerate(zip(requests, offsets)):
+        if (wait := start + offset - loop.time()) > 0:
+            await asyncio.sleep(wait)
+        if cap is not None:
+            await cap.acquire()  # in arrival order, as a bench client's queue
+        records.append(None)
+        task = loop.create_task(one(i, req))
+        in_flight.add(task)
+        task.add_done_callback(in_flight.discard)
+    while in_flight:
+        await asyncio.wait(set(in_flight))
+    return records, loop.time() - start
 
 
 async def _send(router: Router, request_id: str, req: BenchRequest, slo: Slo) -> RequestRecord:

@@ -4,7 +4,7 @@ judge policies with."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Iterable
 
 from pdserve.bench.metrics import summarize
 from pdserve.bench.sweep import result
@@ -33,8 +33,9 @@ class Setup:
         return len(self.pools.roles)
 
 
-def simulate(setup: Setup, requests: list[BenchRequest], load: Load) -> dict:
-    """The workload through a fresh simulated cluster: the bench's summary of it."""
+def simulate(setup: Setup, requests: Iterable[BenchRequest], load: Load) -> dict:
+    """The workload (a list, or an iterator drawing each request as it is sent) through
+    a fresh simulated cluster: the bench's summary of it."""
     cluster = SimCluster(setup.profile, setup.pools, setup.router, setup.scheduler,
                          prefix_caching=setup.prefix_caching, seed=setup.seed)
 
@@ -50,7 +51,7 @@ def simulate(setup: Setup, requests: list[BenchRequest], load: Load) -> dict:
                          cluster.itl.stats_ms())
 
 
-def sweep(setup: Setup, workload: Callable[[int], list[BenchRequest]], rates: list[float],
+def sweep(setup: Setup, workload: Callable[[int], Iterable[BenchRequest]], rates: list[float],
           load: Load) -> dict:
     """Each rate on a fresh cluster with workload(i) for the i-th rate, and the highest
     rate (per worker) with the target SLO attainment, as `pdserve bench run --sweep`."""

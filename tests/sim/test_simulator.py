@@ -9,11 +9,12 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 
 from pdserve.bench.metrics import SLO
-from pdserve.bench.workloads import BenchRequest, make_workload
+from pdserve.bench.workloads import BenchRequest, iter_workload, make_workload
 from pdserve.engine.latency_forecast import WorkerLoad, ttft_seconds
 from pdserve.engine.latency_model import StepCost
 from pdserve.engine.scheduler import Scheduler
@@ -86,6 +87,30 @@ def test_the_same_seed_gives_a_byte_identical_report(tmp_path):
     assert report(7, "2") == first
     assert report(8, "1") != first
     assert json.loads(first)["requests"] == 80
+
+
+def test_a_drawn_workload_is_held_only_while_in_flight_and_reports_as_its_list_does():
+    """A long run draws each request as it is due and lets it go when it ends (a
+    list of ten minutes of a large cluster's prompts did not fit in memory)."""
+    profile = small_profile()
+    setup = Setup(profile=profile, pools=PoolSpec(2, 0, mode="colocated"))
+    load = Load(request_rate=40.0, slo=SLO(ttft_ms=500, tpot_ms=50))
+
+    def draw():
+        return iter_workload("random", 300, profile.vocab_size, seed=2, input_len=200,
+                             output_len=20)
+    alive, most = [], 0
+
+    def watched():
+        nonlocal most
+        for request in draw():
+            alive[:] = [ref for ref in alive if ref() is not None]
+            most = max(most, len(alive))
+            alive.append(weakref.ref(request))
+            yield request
+    lazily = simulate(setup, watched(), load)
+    assert lazily["completed"] == 300 and most < 30, (lazily["completed"], most)
+    assert lazily == simulate(setup, list(draw()), load)
 
 
 def test_the_production_scheduler_policy_and_latency_model_decide(monkeypatch):
