@@ -20,7 +20,14 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     128-bit XXH3 (vLLM's `xxhash` choice: a non-cryptographic hash is enough because a
     cache hit is served only when the block's token ids also match; blake2b cost 1.2 us
     a block against 0.15 us, a block per request every 16 decode steps)."""
-    return _xxh3_128(parent + _packer(len(token_ids))(*token_ids))
+    return _xxh3_128(parent + pack_tokens(token_ids))
+
+
+def pack_tokens(token_ids: list[int]) -> bytes:
+    """Token ids as int64 bytes: what a block's hash covers, and what a cached block
+    keeps to check a hit against (16 tokens in 161 bytes; a tuple of them kept its
+    ints alive too, about 700 bytes a block once its request ended)."""
+    return _packer(len(token_ids))(*token_ids)
 
 
 _xxh3_128 = xxhash.xxh3_128_digest
@@ -33,13 +40,13 @@ def _packer(num_tokens: int):
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "tokens")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
-        self.token_ids: tuple[int, ...] = ()
+        self.tokens = b""  # pack_tokens of its token ids, while it is findable
 
 
 class BlockManager:
@@ -82,7 +89,7 @@ class BlockManager:
                 break
             block = self.blocks[block_id]
             start = i * self.block_size
-            if block.token_ids != tuple(request.token_ids(start, start + self.block_size)):
+            if block.tokens != pack_tokens(request.token_ids(start, start + self.block_size)):
                 break  # a hash collision: never serve another prompt's KV
             hits.append(block_id)
         return hits
@@ -136,17 +143,18 @@ class BlockManager:
         self._extend_hashes(request, start)  # the chain up to here (known already, as a rule)
         hashes, bs, cached = request.block_hashes, self.block_size, self._cached
         for i in range(start, num_full):
-            tokens = request.token_ids(i * bs, (i + 1) * bs)  # hashed and kept: read once
+            # hashed and kept: packed once
+            packed = pack_tokens(request.token_ids(i * bs, (i + 1) * bs))
             if i < len(hashes):
                 block_hash = hashes[i]
             else:  # the chain grows by this block (_extend_hashes, for one)
-                block_hash = hash_block(hashes[i - 1] if i else b"", tokens)
+                block_hash = _xxh3_128((hashes[i - 1] if i else b"") + packed)
                 hashes.append(block_hash)
             if block_hash in cached:
                 continue  # an identical block computed concurrently already serves hits
             block = self.blocks[owned[i]]
             block.block_hash = block_hash
-            block.token_ids = tuple(tokens)
+            block.tokens = packed
             cached[block_hash] = block.block_id
             if self.record_prefix_events:
                 self._prefix_events.append((block_hash, True))
@@ -169,14 +177,14 @@ class BlockManager:
                     or i >= len(request.block_ids):
                 self.cache_full_blocks(request, computed)
                 continue
-            tokens = request.output_token_ids[first:first + bs]
-            block_hash = hash_block(hashes[-1] if i else b"", tokens)
+            packed = pack_tokens(request.output_token_ids[first:first + bs])
+            block_hash = _xxh3_128((hashes[-1] if i else b"") + packed)
             hashes.append(block_hash)
             num_hashed[rid] = i + 1
             if block_hash in cached:
                 continue  # an identical block computed concurrently already serves hits
             block = blocks[request.block_ids[i]]
-            block.block_hash, block.token_ids = block_hash, tuple(tokens)
+            block.block_hash, block.tokens = block_hash, packed
             cached[block_hash] = block.block_id
             if self.record_prefix_events:
                 self._prefix_events.append((block_hash, True))
@@ -224,7 +232,7 @@ class BlockManager:
                 if self.record_prefix_events:
                     self._prefix_events.append((block.block_hash, False))
             block.block_hash = None
-            block.token_ids = ()
+            block.tokens = b""
         block.ref_cnt = 1
         return block_id
 
@@ -233,4 +241,5 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if i else b"", request.token_ids(i * bs, (i + 1) * bs)))
+            hashes.append(hash_block(hashes[-1] if i else b"",
+                                     request.token_ids(i * bs, (i + 1) * bs)))

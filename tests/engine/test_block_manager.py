@@ -1,4 +1,4 @@
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.block_manager import BlockManager, pack_tokens
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -46,7 +46,7 @@ def test_hit_requires_equal_tokens_not_just_equal_hash():
     bm = BlockManager(8, 4)
     a = req("a", [1, 2, 3, 4, 5])
     admit(bm, a)
-    bm.blocks[a.block_ids[0]].token_ids = (9, 9, 9, 9)  # as if another prompt collided
+    bm.blocks[a.block_ids[0]].tokens = pack_tokens([9, 9, 9, 9])  # as if another prompt collided
     assert bm.get_computed_blocks(req("b", [1, 2, 3, 4, 5])) == []
 
 
