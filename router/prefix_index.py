@@ -10,7 +10,10 @@ from pdserve.engine.block_manager import hash_block
 
 class PrefixIndex:
     def __init__(self) -> None:
-        self._holders: dict[bytes, set[str]] = {}
+        # A hash's holder: its one worker's id (the common case: no set of one, about
+        # 220 bytes a block at the millions of blocks of a large cluster's caches), or
+        # the set of two or more.
+        self._holders: dict[bytes, str | set[str]] = {}
         self._held: dict[str, set[bytes]] = {}
 
     def __len__(self) -> int:
@@ -19,30 +22,50 @@ class PrefixIndex:
     def update(self, worker_id: str, stored: tuple[bytes, ...],
                evicted: tuple[bytes, ...]) -> None:
         """One report's net change (WorkerTelemetry: no hash both stored and evicted)."""
+        holders = self._holders
         held = self._held.setdefault(worker_id, set())
         for h in stored:
-            self._holders.setdefault(h, set()).add(worker_id)
+            found = holders.get(h)
+            if found is None:
+                holders[h] = worker_id
+            elif isinstance(found, set):
+                found.add(worker_id)
+            elif found != worker_id:
+                holders[h] = {found, worker_id}
             held.add(h)
         for h in evicted:
             held.discard(h)
-            holders = self._holders.get(h)
-            if holders is not None:
-                holders.discard(worker_id)
-                if not holders:
-                    del self._holders[h]
+            found = holders.get(h)
+            if found is None:
+                continue
+            if not isinstance(found, set):
+                if found == worker_id:
+                    del holders[h]
+                continue
+            found.discard(worker_id)
+            if len(found) == 1:
+                holders[h] = next(iter(found))
 
     def forget(self, worker_id: str) -> None:
         """The worker left, or restarted with an empty cache."""
         self.update(worker_id, (), tuple(self._held.pop(worker_id, ())))
         self._held.pop(worker_id, None)
 
+    def holders(self, block_hash: bytes) -> set[str]:
+        """The workers that hold the block (a new set)."""
+        found = self._holders.get(block_hash)
+        if found is None:
+            return set()
+        return set(found) if isinstance(found, set) else {found}
+
     def hits(self, hashes: list[bytes]) -> dict[str, int]:
         """Worker id -> leading blocks of the prompt (hashes in order) it holds; workers
         with none are left out."""
         found: dict[str, int] = {}
-        alive = set(self._holders.get(hashes[0], ())) if hashes else set()
+        alive = self.holders(hashes[0]) if hashes else set()
         for i, h in enumerate(hashes):
-            alive &= self._holders.get(h, set())
+            if i:
+                alive &= self.holders(h)
             if not alive:
                 break
             for worker_id in alive:

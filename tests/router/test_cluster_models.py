@@ -33,6 +33,20 @@ def test_the_prefix_index_counts_each_workers_leading_blocks():
     assert index.hits(block_hashes(list(range(7, 60)), 16)) == {}
 
 
+def test_a_block_s_holders_shrink_back_to_none_as_they_evict_it():
+    hashes = block_hashes(list(range(17)), 16)
+    index = PrefixIndex()
+    index.update("a", tuple(hashes), ())
+    index.update("a", tuple(hashes), ())  # stored again by its holder: still one
+    index.update("b", tuple(hashes), ())
+    assert index.holders(hashes[0]) == {"a", "b"}
+    index.update("a", (), tuple(hashes))
+    index.update("a", (), tuple(hashes))  # evicted where it is not held: nothing
+    assert index.hits(hashes) == {"b": 1} and index.holders(hashes[0]) == {"b"}
+    index.update("b", (), tuple(hashes))
+    assert index.hits(hashes) == {} and len(index) == 0
+
+
 def test_a_block_evicted_and_stored_again_within_one_report_stays_indexed():
     # A 4-block cache: a's 2 full blocks are stored, evicted by 3 blocks of other
     # tokens, then computed and stored again, all between two reports.
