@@ -62,10 +62,20 @@ class PrefixIndex:
         """Worker id -> leading blocks of the prompt (hashes in order) it holds; workers
         with none are left out."""
         found: dict[str, int] = {}
-        alive = self.holders(hashes[0]) if hashes else set()
+        holders = self._holders
+        alive: set[str] | None = None  # the workers holding every block so far
         for i, h in enumerate(hashes):
-            if i:
-                alive &= self.holders(h)
+            held = holders.get(h)
+            if held is None:
+                break
+            if alive is None:
+                alive = set(held) if isinstance(held, set) else {held}
+            elif isinstance(held, set):
+                alive &= held
+            elif held not in alive:
+                break
+            elif len(alive) > 1:
+                alive = {held}
             if not alive:
                 break
             for worker_id in alive:
