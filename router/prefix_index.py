@@ -51,13 +51,6 @@ class PrefixIndex:
         self.update(worker_id, (), tuple(self._held.pop(worker_id, ())))
         self._held.pop(worker_id, None)
 
-    def holders(self, block_hash: bytes) -> set[str]:
-        """The workers that hold the block (a new set)."""
-        found = self._holders.get(block_hash)
-        if found is None:
-            return set()
-        return set(found) if isinstance(found, set) else {found}
-
     def hits(self, hashes: list[bytes]) -> dict[str, int]:
         """Worker id -> leading blocks of the prompt (hashes in order) it holds; workers
         with none are left out."""

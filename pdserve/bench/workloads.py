@@ -48,12 +48,9 @@ PROFILES = {
 WORKLOADS = ("random", *PROFILES, "prefix-shared", "conversations", "file")
 
 
-def make_workload(name: str, num: int, vocab_size: int, seed: int = 0, scale: float = 1.0,
-                  input_len: int = 1024, output_len: int = 128, range_ratio: float = 0.0,
-                  prefix_share: float = 0.5, prefix_len: int = 256,
-                  path: str | None = None) -> list[BenchRequest]:
-    return list(iter_workload(name, num, vocab_size, seed, scale, input_len, output_len,
-                              range_ratio, prefix_share, prefix_len, path))
+def make_workload(*args, **kwargs) -> list[BenchRequest]:
+    """iter_workload's requests (the same arguments), as a list."""
+    return list(iter_workload(*args, **kwargs))
 
 
 def iter_workload(name: str, num: int, vocab_size: int, seed: int = 0, scale: float = 1.0,
