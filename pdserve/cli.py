@@ -173,10 +173,15 @@ def _add_demo_parser(sub) -> None:
 def _serve(args) -> int:
     import ray
 
+    from pdserve import ray_session
+
     cluster_specs(args)  # checked before Ray starts
     _front_security(args)
-    ray.init(address=args.ray_address, include_dashboard=False,
-             log_to_driver=args.ray_address is None)
+    if args.ray_address is None:
+        ray_session.start_local(include_dashboard=False, log_to_driver=True)
+    else:
+        ray_session.join(args.ray_address, "serve", include_dashboard=False,
+                         log_to_driver=False)
     from pdserve.router.placement import PlacementError
     from pdserve.router.pool_registry import RegistryError
     try:
@@ -188,9 +193,9 @@ def _serve(args) -> int:
 
 
 def _router(args) -> int:
-    import ray
     from redis.exceptions import RedisError
 
+    from pdserve import ray_session
     from pdserve.router.launch import join
     from pdserve.router.redis_registry import read_registered
 
@@ -212,8 +217,8 @@ def _router(args) -> int:
     if record is None:
         raise SystemExit(f"pdserve router: no pool is registered under --redis-prefix "
                          f"{spec.redis_prefix!r}; start one with `pdserve serve --redis-url`")
-    ray.init(address=args.ray_address or record.ray_address, include_dashboard=False,
-             log_to_driver=False)
+    ray_session.join(args.ray_address or record.ray_address, "router",
+                     include_dashboard=False, log_to_driver=False)
     router = join(record, entries, config, args.model_dir)
     return _run_front(args, router, f"{record.model.name!r} as a replica "
                       f"({len(router.workers)} workers)")

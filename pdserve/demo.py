@@ -15,6 +15,7 @@ _TOPICS = ["The history of", "A recipe for", "def fibonacci(n):", "Dear reader,"
 def cluster(args: argparse.Namespace) -> int:
     import ray
 
+    from pdserve import ray_session
     from pdserve.client import Client
     from pdserve.engine.config import EngineConfig
     from pdserve.router.config import PoolSpec
@@ -22,7 +23,7 @@ def cluster(args: argparse.Namespace) -> int:
     from pdserve.router.server import RouterServer
 
     t0 = time.perf_counter()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray_session.start_local(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         config = EngineConfig.from_kwargs(args.model, max_num_seqs=64, num_threads=1,
                                           long_prefill_token_threshold=256,

@@ -19,3 +19,20 @@ def redis_url() -> str:
     """PDSERVE_REDIS_URL: the Redis router replicas share state in (`--redis-url`); the
     environment keeps its password off the command line."""
     return os.environ.get("PDSERVE_REDIS_URL", "")
+
+
+def ray_auth_mode() -> str | None:
+    """RAY_AUTH_MODE: Ray's authentication mode (token or disabled); unset, Ray's default."""
+    return os.environ.get("RAY_AUTH_MODE") or None
+
+
+def ray_auth_token_source() -> str | None:
+    """Where Ray would find its authentication token, in Ray's order: RAY_AUTH_TOKEN,
+    the file RAY_AUTH_TOKEN_PATH names, ~/.ray/auth_token; None where there is none."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path:
+        return f"RAY_AUTH_TOKEN_PATH ({path})"
+    default = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    return default if os.path.isfile(default) else None

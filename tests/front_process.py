@@ -47,11 +47,13 @@ class Output:
 
 
 class FrontProcess:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
+        """`env`: the process's environment (default: this one's)."""
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pdserve", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
+            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1",
+                 "PYTHONFAULTHANDLER": "1"})
         self.stdout, self.stderr = Output(self.process.stdout), Output(self.process.stderr)
 
     def serving(self) -> tuple[str, str]:

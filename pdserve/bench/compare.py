@@ -64,12 +64,14 @@ def run_mode(mode: str, config: EngineConfig, prefill_workers: int, decode_worke
              burstiness: float, seed: int) -> dict:
     import ray
 
+    from pdserve import ray_session
     from pdserve.router.config import PoolSpec
     from pdserve.router.launch import launch
     from pdserve.router.server import RouterServer
 
     workers = prefill_workers + decode_workers
-    ray.init(num_cpus=max(4, workers + 2), include_dashboard=False, log_to_driver=False)
+    ray_session.start_local(num_cpus=max(4, workers + 2), include_dashboard=False,
+                            log_to_driver=False)
     try:
         router = launch(config, PoolSpec(prefill_workers, decode_workers, mode))
         server = RouterServer(router)
