@@ -3,4 +3,5 @@ import sys
 
 from pdserve.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not in a process multiprocessing spawns
+    sys.exit(main())

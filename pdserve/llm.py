@@ -56,5 +56,5 @@ class LLM:
 
 
 def _progress(total: int):
-    from tqdm import tqdm
-    return tqdm(total=total, desc="generate", unit="req")
+    from pdserve.progress import bar
+    return bar(total, "generate", "req")

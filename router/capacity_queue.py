@@ -66,6 +66,8 @@ class CapacityQueue:
         self._asking = False
         misses = 0
         for waiter in list(self._waiters):
+            if waiter.woken.done():  # cancelled: its caller gave up; it leaves on its own
+                continue
             decision = waiter.fits()
             if not isinstance(decision, Reject):
                 self._waiters.remove(waiter)

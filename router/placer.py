@@ -6,6 +6,7 @@ all); any other refusal, or one with no time to wait, is the request's 429."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import operator
 from collections.abc import Callable
@@ -48,7 +49,9 @@ class Placer:
         """The request's placement, after a wait for capacity if it may wait; raises
         OverloadedError (429) when refused, InvalidRequestError (400) when its TTFT
         SLO is unattainable, lifecycle.Cancelled when aborted."""
-        decision = self.decide(flight.req, refused)
+        req = flight.req
+        hashes = self.prompt_hashes(req)
+        decision = self.decide(req, refused, hashes=hashes)
         if not isinstance(decision, Reject):
             self.metrics.decided(decision)
             return decision
@@ -66,13 +69,13 @@ class Placer:
         self.metrics.waited.inc()
         if flight.waited_since is None:
             flight.waited_since = now
-        req = flight.req
         deadline = now + wait_s
         try:
             decision = await until(flight, self.queue.wait(
-                deadline, req.params.priority, lambda: self.decide(req, refused)), wait_s)
+                deadline, req.params.priority,
+                lambda: self.decide(req, refused, hashes=hashes)), wait_s)
         except asyncio.TimeoutError:
-            decision = self.decide(req, refused)  # a last look: it may fit just now
+            decision = self.decide(req, refused, hashes=hashes)  # a last look: it may fit now
         waited_s = self.clock.monotonic() - flight.waited_since
         self.metrics.decided(decision)
         if isinstance(decision, Reject):
@@ -93,11 +96,12 @@ class Placer:
         replacement may be starting), it waits first in line for capacity, at most
         RouterConfig.migration_wait_s; then OverloadedError."""
         req = replace(req, slo=Slo())  # judged by its own SLOs all the same (RequestTracker)
+        hashes = self.prompt_hashes(req)
 
         def decide() -> Decision:
-            decision = self.decide(req, refused, avoid)
-            return self.decide(req, refused) if isinstance(decision, Reject) and avoid \
-                else decision
+            decision = self.decide(req, refused, avoid, hashes)
+            return self.decide(req, refused, hashes=hashes) \
+                if isinstance(decision, Reject) and avoid else decision
         decision = decide()
         if isinstance(decision, Reject):
             wait_s = self.config.migration_wait_s
@@ -128,12 +132,19 @@ class Placer:
             return 0.0
         return budget
 
+    def prompt_hashes(self, req: Accepted) -> Callable[[], list[bytes]]:
+        """The prompt's block hashes, computed when a decision first needs them and
+        then kept: a request waiting for capacity is decided again at every freeing."""
+        return functools.cache(lambda: block_hashes(req.prompt_token_ids,
+                                                    self.model.block_size))
+
     def decide(self, req: Accepted, refused: frozenset[str] = frozenset(),
-               avoid: frozenset[str] = frozenset()) -> Decision:
+               avoid: frozenset[str] = frozenset(),
+               hashes: Callable[[], list[bytes]] | None = None) -> Decision:
         """The policy's decision on a snapshot of now, in which the workers in `avoid`
-        take nothing new."""
+        take nothing new. hashes: prompt_hashes(req), where it is decided repeatedly."""
         ids, bs = req.prompt_token_ids, self.model.block_size
-        hits = (self.models.prefixes.hits(block_hashes(ids, bs))
+        hits = (self.models.prefixes.hits((hashes or self.prompt_hashes(req))())
                 if self.models.prefixes and self.config.routing.prefix_aware else {})
         cached = {w: n * bs for w, n in hits.items()}
         view = RequestView(num_prompt_tokens=len(ids), blocks_needed=-(-(len(ids) + 1) // bs),

@@ -115,6 +115,8 @@ def add_workload_flags(p: argparse.ArgumentParser, default_name: str) -> None:
                      help="where JSON, Markdown and PNG go (default: %(default)s)")
     out.add_argument("--name", default=default_name,
                      help="file name stem of the outputs (default: %(default)s)")
+    out.add_argument("--quiet", action="store_true",
+                     help="no progress bar (there is none when stderr is not a terminal)")
 
 
 def workload_of(args: argparse.Namespace, vocab: int, lazy: bool = False):
@@ -145,7 +147,8 @@ def _run(args: argparse.Namespace) -> int:
     cfg = driver.RunConfig(args.backend, args.target, args.model, args.request_rate,
                            args.burstiness, args.max_concurrency, args.seed,
                            api_key=args.api_key, ca_file=args.ca_file,
-                           slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms)
+                           slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms,
+                           progress=not args.quiet)
     meta = run_meta(args, backend=args.backend, target=args.target)
     if args.sweep:
         result = asyncio.run(sweep(workload_of(args, vocab), cfg, args.sweep, slo,

@@ -12,12 +12,11 @@ import ssl
 import time
 from dataclasses import dataclass
 
-from tqdm import tqdm
-
 from pdserve.bench import require_extra
 from pdserve.bench.arrivals import arrival_times, trace_times
 from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.workloads import BenchRequest
+from pdserve.progress import bar as progress_bar
 
 BACKENDS = ("grpc", "openai")
 
@@ -32,7 +31,7 @@ class RunConfig:
     max_concurrency: int = 0  # 0 = no cap
     seed: int = 0
     timeout_s: float = 600.0  # per request
-    progress: bool = True
+    progress: bool = True  # a bar of requests ended, on a terminal
     api_key: str | None = None  # sent as Authorization: Bearer
     ca_file: str | None = None  # TLS: PEM roots that verify the server (gRPC; https)
     # SLOs sent with every request (gRPC fields; x-slo-*-ms headers over HTTP), so a
@@ -54,7 +53,7 @@ async def run(requests: list[BenchRequest], cfg: RunConfig) -> tuple[list[Reques
     else:
         offsets = arrival_times(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
     cap = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-    bar = tqdm(total=len(requests), desc="bench", unit="req", disable=not cfg.progress)
+    bar = progress_bar(len(requests), "bench", "req", quiet=not cfg.progress)
     async with _backend(cfg) as send:
         start = time.perf_counter()
 

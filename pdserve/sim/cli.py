@@ -6,6 +6,7 @@ long things take (a file from `pdserve profile`, or `analytic:<accelerator>` for
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -34,16 +35,22 @@ def add_sim_parser(sub) -> None:
     plan = kinds.add_parser(
         "plan", help="the pool shape with the most goodput per worker for a budget",
         description="For a profile, a workload, SLOs and a worker budget: every P:D split, "
-        "colocated and adaptive, each searched (rate doubled, then bisected) for the "
-        "highest request rate with >= 90% SLO attainment; the table, best first.")
+        "colocated and adaptive, each searched (rate doubled, then bisected; a shape next "
+        "to one searched starts from its rate) for the highest request rate with >= 90%% "
+        "SLO attainment. Each shape's row as it ends, then the table, best first.")
     plan.add_argument("--budget", type=int, default=16, help="workers (default: %(default)s)")
     plan.add_argument("--first-rate", type=float, default=1.0,
-                      help="the search's first request rate, req/s (default: %(default)s)")
+                      help="the first request rate of a shape searched with no neighbour's "
+                      "rate to start from, req/s (default: %(default)s)")
     plan.add_argument("--iterations", type=int, default=5,
-                      help="bisections of each shape's rate (default: %(default)s)")
+                      help="each shape's rate is found to within 2^-N of itself: N "
+                      "bisections of a doubling's bracket (default: %(default)s)")
     plan.add_argument("--min-duration", type=float, default=20.0,
                       help="each probe sends requests for at least this many seconds at "
                       "its rate; --num-prompts is the fewest (default: %(default)s)")
+    plan.add_argument("--jobs", type=int, default=None,
+                      help="shapes searched at once, each in a process of its own "
+                      "(default: the machine's cores); the table does not depend on it")
     add_cluster_flags(plan, pools=False)
     add_workload_flags(plan, default_name="plan")
     plan.set_defaults(func=_plan, burstiness=1.0)
@@ -128,18 +135,23 @@ def load_of(args: argparse.Namespace):
 
 
 def _sim(args: argparse.Namespace) -> int:
+    from pdserve.progress import bar
     from pdserve.sim.run import simulate, sweep
 
     setup, load = setup_of(args), load_of(args)
     args.num_workers = setup.num_workers
     workload = workload_of(args, setup.profile.vocab_size, lazy=True)
     began = time.perf_counter()
-    if args.sweep:
-        result = sweep(setup, workload, args.sweep, load)
-        simulated = sum(row["duration_s"] for row in result["rows"])
-    else:
-        result = simulate(setup, workload(-1), load)
-        simulated = result["duration_s"]
+    runs = len(args.sweep) if args.sweep else 1
+    with bar(args.num_prompts * runs, "simulated requests", "req", args.quiet) as ended:
+        def on_end(_record) -> None:
+            ended.update(1)
+        if args.sweep:
+            result = sweep(setup, workload, args.sweep, load, on_end)
+            simulated = sum(row["duration_s"] for row in result["rows"])
+        else:
+            result = simulate(setup, workload(-1), load, on_end)
+            simulated = result["duration_s"]
     wall = time.perf_counter() - began
     publish(args, result, run_meta(args, backend="sim", target=setup.profile.name,
                                    mode=setup.pools.mode, roles=setup.pools.roles,
@@ -155,42 +167,98 @@ def replace_args(args: argparse.Namespace, **changes) -> argparse.Namespace:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import json
+    import functools
+    import os
 
-    from pdserve.sim.plan import plan, table
+    from pdserve.sim.plan import Search
 
     if not args.goodput:
         raise SystemExit("pdserve sim plan: give the SLOs (--goodput ttft:MS tpot:MS)")
+    if args.jobs is not None and args.jobs < 1:
+        raise SystemExit("pdserve sim plan: --jobs must be >= 1")
     setup = setup_of(args, PoolSpec(prefill_workers=args.budget, decode_workers=0,
                                     mode="colocated"))
     args.request_rate, args.max_concurrency = float("inf"), 0
-    load = load_of(args)
-    began = time.perf_counter()
-    vocab = setup.profile.vocab_size
-
-    def workload(n: int):
-        return workload_of(replace_args(args, num_prompts=n), vocab)(0)
-    found = plan(setup, args.budget, workload, load, args.first_rate, args.iterations,
-                 args.num_prompts, args.min_duration)
-    text = table(found)
+    search = Search(setup=setup, workload=functools.partial(
+        _plan_workload, args, setup.profile.vocab_size), load=load_of(args),
+        first_rate=args.first_rate, iterations=args.iterations,
+        min_requests=args.num_prompts, min_duration_s=args.min_duration)
+    jobs = args.jobs or os.cpu_count() or 1
     print(f"{setup.profile.name}, {args.budget} workers, {args.workload} (each probe at "
           f"least {args.min_duration:g} s and {args.num_prompts} requests), SLOs "
-          f"{' '.join(args.goodput)}, routing {args.routing_policy}/{args.admission}")
-    print(text)
+          f"{' '.join(args.goodput)}, routing {args.routing_policy}/{args.admission}; "
+          f"{jobs} at once", flush=True)
+    began = time.perf_counter()
+    found = _search_shapes(args, search, jobs)
+    elapsed = time.perf_counter() - began
+    print(f"best: {found[0].name}, {found[0].goodput_per_worker:.3f} req/s per worker; "
+          f"{len(found)} shapes, {sum(len(s.probes) for s in found)} probes in "
+          f"{elapsed:.0f} s")
+    print(f"wrote {Path(args.out_dir) / (args.name + '.md')}, "
+          f"{Path(args.out_dir) / (args.name + '.json')}")
+    return 0
+
+
+def _plan_workload(args: argparse.Namespace, vocab: int, n: int):
+    """n requests of the plan's seeded workload (the same draw whatever the shape)."""
+    return workload_of(replace_args(args, num_prompts=n), vocab)(0)
+
+
+def _search_shapes(args: argparse.Namespace, search, jobs: int) -> list:
+    """Every shape searched: a bar of shapes with the time left, a line per probe (both
+    on a terminal), and each shape's row as it ends; the table, best first, rewritten
+    under --out-dir after every shape, so a stopped run keeps what it found."""
+    from pdserve.progress import bar
+    from pdserve.sim.plan import (
+        best_first,
+        name_of,
+        plan,
+        shapes,
+        table,
+        table_header,
+        table_row,
+    )
+
+    found: list = []
+    with bar(len(shapes(args.budget)), "shapes", "shape", args.quiet) as progress:
+        def on_probe(pools, p) -> None:
+            verdict = "holds" if p.holds else "fails"
+            share = (f"attainment {p.attainment:.3f}" if p.attainment is not None else
+                     f"certain after {p.ended}/{p.requests} requests")
+            line = (f"  {name_of(pools)}: {p.rate:.2f} req/s {verdict} ({share}; "
+                    f"{p.wall_s:.1f} s)")
+            progress.set_postfix_str(f"{name_of(pools)} {p.rate:.1f} req/s {verdict}")
+            if not progress.disable:
+                progress.write(line)
+
+        progress.write(table_header(), end="", file=sys.stdout)
+        for searched in plan(search, args.budget, jobs, on_probe):
+            found.append(searched)
+            _write_plan(args, search, best_first(found), complete=len(found) == progress.total)
+            progress.write(table_row(searched), end="", file=sys.stdout)
+            progress.update(1)
+    text = table(found)
+    print(f"\nbest first:\n{text}", end="")
+    return best_first(found)
+
+
+def _write_plan(args: argparse.Namespace, search, found: list, complete: bool) -> None:
+    import json
+
+    from pdserve.sim.plan import table
+
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.md").write_text(text)
+    (out / f"{args.name}.md").write_text(table(found))
     (out / f"{args.name}.json").write_text(json.dumps({
-        "profile": setup.profile.name, "budget": args.budget, "workload": args.workload,
-        "num_prompts": args.num_prompts, "scale": args.scale, "seed": args.seed,
-        "goodput": args.goodput, "routing_policy": args.routing_policy,
-        "admission": args.admission, "shapes": [
+        "complete": complete, "profile": search.setup.profile.name, "budget": args.budget,
+        "workload": args.workload, "num_prompts": args.num_prompts, "scale": args.scale,
+        "seed": args.seed, "goodput": args.goodput, "routing_policy": args.routing_policy,
+        "admission": args.admission, "min_duration_s": args.min_duration,
+        "iterations": args.iterations, "shapes": [
             {"pools": s.name, "mode": s.pools.mode, "prefill_workers": s.pools.prefill_workers,
              "decode_workers": s.pools.decode_workers, "max_rate": s.max_rate,
              "goodput_per_worker": s.goodput_per_worker,
-             "probes": [[p.rate, p.attainment] for p in s.probes]} for s in found]},
-        indent=2))
-    print(f"best: {found[0].name}, {found[0].goodput_per_worker:.3f} req/s per worker "
-          f"({time.perf_counter() - began:.0f} s)")
-    print(f"wrote {out / (args.name + '.md')}, {out / (args.name + '.json')}")
-    return 0
+             "probes": [{"rate": p.rate, "holds": p.holds, "attainment": p.attainment,
+                         "ended": p.ended, "requests": p.requests, "wall_s": p.wall_s}
+                        for p in s.probes]} for s in found]}, indent=2))

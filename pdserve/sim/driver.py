@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from pdserve.bench.arrivals import arrivals, trace_times
 from pdserve.bench.metrics import SLO, RequestRecord
@@ -45,13 +45,16 @@ class Load:
     slo: SLO = SLO()  # sent with every request, as bench run sends its --goodput
 
 
-async def drive(router: Router, requests: Iterable[BenchRequest],
-                load: Load) -> tuple[list[RequestRecord], float]:
+async def drive(router: Router, requests: Iterable[BenchRequest], load: Load,
+                until: Callable[[RequestRecord], bool] | None = None,
+                ) -> tuple[list[RequestRecord], float]:
     """Sends every request; returns their records, in the requests' order, and the
     run's duration (virtual seconds from the first send to the last request's end).
     One sender walks the requests (a list, or an iterator drawing each as it is due)
     and starts each at its time: the loop holds the requests in flight and one timer,
-    not one sleeping task per request of the run."""
+    not one sleeping task per request of the run. `until(record)`, called as each
+    request ends, returning True stops the run there: nothing more is sent, the
+    requests in flight are cancelled, and only the records of those that ended return."""
     loop = asyncio.get_running_loop()
     if isinstance(requests, list) and requests and all(r.timestamp is not None
                                                        for r in requests):
@@ -62,10 +65,13 @@ async def drive(router: Router, requests: Iterable[BenchRequest],
     slo = Slo.from_ms(load.slo.ttft_ms, load.slo.tpot_ms)
     records: list[RequestRecord | None] = []
     in_flight: set[asyncio.Task] = set()
+    stopped = asyncio.Event()
 
     async def one(i: int, req: BenchRequest) -> None:
         try:
             records[i] = await _send(router, f"sim-{i}", req, slo)
+            if until is not None and until(records[i]):
+                stopped.set()
         finally:
             if cap is not None:
                 cap.release()
@@ -76,12 +82,22 @@ async def drive(router: Router, requests: Iterable[BenchRequest],
             await asyncio.sleep(wait)
         if cap is not None:
             await cap.acquire()  # in arrival order, as a bench client's queue
+        if stopped.is_set():
+            break
         records.append(None)
         task = loop.create_task(one(i, req))
         in_flight.add(task)
         task.add_done_callback(in_flight.discard)
-    while in_flight:
-        await asyncio.wait(set(in_flight))
+    rest = asyncio.gather(*in_flight, return_exceptions=True)
+    if not stopped.is_set():
+        stop = loop.create_task(stopped.wait())
+        await asyncio.wait([rest, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+    if stopped.is_set():
+        for task in in_flight:
+            task.cancel()
+        await rest
+        return [r for r in records if r is not None], loop.time() - start
     return records, loop.time() - start
 
 

@@ -1,45 +1,72 @@
 """`pdserve sim plan`: for a profile, a workload, SLOs and a worker budget, which pool
 shape serves the most goodput per worker? Every P:D split of the budget, colocated
 and adaptive, each searched as DistServe searches a placement: the highest request
-rate whose SLO attainment is at least the target, found by doubling then bisecting
-the rate, each probe a fresh simulated cluster. A probe sends requests for at least
+rate whose SLO attainment is at least the target. A probe sends requests for at least
 `min_duration_s` at its rate (so a high rate is held long enough to show whether it
-holds), drawn from the same seeded workload."""
+holds), drawn from the same seeded workload, through a fresh simulated cluster.
+
+One shape's search: from a first rate, the rate is multiplied by `growth` while it
+holds (divided while it fails), then bisected until the bracket is narrower than
+2^-iterations of the rate that held. A probe stops as soon as its verdict is certain:
+once enough requests met their SLOs that the rest cannot pull the attainment under
+the target, or enough missed that they cannot lift it over.
+
+Shapes next to each other serve similar rates, so a shape starts from its neighbour's
+result with a small growth (a bracket of 1.25x, not 2x, and no climb from the first
+rate): the P:D splits outward from the even split, adaptive from colocated. Which
+neighbour is fixed, so the table does not depend on how many shapes run at once
+(`jobs`, in processes of their own)."""
 from __future__ import annotations
 
+import concurrent.futures as cf
+import math
+import multiprocessing
+import queue
+import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Iterator
 
+from pdserve.bench.metrics import SLO, RequestRecord
 from pdserve.bench.sweep import TARGET_ATTAINMENT
 from pdserve.bench.workloads import BenchRequest
 from pdserve.router.config import PoolSpec
+from pdserve.sim import virtual_time
 from pdserve.sim.driver import Load
-from pdserve.sim.run import Setup, simulate
+from pdserve.sim.run import Setup, run_requests
 
-_MAX_DOUBLINGS = 20  # a shape that holds its SLOs at 2^20 x the first rate holds them
+_MAX_STEPS = 20  # a shape that holds its SLOs at 2^20 x the first rate holds them
+NEIGHBOUR_GROWTH = 1.25
+_POLL_S = 0.2  # how often the parent reads its children's probes
 
 
 @dataclass(frozen=True)
 class Probe:
     rate: float
-    attainment: float
+    holds: bool  # attainment >= target
+    attainment: float | None  # the whole probe's; None where the verdict came early
+    ended: int  # requests that had ended when the verdict was certain
+    requests: int  # the probe's requests
+    wall_s: float
 
 
 @dataclass(frozen=True)
 class Searched:
     pools: PoolSpec
-    max_rate: float  # the highest rate probed with attainment >= target (0: none)
+    max_rate: float  # the highest rate probed that held (0: none)
     probes: tuple[Probe, ...]
 
     @property
     def name(self) -> str:
-        p = self.pools
-        return (f"{p.prefill_workers}P:{p.decode_workers}D" if p.mode == "disaggregated"
-                else f"{p.mode} x{p.num_engine}")
+        return name_of(self.pools)
 
     @property
     def goodput_per_worker(self) -> float:
         return self.max_rate / len(self.pools.roles)
+
+
+def name_of(pools: PoolSpec) -> str:
+    return (f"{pools.prefill_workers}P:{pools.decode_workers}D"
+            if pools.mode == "disaggregated" else f"{pools.mode} x{pools.num_engine}")
 
 
 def shapes(budget: int) -> list[PoolSpec]:
@@ -51,57 +78,190 @@ def shapes(budget: int) -> list[PoolSpec]:
                for mode in ("colocated", "adaptive")])
 
 
+def neighbours(budget: int) -> list[int | None]:
+    """For each of shapes(budget), the index of the shape it starts from, or None for
+    a search from the first rate: the even split and colocated; every other split
+    starts from the split one step nearer the even one, adaptive from colocated."""
+    even = budget // 2 - 1  # the index of budget // 2 prefill workers
+    splits = [None if i == even else i + (1 if i < even else -1)
+              for i in range(budget - 1)]
+    return splits + [None, budget - 1]
+
+
+class Verdict:
+    """Whether good / n >= target over a probe's n requests, fed each as it ends; True
+    once the requests ended so far make it certain either way."""
+
+    def __init__(self, n: int, target: float, slo: SLO):
+        self.n, self.slo = n, slo
+        self.need = math.ceil(target * n)  # the fewest good requests that hold
+        while self.need > 0 and (self.need - 1) / n >= target:
+            self.need -= 1
+        while self.need <= n and self.need / n < target:
+            self.need += 1
+        self.good = self.missed = 0
+
+    def __call__(self, record: RequestRecord) -> bool:
+        if self.slo.met(record):
+            self.good += 1
+        else:
+            self.missed += 1
+        return self.holds or self.missed > self.n - self.need
+
+    @property
+    def holds(self) -> bool:
+        return self.good >= self.need
+
+
+def probe(setup: Setup, requests: list[BenchRequest], load: Load,
+          target: float = TARGET_ATTAINMENT) -> Probe:
+    """The workload at load's rate through a fresh simulated cluster, stopped once its
+    verdict is certain."""
+    verdict = Verdict(len(requests), target, load.slo)
+    began = time.perf_counter()
+    with virtual_time.sim_collector():
+        records, _, _ = run_requests(setup, requests, load, verdict)
+    ended = verdict.good + verdict.missed
+    return Probe(rate=load.request_rate, holds=verdict.holds,
+                 attainment=verdict.good / ended if ended == len(requests) else None,
+                 ended=ended, requests=len(requests), wall_s=time.perf_counter() - began)
+
+
 def max_rate(setup: Setup, workload: Callable[[int], list[BenchRequest]], load: Load,
-             first_rate: float, iterations: int = 6, min_requests: int = 100,
+             first_rate: float, iterations: int = 5, min_requests: int = 100,
              min_duration_s: float = 20.0, target: float = TARGET_ATTAINMENT,
-             growth: float = 2.0) -> Searched:
-    """Multiplies the rate by `growth` from first_rate until attainment falls below
-    target (or divides it until it holds), then bisects `iterations` times between the
-    last rate that held and the first that did not. workload(n): n requests. A known
-    rate nearby (another seed's) as first_rate, with a small growth, needs fewer and
-    cheaper probes."""
-    if growth <= 1.0:
-        raise ValueError("growth must be > 1")
+             growth: float = 2.0, on_probe: Callable[[Probe], None] | None = None,
+             ) -> Searched:
+    """The search (the module's docstring). workload(n): n requests."""
+    if growth <= 1.0 or not first_rate > 0:
+        raise ValueError("growth must be > 1 and first_rate > 0")
     probes: list[Probe] = []
 
     def holds(rate: float) -> bool:
         n = max(min_requests, int(rate * min_duration_s))
-        summary = simulate(setup, workload(n), replace(load, request_rate=rate))
-        probes.append(Probe(rate, summary["slo_attainment"] or 0.0))
-        return probes[-1].attainment >= target
+        probes.append(probe(setup, workload(n), replace(load, request_rate=rate), target))
+        if on_probe is not None:
+            on_probe(probes[-1])
+        return probes[-1].holds
 
-    low, high = 0.0, first_rate
-    for _ in range(_MAX_DOUBLINGS):
-        if not holds(high):
-            break
-        low, high = high, growth * high
-    if low == 0.0:  # the first rate failed: look below it
-        for _ in range(iterations):
-            high /= growth
-            if holds(high):
-                low, high = high, growth * high
+    def found(rate: float) -> Searched:
+        return Searched(setup.pools, rate, tuple(probes))
+
+    rate = first_rate
+    if holds(rate):
+        for _ in range(_MAX_STEPS):
+            if not holds(rate * growth):
+                low, high = rate, rate * growth
                 break
-    for _ in range(iterations if low else 0):
+            rate *= growth
+        else:
+            return found(rate)
+    else:
+        for _ in range(_MAX_STEPS):
+            if holds(rate / growth):
+                low, high = rate / growth, rate
+                break
+            rate /= growth
+        else:
+            return found(0.0)
+    while high - low > low * 2.0 ** -iterations:
         mid = (low + high) / 2
         low, high = (mid, high) if holds(mid) else (low, mid)
-    return Searched(setup.pools, low, tuple(probes))
+    return found(low)
 
 
-def plan(setup: Setup, budget: int, workload: Callable[[int], list[BenchRequest]],
-         load: Load, first_rate: float, iterations: int = 6, min_requests: int = 100,
-         min_duration_s: float = 20.0) -> list[Searched]:
-    """Each shape's search, best goodput first. workload(n): n requests, the same
-    seeded draw whatever the shape."""
-    found = [max_rate(replace(setup, pools=pools), workload, load, first_rate, iterations,
-                      min_requests, min_duration_s)
-             for pools in shapes(budget)]
+@dataclass(frozen=True)
+class Search:
+    """What every shape's search shares (picklable: it goes to the processes)."""
+    setup: Setup
+    workload: Callable[[int], list[BenchRequest]]
+    load: Load
+    first_rate: float
+    iterations: int = 5
+    min_requests: int = 100
+    min_duration_s: float = 20.0
+
+    def run(self, pools: PoolSpec, start: float | None,
+            on_probe: Callable[[Probe], None] | None = None) -> Searched:
+        """One shape's search, from a neighbour's rate (`start`) or the first rate."""
+        near = start is not None and start > 0
+        return max_rate(replace(self.setup, pools=pools), self.workload, self.load,
+                        start if near else self.first_rate, self.iterations,
+                        self.min_requests, self.min_duration_s,
+                        growth=NEIGHBOUR_GROWTH if near else 2.0, on_probe=on_probe)
+
+
+def plan(search: Search, budget: int, jobs: int = 1,
+         on_probe: Callable[[PoolSpec, Probe], None] | None = None) -> Iterator[Searched]:
+    """Each shape's search, yielded as it ends; `jobs` shapes at once, each (past one)
+    in a process of its own. on_probe(pools, probe): each probe as it ends."""
+    if jobs < 1:
+        raise ValueError("jobs must be >= 1")
+    all_shapes, after = shapes(budget), neighbours(budget)
+    results: dict[int, Searched] = {}
+
+    def ready() -> list[int]:
+        """Those whose neighbour is done, the dearest first (a search from the first
+        rate, then from the highest rate): the chain of high-rate splits is the
+        longest wait, and is started as soon as it can be."""
+        found = [i for i in range(len(all_shapes)) if i not in results
+                 and (after[i] is None or after[i] in results)]
+        return sorted(found, key=lambda i: -(start_of(i) or math.inf))
+
+    def start_of(i: int) -> float | None:
+        return None if after[i] is None else results[after[i]].max_rate
+
+    if jobs == 1:
+        while len(results) < len(all_shapes):
+            i = ready()[0]
+            pools = all_shapes[i]
+            results[i] = search.run(pools, start_of(i),
+                                    on_probe and (lambda p, pools=pools: on_probe(pools, p)))
+            yield results[i]
+        return
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, cf.ProcessPoolExecutor(jobs, context) as pool:
+        events = manager.Queue()
+        running: dict[cf.Future, int] = {}
+        while len(results) < len(all_shapes):
+            for i in ready():
+                if i not in running.values():
+                    running[pool.submit(_run_in_child, search, all_shapes[i], start_of(i),
+                                        events)] = i
+            done, _ = cf.wait(running, timeout=_POLL_S, return_when=cf.FIRST_COMPLETED)
+            _drain(events, on_probe)
+            for future in done:
+                i = running.pop(future)
+                results[i] = future.result()
+                yield results[i]
+
+
+def _run_in_child(search: Search, pools: PoolSpec, start: float | None, events) -> Searched:
+    return search.run(pools, start, lambda p: events.put((pools, p)))
+
+
+def _drain(events, on_probe) -> None:
+    while True:
+        try:
+            pools, p = events.get_nowait()
+        except queue.Empty:
+            return
+        if on_probe is not None:
+            on_probe(pools, p)
+
+
+def best_first(found: list[Searched]) -> list[Searched]:
     return sorted(found, key=lambda s: (-s.goodput_per_worker, s.name))
 
 
+def table_header(target: float = TARGET_ATTAINMENT) -> str:
+    return (f"| pools | highest rate with >= {target:.0%} attainment (req/s) | goodput per "
+            "worker (req/s) | probes |\n|---|---|---|---|\n")
+
+
+def table_row(s: Searched) -> str:
+    return f"| {s.name} | {s.max_rate:.2f} | {s.goodput_per_worker:.3f} | {len(s.probes)} |\n"
+
+
 def table(found: list[Searched], target: float = TARGET_ATTAINMENT) -> str:
-    lines = [f"| pools | highest rate with >= {target:.0%} attainment (req/s) | goodput per "
-             "worker (req/s) | probes |", "|---|---|---|---|"]
-    for s in found:
-        lines.append(f"| {s.name} | {s.max_rate:.2f} | {s.goodput_per_worker:.3f} | "
-                     f"{len(s.probes)} |")
-    return "\n".join(lines) + "\n"
+    return table_header(target) + "".join(map(table_row, best_first(found)))

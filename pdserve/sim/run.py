@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
-from pdserve.bench.metrics import summarize
+from pdserve.bench.metrics import RequestRecord, summarize
 from pdserve.bench.sweep import result
 from pdserve.bench.workloads import BenchRequest
 from pdserve.engine.config import SchedulerConfig
@@ -33,28 +33,43 @@ class Setup:
         return len(self.pools.roles)
 
 
-def simulate(setup: Setup, requests: Iterable[BenchRequest], load: Load) -> dict:
+def simulate(setup: Setup, requests: Iterable[BenchRequest], load: Load,
+             on_end: Callable[[RequestRecord], object] | None = None) -> dict:
     """The workload (a list, or an iterator drawing each request as it is sent) through
-    a fresh simulated cluster: the bench's summary of it."""
+    a fresh simulated cluster: the bench's summary of it. on_end(record): each request
+    as it ends."""
+    def ended(record: RequestRecord) -> bool:
+        on_end(record)
+        return False  # never stops the run
+    with virtual_time.sim_collector():
+        records, duration, cluster = run_requests(setup, requests, load,
+                                                  ended if on_end else None)
+        return summarize(records, duration, load.slo, setup.num_workers,
+                         cluster.itl.stats_ms())
+
+
+def run_requests(setup: Setup, requests: Iterable[BenchRequest], load: Load,
+                 until: Callable[[RequestRecord], bool] | None = None,
+                 ) -> tuple[list[RequestRecord], float, SimCluster]:
+    """The workload through a fresh simulated cluster: the records (of those that ended,
+    when `until` stopped it: drive's), the virtual seconds it ran, and the cluster."""
     cluster = SimCluster(setup.profile, setup.pools, setup.router, setup.scheduler,
                          prefix_caching=setup.prefix_caching, seed=setup.seed)
 
     async def run() -> tuple[list, float]:
         router = await cluster.start()
         try:
-            return await drive(router, requests, load)
+            return await drive(router, requests, load, until)
         finally:
             await cluster.stop()
-    with virtual_time.sim_collector():
-        records, duration = virtual_time.run(run())
-        return summarize(records, duration, load.slo, setup.num_workers,
-                         cluster.itl.stats_ms())
+    return (*virtual_time.run(run()), cluster)
 
 
 def sweep(setup: Setup, workload: Callable[[int], Iterable[BenchRequest]], rates: list[float],
-          load: Load) -> dict:
+          load: Load, on_end: Callable[[RequestRecord], object] | None = None) -> dict:
     """Each rate on a fresh cluster with workload(i) for the i-th rate, and the highest
     rate (per worker) with the target SLO attainment, as `pdserve bench run --sweep`."""
-    rows = [{"rate": rate, **simulate(setup, workload(i), replace(load, request_rate=rate))}
+    rows = [{"rate": rate, **simulate(setup, workload(i), replace(load, request_rate=rate),
+                                      on_end)}
             for i, rate in enumerate(sorted(rates))]
     return result(rows, setup.num_workers)

@@ -458,10 +458,10 @@ class SimWorker:
             del self._aborted[rid]
         landing = self._landing.pop(request_id, None)
         if landing is not None and not landing.done():
-            landing.set_exception(TransferFailed(f"{request_id} was aborted"))
+            _fail_quietly(landing, TransferFailed(f"{request_id} was aborted"))
         job = self._prefills.pop(request_id, None)
         if job is not None and not job.done.done():
-            job.done.set_exception(TransferFailed(f"{request_id} was aborted"))
+            _fail_quietly(job.done, TransferFailed(f"{request_id} was aborted"))
         self.moves.forget(request_id)
         self._at_boundary(lambda: self._finish_aborted(request_id))
 
@@ -585,6 +585,13 @@ class SimWorker:
             return False
         landing.set_result(None)  # start() takes it from here
         return True
+
+
+def _fail_quietly(waiting: asyncio.Future, error: Exception) -> None:
+    """Fails a future whose awaiter may be gone (a caller cancelled: the router gave
+    the request up), without asyncio logging it as never retrieved."""
+    waiting.set_exception(error)
+    waiting.exception()  # retrieved: an awaiter still there gets the error all the same
 
 
 def _delta(request: Request, new_tokens: int) -> TokenDelta:

@@ -90,3 +90,24 @@ def test_a_waiter_woken_as_it_gives_up_passes_its_turn_on():
         await asyncio.wait_for(staying, 5)
         return staying.result()
     assert asyncio.run(scenario()) == Colocate("w")
+
+
+def test_a_waiter_cancelled_after_a_round_was_scheduled_is_passed_over():
+    """A request that gives up (its caller cancelled) between a freeing and the round it
+    scheduled: its future is cancelled before its own handler leaves the queue. The
+    round must pass over it and wake the next, not fail setting a cancelled future."""
+    async def scenario():
+        queue, asked = CapacityQueue(), []
+
+        def fits(name):
+            return lambda: asked.append(name) or Colocate("w")
+        leaving = asyncio.ensure_future(queue.wait(1.0, 0, fits("leaving")))
+        staying = asyncio.ensure_future(queue.wait(2.0, 0, fits("staying")))
+        await _settle()
+        queue.freed()  # the round is scheduled ...
+        leaving.cancel()  # ... and the first waiter gives up before it runs
+        decision = await asyncio.wait_for(staying, 5)
+        await asyncio.gather(leaving, return_exceptions=True)
+        return decision, asked, len(queue)
+    decision, asked, left = asyncio.run(scenario())
+    assert decision == Colocate("w") and asked == ["staying"] and left == 0

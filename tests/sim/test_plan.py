@@ -1,17 +1,28 @@
 """`pdserve sim plan`: every shape of a budget is searched, and each search ends on a
-rate that holds the SLOs with the next rate probed above it failing."""
+rate that holds the SLOs with the next rate probed above it failing; a probe stopped
+once its verdict is certain gives the verdict the whole run gives; shapes start from
+their neighbour's rate, and the table does not depend on how many run at once; the
+command shows each probe, writes each shape as it ends, and keeps what a stopped run
+found."""
 from __future__ import annotations
 
+import functools
 import json
+import subprocess
+import sys
+
+import pytest
 
 from pdserve.bench.metrics import SLO
 from pdserve.bench.workloads import make_workload
 from pdserve.cli import main
 from pdserve.router.config import PoolSpec
 from pdserve.sim.driver import Load
-from pdserve.sim.plan import max_rate, shapes
-from pdserve.sim.run import Setup
+from pdserve.sim.plan import Search, max_rate, neighbours, plan, probe, shapes
+from pdserve.sim.run import Setup, simulate
 from tests.sim.sims import small_profile
+
+SLO_ = SLO(ttft_ms=300, tpot_ms=30)
 
 
 def test_a_budget_s_shapes_are_every_split_colocated_and_adaptive():
@@ -27,8 +38,8 @@ def test_the_search_brackets_the_highest_rate_that_holds():
                      lambda n: make_workload("azure-conv", n, profile.vocab_size, 1, 0.25),
                      Load(slo=slo), first_rate=4.0, iterations=3, min_requests=60,
                      min_duration_s=5.0)
-    held = [p for p in found.probes if p.attainment >= 0.9]
-    failed = [p for p in found.probes if p.attainment < 0.9]
+    held = [p for p in found.probes if p.holds]
+    failed = [p for p in found.probes if not p.holds]
     assert held and failed and found.max_rate == max(p.rate for p in held)
     assert found.max_rate < min(p.rate for p in failed if p.rate > found.max_rate)
 
@@ -43,3 +54,79 @@ def test_the_command_writes_the_table_best_first(tmp_path, capsys):
     rates = [s["goodput_per_worker"] for s in plan["shapes"]]
     assert [s["pools"] for s in plan["shapes"]][0] in capsys.readouterr().out
     assert rates == sorted(rates, reverse=True) and len(rates) == 3
+
+
+def test_a_probe_stopped_when_certain_gives_the_whole_run_s_verdict():
+    profile = small_profile()
+    setup = Setup(profile=profile, pools=PoolSpec(0, 2, mode="colocated"))
+    requests = make_workload("azure-conv", 80, profile.vocab_size, 1, 0.25)
+    early = {True: 0, False: 0}
+    for rate in (2.0, 8.0, 16.0, 32.0, 128.0):
+        load = Load(request_rate=rate, slo=SLO_)
+        whole = simulate(setup, requests, load)["slo_attainment"]
+        p = probe(setup, requests, load)
+        assert p.holds == (whole >= 0.9), (rate, whole)
+        if p.ended < len(requests):
+            assert p.attainment is None
+            early[p.holds] += 1
+        else:
+            assert p.attainment == pytest.approx(whole)
+    assert early[True] and early[False]  # both verdicts came before the run's end
+
+
+def test_each_split_starts_from_its_neighbour_nearer_the_even_split():
+    named = dict(zip((f"{p.prefill_workers}:{p.mode}" for p in shapes(6)), neighbours(6)))
+    assert named == {"1:disaggregated": 1, "2:disaggregated": 2, "3:disaggregated": None,
+                     "4:disaggregated": 2, "5:disaggregated": 3, "0:colocated": None,
+                     "0:adaptive": 5}
+
+
+def small_search() -> Search:
+    profile = small_profile()
+    return Search(setup=Setup(profile=profile, pools=PoolSpec(1, 1)),
+                  workload=functools.partial(make_workload, "azure-conv",
+                                             vocab_size=profile.vocab_size, seed=1,
+                                             scale=0.25),
+                  load=Load(slo=SLO_), first_rate=4.0, iterations=3, min_requests=40,
+                  min_duration_s=3.0)
+
+
+def test_a_neighbour_s_start_needs_fewer_probes_and_finds_the_rate_within_precision():
+    search = small_search()
+    cold = search.run(PoolSpec(0, 2, mode="adaptive"), None)
+    colocated = search.run(PoolSpec(0, 2, mode="colocated"), None)
+    warm = search.run(PoolSpec(0, 2, mode="adaptive"), colocated.max_rate)
+    assert warm.probes[0].rate == colocated.max_rate
+    assert len(warm.probes) < len(cold.probes)
+    assert warm.max_rate == pytest.approx(cold.max_rate, rel=2 * 2 ** -search.iterations)
+
+
+def test_the_table_does_not_depend_on_the_jobs():
+    def searched(jobs: int) -> dict:
+        return {s.name: (s.max_rate, [(p.rate, p.holds) for p in s.probes])
+                for s in plan(small_search(), 3, jobs)}
+    alone = searched(1)
+    assert len(alone) == 4 and all(rate > 0 for rate, _ in alone.values())
+    assert searched(2) == alone
+
+
+def test_a_stopped_plan_keeps_the_shapes_it_found(tmp_path):
+    """As a user runs it (output not a terminal: no bar, no probe lines): each shape's
+    row is printed and written as it ends; a run stopped after the first keeps it."""
+    small_profile().save(tmp_path / "profile.json")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "sim", "plan", "--budget", "4", "--profile",
+         str(tmp_path / "profile.json"), "--workload", "azure-conv", "--scale", "0.25",
+         "--num-prompts", "40", "--min-duration", "3", "--iterations", "3",
+         "--first-rate", "4", "--goodput", "ttft:300", "tpot:30", "--jobs", "1",
+         "--out-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        row = next(line for line in process.stdout if line.startswith("| 2P:2D |"))
+    finally:
+        process.kill()
+        _, err = process.communicate(timeout=30)
+    written = json.loads((tmp_path / "plan.json").read_text())
+    assert not written["complete"] and [s["pools"] for s in written["shapes"]] == ["2P:2D"]
+    assert f"{written['shapes'][0]['max_rate']:.2f}" in row
+    assert "req/s holds" not in err and "shapes" not in err  # quiet off a terminal
