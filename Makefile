@@ -16,11 +16,11 @@ $(VENV)/.torch: | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_SPEC)
 	touch $@
 
-$(VENV)/.runtime: pyproject.toml $(VENV)/.torch
+$(VENV)/.runtime: pyproject.toml setup.py $(VENV)/.torch
 	$(PIP) install -e ".[bench]"
 	touch $@
 
-$(VENV)/.dev: pyproject.toml $(VENV)/.torch
+$(VENV)/.dev: pyproject.toml setup.py $(VENV)/.torch
 	$(PIP) install -e ".[dev,bench]"
 	touch $@ $(VENV)/.runtime
 

@@ -5,7 +5,7 @@
 # machine has, and where an engine step's time goes there (scripts/profile_engine.py).
 # It needs torch, transformers, tokenizers, safetensors, xxhash, jinja2 and pytest
 # there, not pdserve installed (nor Ray): the import package is assembled in a scratch
-# folder as pyproject.toml maps it, and everything runs from there.
+# folder as setup.py maps it, and everything runs from there.
 #
 #   scripts/gpu_check.sh OUT_DIR     (one log, JUnit XML, the benchmarks' and profiles' JSON)
 set -uo pipefail
@@ -13,12 +13,12 @@ OUT=$(mkdir -p "${1:?usage: scripts/gpu_check.sh OUT_DIR}" && cd "$1" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 SITE=$(mktemp -d)
 python3 - "$ROOT" "$SITE" <<'EOF'
-import shutil, sys, tomllib
+import ast, shutil, sys
 from pathlib import Path
 root, site = Path(sys.argv[1]), Path(sys.argv[2])
-mapped = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-shutil.copytree(root / "pdserve", site / "pdserve")
-for package, folder in mapped.items():
+(mapped,) = [ast.literal_eval(node.value) for node in ast.parse((root / "setup.py").read_text()).body
+             if isinstance(node, ast.Assign) and node.targets[0].id == "FOLDERS"]
+for package, folder in mapped.items():  # pdserve first, then the folders mapped into it
     shutil.copytree(root / folder, site / package.replace(".", "/"))
 for extra in ("tests", "benchmarks", "scripts"):
     shutil.copytree(root / extra, site / extra)

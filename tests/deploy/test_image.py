@@ -1,7 +1,8 @@
 """The container image (deploy/Dockerfile, .dockerignore) read as text: CI has no
 Docker daemon to build it, so what must agree with the rest of the repository is
 checked here: the torch pin, the Ray version, a non-root user, the build context
-holding the package's sources, and the image name and tag the deployment files use."""
+holding every folder the wheel carries (setup.py's, which the packaging test holds to
+the built wheel), and the image name and tag the deployment files use."""
 from __future__ import annotations
 
 import fnmatch
@@ -11,6 +12,7 @@ import ray
 import tomllib
 
 from tests.deploy.files import DEPLOY, KUBERAY, LAUNCHERS, ROOT, load
+from tests.pdserve.test_packaging import setup_folders
 
 DOCKERFILE = DEPLOY / "Dockerfile"
 
@@ -36,9 +38,7 @@ def image_errors(dockerfile: str, dockerignore: str) -> list[str]:
         errors.append("pdserve is not installed from the wheel stage")
     patterns = [line.strip() for line in dockerignore.splitlines()
                 if line.strip() and not line.startswith("#")]
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    sources = ["pdserve", "pyproject.toml", "README.md",
-               *pyproject["tool"]["setuptools"]["package-dir"].values()]
+    sources = ["pyproject.toml", "setup.py", "README.md", *setup_folders().values()]
     for source in sources:
         if ignored(source, patterns):
             errors.append(f".dockerignore leaves out {source}, which the wheel needs")

@@ -4,7 +4,9 @@ subcommand's own and documented."""
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -53,21 +55,82 @@ def test_the_installed_distribution_has_one_top_level_import_name():
     assert json.loads(_python(_INSTALLED_TOP_LEVEL)) == ["pdserve"]
 
 
-def test_a_built_wheel_holds_only_the_pdserve_package(tmp_path):
-    src = tmp_path / "src"
+def setup_folders() -> dict[str, str]:
+    """setup.py's FOLDERS: each package mapped into `pdserve` -> its folder."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    (found,) = [ast.literal_eval(node.value) for node in tree.body
+                if isinstance(node, ast.Assign) and node.targets[0].id == "FOLDERS"]
+    return found
+
+
+def tree_packages() -> set[str]:
+    """Every package the repository's folders hold, as `pdserve.*` import names."""
+    return {name + "".join(f".{part}" for part in init.parent.relative_to(ROOT / folder).parts)
+            for name, folder in setup_folders().items()
+            for init in (ROOT / folder).rglob("__init__.py") if "__pycache__" not in init.parts}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """A wheel built from a copy of the checkout, as deploy/Dockerfile builds it."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
         ".git", ".venv", "build", "*.egg-info", "__pycache__", "bench-results", "tests"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
+                    "--no-build-isolation", "-w", str(tmp / "dist"), str(src)],
                    check=True, capture_output=True, timeout=300)
-    (wheel,) = (tmp_path / "dist").glob("pdserve-*.whl")
+    (built,) = (tmp / "dist").glob("pdserve-*.whl")
+    return built
+
+
+def test_a_built_wheel_holds_only_the_pdserve_package_and_all_of_it(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"pdserve"}
+    packed = {n.removesuffix("/__init__.py").replace("/", ".") for n in names
+              if n.endswith("/__init__.py")}
+    assert packed == tree_packages()  # each package of the tree, none left out
     for module in ("engine/scheduler.py", "engine/model/llama.py", "router/router.py",
                    "kv_transfer/sender.py", "prefill_worker/role.py", "worker/actor.py",
-                   "decode_worker/role.py", "bench/driver.py", "v1/generate_pb2.py"):
+                   "decode_worker/role.py", "bench/driver.py", "v1/generate_pb2.py",
+                   "engine/spec_decode/config.py"):
         assert f"pdserve/{module}" in names
     assert not [n for n in names if n.startswith("benchmarks")]  # repository scripts
+
+
+def test_the_wheel_installed_alone_imports_every_module_and_runs_the_offline_demo(
+        wheel, tmp_path):
+    """A fresh virtual environment holding the wheel and no source tree (its
+    dependencies are this environment's, reached by path, not this checkout's
+    editable install), run from elsewhere: every module imports, and the offline demo
+    serves the tiny model, built from scratch."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(_python_in(python, "import sysconfig; print(sysconfig.get_path('purelib'))"))
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    (site / "dependencies.pth").write_text("\n".join(deps) + "\n")
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    str(wheel)], check=True, capture_output=True, timeout=300)
+    modules = [n.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+               for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")]
+    imported = _python_in(python, "import importlib, json, sys, pdserve\n"
+                          f"for m in {modules!r}: importlib.import_module(m)\n"
+                          "print(json.dumps(pdserve.__file__))", cwd=tmp_path)
+    assert json.loads(imported).startswith(str(site))  # the wheel's, not the checkout's
+    done = subprocess.run([str(venv / "bin" / "pdserve"), "demo", "--offline",
+                           "--num-prompts", "3", "--max-tokens", "4"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=600,
+                          env={**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "3 requests" in done.stdout and "12 output tokens" in done.stdout
+
+
+def _python_in(python: Path, code: str, cwd: Path | str = "/") -> str:
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
 
 
 def test_the_sdk_imports_neither_torch_nor_ray():
