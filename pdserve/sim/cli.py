@@ -36,7 +36,7 @@ def add_sim_parser(sub) -> None:
         "plan", help="the pool shape with the most goodput per worker for a budget",
         description="For a profile, a workload, SLOs and a worker budget: every P:D split, "
         "colocated and adaptive, each searched (rate doubled, then bisected; a shape next "
-        "to one searched starts from its rate) for the highest request rate with >= 90%% "
+        "to one searched starts from its rate) for the highest request rate with >= 90% "
         "SLO attainment. Each shape's row as it ends, then the table, best first.")
     plan.add_argument("--budget", type=int, default=16, help="workers (default: %(default)s)")
     plan.add_argument("--first-rate", type=float, default=1.0,
