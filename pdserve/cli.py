@@ -62,24 +62,41 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     cli_flags.add_flags(pools, PoolSpec)
     pools.add_argument("--transfer-timeout", type=float, default=30.0,
                        help="seconds a KV transfer may take (default: %(default)s)")
+    add_router_flags(p)
+    cli_flags.add_engine_flags(p)
+
+
+def add_router_flags(p: argparse.ArgumentParser) -> None:
+    """Routing, the planner, replicas over Redis, the router's timeouts and limits:
+    what `serve` and `router` share."""
     cli_flags.add_flags(p.add_argument_group("routing"), RoutingSpec)
     cli_flags.add_flags(p.add_argument_group("autoscaling (the SLO planner)"), AutoscaleSpec)
     cli_flags.add_flags(p.add_argument_group("router replicas (state shared in Redis)"),
                         SharedStateSpec)
     p.set_defaults(redis_url=env.redis_url())
-    cli_flags.add_engine_flags(p)
+    cli_flags.add_flags(p.add_argument_group("router timeouts and limits"), RouterConfig,
+                        only=RouterConfig.flags())
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """The router's settings from the flags; a bad value exits saying which flag."""
+    try:
+        return RouterConfig(routing=RoutingSpec(**cli_flags.values(args, RoutingSpec)),
+                            autoscale=AutoscaleSpec(**cli_flags.values(args, AutoscaleSpec)),
+                            shared=SharedStateSpec(**cli_flags.values(args, SharedStateSpec)),
+                            **cli_flags.values(args, RouterConfig, only=RouterConfig.flags()))
+    except ValueError as err:
+        raise SystemExit(f"pdserve {args.command}: {err}") from None
 
 
 def cluster_specs(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
     """The pools' and the router's settings from the flags; a bad combination exits
     with what is wrong, before anything starts."""
     try:
-        return (PoolSpec(**cli_flags.values(args, PoolSpec)),
-                RouterConfig(routing=RoutingSpec(**cli_flags.values(args, RoutingSpec)),
-                             autoscale=AutoscaleSpec(**cli_flags.values(args, AutoscaleSpec)),
-                             shared=SharedStateSpec(**cli_flags.values(args, SharedStateSpec))))
+        pools = PoolSpec(**cli_flags.values(args, PoolSpec))
     except ValueError as err:
         raise SystemExit(f"pdserve {args.command}: {err}") from None
+    return pools, router_config(args)
 
 
 def launch_cluster(args: argparse.Namespace, **engine_overrides):
@@ -88,14 +105,13 @@ def launch_cluster(args: argparse.Namespace, **engine_overrides):
     from pdserve.router.launch import launch
 
     config = cli_flags.engine_config(args, args.model, **engine_overrides)
-    pools, router_config = cluster_specs(args)
+    pools, routing = cluster_specs(args)
     # A cluster joined (--ray-address) may still be starting the nodes the workers need;
     # one started here has all the nodes it will ever have.
     joined = getattr(args, "ray_address", None) is not None
-    return launch(config, pools, TransferConfig(timeout_s=args.transfer_timeout),
-                  router_config,
+    return launch(config, pools, TransferConfig(timeout_s=args.transfer_timeout), routing,
                   served_model_name=getattr(args, "served_model_name", None) or args.model,
-                  wait_for_nodes_s=router_config.placement_timeout_s if joined else 0.0)
+                  wait_for_nodes_s=routing.placement_timeout_s if joined else 0.0)
 
 
 def _add_serve_parser(sub) -> None:
@@ -119,12 +135,7 @@ def _add_router_parser(sub) -> None:
         "registered in Redis (--redis-url, --redis-prefix) by `pdserve serve`: the "
         "replicas share its workers, refuse each other's request ids, forward aborts to "
         "each other and apply each other's membership changes. Until SIGINT / SIGTERM.")
-    shared = router.add_argument_group("router replicas (state shared in Redis)")
-    cli_flags.add_flags(shared, SharedStateSpec)
-    router.set_defaults(redis_url=env.redis_url())
-    cli_flags.add_flags(router.add_argument_group("routing"), RoutingSpec)
-    cli_flags.add_flags(router.add_argument_group("autoscaling (the SLO planner)"),
-                        AutoscaleSpec)
+    add_router_flags(router)
     front = router.add_argument_group("front end")
     front.add_argument("--ray-address", default=None,
                        help="the pool's Ray cluster (default: the address it registered)")
@@ -199,13 +210,8 @@ def _router(args) -> int:
     from pdserve.router.launch import join
     from pdserve.router.redis_registry import read_registered
 
-    try:
-        spec = SharedStateSpec(**cli_flags.values(args, SharedStateSpec))
-        config = RouterConfig(routing=RoutingSpec(**cli_flags.values(args, RoutingSpec)),
-                              autoscale=AutoscaleSpec(**cli_flags.values(args, AutoscaleSpec)),
-                              shared=spec)
-    except ValueError as err:
-        raise SystemExit(f"pdserve router: {err}") from None
+    config = router_config(args)
+    spec = config.shared
     if not spec.redis_url:
         raise SystemExit("pdserve router: --redis-url (or $PDSERVE_REDIS_URL) names the "
                          "Redis the pool is registered in")

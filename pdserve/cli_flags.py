@@ -16,12 +16,14 @@ from pdserve.engine.options import help_of
 _NESTED = ("model", "scheduler", "cache")  # EngineConfig fields that are no flag
 
 
-def add_flags(group, cls, exclude: tuple[str, ...] = ()) -> list[str]:
-    """One --flag-name per field of `cls`; returns the field names added."""
+def add_flags(group, cls, exclude: tuple[str, ...] = (),
+              only: tuple[str, ...] | None = None) -> list[str]:
+    """One --flag-name per field of `cls` (those in `only`, when given); returns the
+    field names added."""
     hints = typing.get_type_hints(cls)
     names = []
     for f in fields(cls):
-        if f.name not in exclude:
+        if f.name not in exclude and (only is None or f.name in only):
             _add(group, f, _scalar(hints[f.name]))
             names.append(f.name)
     return names
@@ -38,8 +40,9 @@ def engine_config(args: argparse.Namespace, model: str, **overrides) -> EngineCo
     return EngineConfig.from_kwargs(model, **{**kwargs, **overrides})
 
 
-def values(args: argparse.Namespace, cls) -> dict:
-    return {f.name: getattr(args, f.name) for f in fields(cls)}
+def values(args: argparse.Namespace, cls, only: tuple[str, ...] | None = None) -> dict:
+    return {f.name: getattr(args, f.name) for f in fields(cls)
+            if only is None or f.name in only}
 
 
 def _add(group, f: Field, kind) -> None:

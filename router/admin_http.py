@@ -37,7 +37,7 @@ class ChangeRole(BaseModel):
 class Drain(BaseModel):
     model_config = ConfigDict(extra="forbid")
     timeout_s: float | None = Field(None, gt=0, le=86400,
-                                    description="default: the router's drain_timeout_s")
+                                    description="default: the router's --worker-drain-timeout-s")
 
 
 def admin_routes(router: Router, keys: ApiKeys) -> APIRouter:

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.options import option
+from pdserve.engine.options import bounds_of, bounds_text, option, within
 from pdserve.router.planner import PlannerConfig
 from pdserve.router.slo import Slo
 
@@ -198,38 +198,52 @@ STRATEGIES = ("default", "spread")  # Ray's scheduling strategies, as for actors
 
 @dataclass(frozen=True)
 class RouterConfig:
-    reserve_timeout_s: float = 10.0  # a decode worker's answer to reserve
-    prefill_timeout_s: float = 120.0  # prefill incl. the KV transfer
-    start_timeout_s: float = 30.0
-    control_timeout_s: float = 5.0  # abort and stats calls to a worker
-    startup_timeout_s: float = 600.0  # workers placed, loaded and paired at launch
-    # A worker added at run time that Ray has not placed within this long is
-    # abandoned, its reason shown (admin list) and logged; an autoscaler may need
-    # minutes for a node. Once placed, it has startup_timeout_s to load.
-    placement_timeout_s: float = 300.0
-    # A worker whose process died is waited for this long while Ray restarts it
-    # (model loading included), then given up.
-    revive_timeout_s: float = 600.0
-    # A request moving off a failed worker (RoutingSpec.migration_limit) that no
-    # other can take waits this long for one (a dead worker's restart, say).
-    migration_wait_s: float = 30.0
-    # A decode worker that sends neither a step nor a heartbeat for this long fails
-    # every request it holds (WorkerStalled): they move, or fail.
-    stall_timeout_s: float = 30.0
-    # A worker's telemetry older than this counts as unknown (it reports every step
-    # and at least twice a second while idle).
-    telemetry_stale_s: float = 5.0
-    # How long drain_worker (and a role change or removal) waits for the worker's
-    # requests to finish.
-    drain_timeout_s: float = 300.0
-    retry_after_s: float = 1.0  # told to clients on overload
-    max_inflight: int = 0  # 0 = no router-side cap
-    # Prompt tokens admitted to one prefill worker and not yet prefilled; beyond it
-    # a request gets 429 at once instead of a wait that could outlast its lease.
-    max_queued_prefill_tokens: int = 32768  # 0 = unbounded
-    # An HTTP body or gRPC message larger than this is refused (413 / RESOURCE_EXHAUSTED)
-    # before it is parsed.
-    max_request_bytes: int = 4 << 20  # a 128k-token prompt is about 1 MiB as JSON
+    """The router's timeouts and limits (`pdserve serve` and `pdserve router` flags,
+    `--reserve-timeout-s` and on), and the specs beside it."""
+    reserve_timeout_s: float = option(10.0, "seconds a decode worker may take to reserve "
+                                      "a request's KV blocks", gt=0)
+    prefill_timeout_s: float = option(120.0, "seconds a prefill may take, its KV transfer "
+                                      "included", gt=0)
+    start_timeout_s: float = option(30.0, "seconds a decode worker may take to start a "
+                                    "request whose KV landed", gt=0)
+    control_timeout_s: float = option(5.0, "seconds an abort or a stats call to a worker "
+                                      "may take", gt=0)
+    startup_timeout_s: float = option(600.0, "seconds the workers may take to be placed, "
+                                      "load and pair at launch", gt=0)
+    placement_timeout_s: float = option(300.0, "a worker added at run time that Ray has "
+                                        "not placed within this many seconds is abandoned, "
+                                        "its reason shown (`pdserve admin list`) and logged "
+                                        "(an autoscaler may need minutes for a node); once "
+                                        "placed it has --startup-timeout-s to load", gt=0)
+    revive_timeout_s: float = option(600.0, "seconds a worker whose process died is waited "
+                                     "for while Ray restarts it (model loading included), "
+                                     "before it is given up", gt=0)
+    migration_wait_s: float = option(30.0, "seconds a request moving off a failed worker "
+                                     "(--migration-limit) that no other can take waits for "
+                                     "one (a dead worker's restart, say)", gt=0)
+    stall_timeout_s: float = option(30.0, "a decode worker that sends neither a step nor a "
+                                    "heartbeat for this many seconds fails every request it "
+                                    "holds (they move, or fail)", gt=0)
+    telemetry_stale_s: float = option(5.0, "a worker's telemetry older than this many "
+                                      "seconds counts as unknown (it reports every step and "
+                                      "at least twice a second while idle); /health says so",
+                                      gt=0)
+    worker_drain_timeout_s: float = option(300.0, "seconds a worker's drain (admin drain, "
+                                           "role change or removal) waits for its requests "
+                                           "to finish", gt=0)
+    retry_after_s: float = option(1.0, "the Retry-After told to clients on overload, "
+                                  "seconds", gt=0)
+    max_inflight: int = option(0, "requests the router holds at once, past which it "
+                               "answers 429; 0: no cap", ge=0)
+    max_queued_prefill_tokens: int = option(32768, "prompt tokens admitted to one prefill "
+                                            "worker and not yet prefilled; past it a "
+                                            "request gets 429 at once instead of a wait "
+                                            "that could outlast its lease; 0: unbounded",
+                                            ge=0)
+    max_request_bytes: int = option(4 << 20, "an HTTP body or gRPC message larger than "
+                                    "this is refused (413 / RESOURCE_EXHAUSTED) before it "
+                                    "is parsed (a 128k-token prompt is about 1 MiB as JSON)",
+                                    ge=1)
     routing: RoutingSpec = RoutingSpec()
     autoscale: AutoscaleSpec = AutoscaleSpec()
     shared: SharedStateSpec = SharedStateSpec()
@@ -238,18 +252,19 @@ class RouterConfig:
     adaptive: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("reserve_timeout_s", "prefill_timeout_s", "start_timeout_s",
-                     "control_timeout_s", "startup_timeout_s", "placement_timeout_s",
-                     "revive_timeout_s", "migration_wait_s",
-                     "stall_timeout_s", "retry_after_s", "telemetry_stale_s",
-                     "drain_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0")
-        if self.max_request_bytes < 1:
-            raise ValueError("max_request_bytes must be >= 1")
-        for name in ("max_inflight", "max_queued_prefill_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+        for f in fields(self):
+            bounds = bounds_of(f)
+            if bounds and not within(getattr(self, f.name), bounds):
+                raise ValueError(f"--{f.name.replace('_', '-')} must be "
+                                 f"{bounds_text(bounds)}, got {getattr(self, f.name)}")
+
+    @classmethod
+    def flags(cls) -> tuple[str, ...]:
+        """The fields that are flags: its own, not the specs beside them."""
+        return tuple(f.name for f in fields(cls) if f.name not in _NOT_FLAGS)
+
+
+_NOT_FLAGS = ("routing", "autoscale", "shared", "adaptive")
 
 
 @dataclass(frozen=True)

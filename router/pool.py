@@ -260,7 +260,7 @@ class Pool:
         since = self.now()
         self.registry.changed(self.entry(worker))
         self.changed()
-        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        timeout_s = self.config.worker_drain_timeout_s if timeout_s is None else timeout_s
         moving = (asyncio.ensure_future(self.evacuate(worker, drained))
                   if self.evacuate is not None and worker.state.decodes else None)
         try:

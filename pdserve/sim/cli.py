@@ -69,6 +69,8 @@ def add_cluster_flags(p: argparse.ArgumentParser, pools: bool = True) -> None:
     if pools:
         cli_flags.add_flags(p.add_argument_group("pools"), PoolSpec)
     cli_flags.add_flags(p.add_argument_group("routing"), RoutingSpec)
+    cli_flags.add_flags(p.add_argument_group("router timeouts and limits"), RouterConfig,
+                        only=RouterConfig.flags())
     engine = p.add_argument_group("engine: the scheduler and the KV cache (vLLM's names; "
                                   "--num-kv-blocks overrides the profile's)")
     for cls in (SchedulerConfig, CacheConfig):
@@ -114,8 +116,9 @@ def setup_of(args: argparse.Namespace, pools: PoolSpec | None = None):
     try:
         return Setup(profile=profile_of(args),
                      pools=pools or PoolSpec(**cli_flags.values(args, PoolSpec)),
-                     router=RouterConfig(routing=RoutingSpec(
-                         **cli_flags.values(args, RoutingSpec))),
+                     router=RouterConfig(
+                         routing=RoutingSpec(**cli_flags.values(args, RoutingSpec)),
+                         **cli_flags.values(args, RouterConfig, only=RouterConfig.flags())),
                      scheduler=SchedulerConfig(**cli_flags.values(args, SchedulerConfig)),
                      prefix_caching=args.enable_prefix_caching, seed=args.seed)
     except ValueError as err:

@@ -202,3 +202,29 @@ def test_a_bad_flag_value_is_refused_by_argparse(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--policy", "lifo"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_router_timeouts_and_limits_are_flags_of_serve_router_and_sim():
+    from pdserve.cli import cluster_specs, router_config
+    from pdserve.router.config import RouterConfig
+    from pdserve.sim.cli import setup_of
+
+    flags = ["--placement-timeout-s", "7", "--max-inflight", "3",
+             "--worker-drain-timeout-s", "9", "--max-queued-prefill-tokens", "0"]
+    _, served = cluster_specs(build_parser().parse_args(["serve", *flags]))
+    replica = router_config(build_parser().parse_args(["router", *flags]))
+    simulated = setup_of(build_parser().parse_args(["sim", *flags])).router
+    for config in (served, replica, simulated):
+        assert (config.placement_timeout_s, config.max_inflight, config.worker_drain_timeout_s,
+                config.max_queued_prefill_tokens) == (7, 3, 9, 0)
+    defaults = router_config(build_parser().parse_args(["serve"]))
+    assert all(getattr(defaults, name) == getattr(RouterConfig(), name)
+               for name in RouterConfig.flags())
+    assert len(RouterConfig.flags()) == 15
+
+
+def test_a_bad_router_limit_exits_naming_its_flag():
+    with pytest.raises(SystemExit, match=r"--stall-timeout-s must be > 0, got 0"):
+        main(["serve", "--stall-timeout-s", "0"])
+    with pytest.raises(SystemExit, match=r"--max-request-bytes must be >= 1"):
+        main(["router", "--max-request-bytes", "0", "--redis-url", "redis://127.0.0.1:1/0"])
