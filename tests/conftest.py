@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from pdserve.engine.tiny_model import TinySpec, make_tiny_model, train_tokenizer  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
 
 # Two architectures the oracle tests cover: Llama with GQA, and Qwen2-style with
 # q/k/v bias, tied embeddings and a single KV head (MQA).
@@ -39,6 +40,15 @@ def model_dirs(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="session")
 def llama_dir(model_dirs):
     return model_dirs["llama_gqa"]
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    """A real redis-server of the module's own, on a free loopback port."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.kill()
 
 
 @pytest.fixture(autouse=True, scope="session")

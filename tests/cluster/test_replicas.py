@@ -31,19 +31,10 @@ from tests import faults
 from tests.cluster.conftest import wait_all_blocks_free
 from tests.front_process import FrontProcess
 from tests.polling import eventually, until
-from tests.redis_server import RedisServer
 
 REGISTRY_TTL_S = 5.0  # each replica sweeps for dead ones every third of it
 KEY = "replica-key"  # the same caller on every replica: the owner is the key's digest
 ADMIN = "replica-admin"
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture(scope="module")

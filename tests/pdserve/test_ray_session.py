@@ -25,19 +25,10 @@ import pytest
 from pdserve.client import Client
 from tests.engine.test_hf_oracle import Oracle
 from tests.front_process import FrontProcess, Output
-from tests.redis_server import RedisServer
 
 PROMPT = [9, 8, 7, 6, 5, 4]
 MAX_TOKENS = 24
 ENGINE = ("--max-model-len", "512", "--kv-cache-memory-bytes", str(32 << 20))
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture(scope="module")
