@@ -120,7 +120,7 @@ def probe(setup: Setup, requests: list[BenchRequest], load: Load,
     verdict = Verdict(len(requests), target, load.slo)
     began = time.perf_counter()
     with virtual_time.sim_collector():
-        records, _, _ = run_requests(setup, requests, load, verdict)
+        run_requests(setup, requests, load, verdict)  # the verdict counted every ending
     ended = verdict.good + verdict.missed
     return Probe(rate=load.request_rate, holds=verdict.holds,
                  attainment=verdict.good / ended if ended == len(requests) else None,
@@ -193,8 +193,9 @@ class Search:
 
 def plan(search: Search, budget: int, jobs: int = 1,
          on_probe: Callable[[PoolSpec, Probe], None] | None = None) -> Iterator[Searched]:
-    """Each shape's search, yielded as it ends; `jobs` shapes at once, each (past one)
-    in a process of its own. on_probe(pools, probe): each probe as it ends."""
+    """Each shape's search, yielded as it ends: one after another in this process, or
+    (jobs > 1) `jobs` at once, each in a process of its own. on_probe(pools, probe):
+    each probe as it ends."""
     if jobs < 1:
         raise ValueError("jobs must be >= 1")
     all_shapes, after = shapes(budget), neighbours(budget)
