@@ -87,7 +87,11 @@ def test_greedy_outputs_equal_hf_and_stops_inside_a_run_end_as_plain_decoding(
 def test_seeded_sampling_draws_what_one_engine_draws(cluster, llama_dir):
     name, srv = cluster
     prompts = _prompts(52)
-    params = [dict(max_tokens=20, temperature=0.5, top_k=5, seed=i, ignore_eos=True)
+    # 64 tokens each: the eight requests end holding 67 blocks of 16 (36 of them their
+    # prompts'), more than the 2 x 24 the colocated workers have however they are
+    # spread, so a worker runs out while its requests grow and preempts one (at 20
+    # tokens they ended in 46 blocks: preemption came only when the split was uneven).
+    params = [dict(max_tokens=64, temperature=0.5, top_k=5, seed=i, ignore_eos=True)
               for i in range(len(prompts))]
     offline = LLM(str(llama_dir), kv_cache_memory_bytes=32 << 20)
     expected = offline.generate(prompts, [SamplingParams(**p) for p in params])
