@@ -26,13 +26,13 @@ from pdserve.engine.latency_model import DEFAULT_STEP_COST
 from pdserve.engine.model_path import resolve_model_path
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.config import RouterConfig, RoutingSpec
 from pdserve.router.lifecycle import Accepted, Flight
 from pdserve.router.model_info import ModelInfo
+from pdserve.router.pool.workers import WorkerHandle
 from pdserve.router.router import Router
 from pdserve.router.slo import Slo
-from pdserve.router.workers import WorkerHandle
+from pdserve.worker.messages import WorkerTelemetry
 
 BUDGET_S = 1e-3
 SLO = Slo(ttft_s=2.0, tpot_s=0.2)

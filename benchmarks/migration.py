@@ -33,9 +33,9 @@ from pdserve.client import AsyncClient
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec, RouterConfig
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
 from pdserve.router.lifecycle import Phase
-from pdserve.router.server import RouterServer
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -34,9 +34,9 @@ from pathlib import Path
 
 from pdserve.bench.report import save_json, show, spread
 from pdserve.router.config import SharedStateSpec
-from pdserve.router.redis_client import connect
-from pdserve.router.redis_directory import RedisDirectory
-from pdserve.router.request_directory import LocalDirectory
+from pdserve.router.replicas.redis_client import connect
+from pdserve.router.replicas.redis_directory import RedisDirectory
+from pdserve.router.replicas.request_directory import LocalDirectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.redis_server import RedisServer  # noqa: E402  (the tests' real server helper)
@@ -118,7 +118,7 @@ def replica(url: str, index: int, seconds: float, clients: int, start, results) 
     once every replica is ready (`start`, a barrier)."""
     from pdserve import SamplingParams
     from pdserve.router.config import PoolSpec, RouterConfig
-    from pdserve.router.pool_registry import LocalRegistry
+    from pdserve.router.replicas.pool_registry import LocalRegistry
     from pdserve.sim.cluster import SimCluster
 
     calls = _count_round_trips()

@@ -29,8 +29,8 @@ import ray
 
 from pdserve.engine.config import EngineConfig
 from pdserve.router.config import PoolSpec, RouterConfig
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
-from pdserve.router.server import RouterServer
 
 MB = 1_000_000
 

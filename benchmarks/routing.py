@@ -39,8 +39,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_path import resolve_model_path
 from pdserve.router.config import PoolSpec, RouterConfig, RoutingSpec
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
-from pdserve.router.server import RouterServer
 
 MODES = {"adaptive": PoolSpec(1, 1, mode="adaptive"),
          "colocated": PoolSpec(1, 1, mode="colocated"),

@@ -45,8 +45,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.config import PoolSpec
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
-from pdserve.router.server import RouterServer
 
 
 def workload(n: int, vocab: int, seed: int, prompt_range, max_tokens: int):

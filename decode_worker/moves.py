@@ -28,8 +28,8 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.errors import MoveError
 from pdserve.engine.move_blocks import source_blocks, target_blocks
-from pdserve.engine.worker_messages import BlockCopy, IncomingCopy, Paused, TokenDelta
 from pdserve.kv_transfer import KVReceiver
+from pdserve.worker.messages import BlockCopy, IncomingCopy, Paused, TokenDelta
 
 # send(transfer_id, address, source blocks, target blocks, urgent) -> Future of the
 # bytes sent (urgent: a paused request's last copy, before the copies queued)

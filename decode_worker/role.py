@@ -18,8 +18,8 @@ from typing import Callable
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.worker_messages import Job, Reservation, TokenDelta
 from pdserve.kv_transfer import KVReceiver
+from pdserve.worker.messages import Job, Reservation, TokenDelta
 
 
 class DecodeRole:

@@ -36,7 +36,7 @@ from pdserve.engine.spec_decode.proposer import build_proposer
 from pdserve.engine.step_shape import StepShape, StepTiming
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.validation import check_length, prompt_token_ids
-from pdserve.engine.worker_messages import Paused
+from pdserve.worker.messages import Paused
 
 # Prefill role: given a step's schedule, a hook for the forward pass (or None).
 KVExport = Callable[[SchedulerOutput], Optional[LayerHook]]

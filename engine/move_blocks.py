@@ -7,7 +7,7 @@ from typing import Callable
 
 from pdserve.engine.errors import MoveError
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.worker_messages import BlockCopy, IncomingCopy
+from pdserve.worker.messages import BlockCopy, IncomingCopy
 
 
 def copy_end(num_computed: int, block_size: int, final: bool) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_shape import StepTiming
-from pdserve.engine.worker_messages import WorkerTelemetry, net_prefix_events
+from pdserve.worker.messages import WorkerTelemetry, net_prefix_events
 
 # A worker reports with every step, and at least this often while idle (as long as
 # its engine makes progress: silence means it stalled).

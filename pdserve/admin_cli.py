@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 
 from pdserve import env
-from pdserve.engine.worker_messages import ROLES
+from pdserve.worker.messages import ROLES
 
 
 def add_admin_parser(sub) -> None:

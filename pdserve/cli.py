@@ -193,8 +193,8 @@ def _serve(args) -> int:
     else:
         ray_session.join(args.ray_address, "serve", include_dashboard=False,
                          log_to_driver=False)
-    from pdserve.router.placement import PlacementError
-    from pdserve.router.pool_registry import RegistryError
+    from pdserve.router.pool.placement import PlacementError
+    from pdserve.router.replicas.pool_registry import RegistryError
     try:
         router = launch_cluster(args)
     except (PlacementError, RegistryError) as err:
@@ -208,7 +208,7 @@ def _router(args) -> int:
 
     from pdserve import ray_session
     from pdserve.router.launch import join
-    from pdserve.router.redis_registry import read_registered
+    from pdserve.router.replicas.redis_registry import read_registered
 
     config = router_config(args)
     spec = config.shared
@@ -232,8 +232,8 @@ def _router(args) -> int:
 
 def _front_security(args):
     """The front end's keys and TLS from the flags (a bad pair exits at once)."""
-    from pdserve.router.auth import ApiKeys
     from pdserve.router.config import TLSConfig
+    from pdserve.router.front.auth import ApiKeys
 
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         raise SystemExit(f"pdserve {args.command}: give --ssl-certfile and --ssl-keyfile "
@@ -247,7 +247,7 @@ def _run_front(args, router, what: str) -> int:
     """Serves the router's front ends until SIGINT / SIGTERM, then drains."""
     import ray
 
-    from pdserve.router.server import RouterServer
+    from pdserve.router.front.server import RouterServer
 
     keys, tls, admin_keys = _front_security(args)
     srv = RouterServer(router, args.host, args.grpc_port, args.http_port, keys, tls,

@@ -19,8 +19,8 @@ def cluster(args: argparse.Namespace) -> int:
     from pdserve.client import Client
     from pdserve.engine.config import EngineConfig
     from pdserve.router.config import PoolSpec
+    from pdserve.router.front.server import RouterServer
     from pdserve.router.launch import launch
-    from pdserve.router.server import RouterServer
 
     t0 = time.perf_counter()
     ray_session.start_local(num_cpus=4, include_dashboard=False, log_to_driver=False)

@@ -24,8 +24,8 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.errors import RequestFailedError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.scheduler_output import SchedulerOutput
-from pdserve.engine.worker_messages import PrefillJob, PrefillResult
 from pdserve.kv_transfer import KVSender, SendHandle
+from pdserve.worker.messages import PrefillJob, PrefillResult
 
 
 @dataclass

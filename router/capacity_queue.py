@@ -17,7 +17,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pdserve.router.decision import Decision, Reject
+from pdserve.router.policy.decision import Decision, Reject
 
 MAX_MISSES = 4
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.options import bounds_of, bounds_text, option, within
-from pdserve.router.planner import PlannerConfig
+from pdserve.router.planner.core import PlannerConfig
 from pdserve.router.slo import Slo
 
 MODES = ("disaggregated", "colocated", "adaptive")
-POLICIES = ("goodput", "least-loaded", "round-robin")  # router/policy.py maps each to its decide
+POLICIES = ("goodput", "least-loaded", "round-robin")  # router/policy/decide.py maps each to its decide
 ADMISSIONS = ("slo", "always")
 
 
@@ -83,7 +83,7 @@ class RoutingSpec:
 @dataclass(frozen=True)
 class AutoscaleSpec:
     """The SLO planner (`pdserve serve --autoscale` flags): each pool sized against
-    the SLOs the server routes with (router/planner.py)."""
+    the SLOs the server routes with (router/planner/core.py)."""
     autoscale: bool = option(False, "run the SLO planner: it adds, drains, removes and "
                              "flips workers to keep TTFT and TPOT within the SLOs "
                              "(--slo-ttft-ms, --slo-tpot-ms) at the fewest workers")

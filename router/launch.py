@@ -26,8 +26,16 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec, RouterConfig, SharedStateSpec
 from pdserve.router.model_info import ModelInfo
-from pdserve.router.placement import PlacementError, fmt_resources, unplaceable, until_placeable
-from pdserve.router.pool_registry import (
+from pdserve.router.pool.placement import (
+    PlacementError,
+    fmt_resources,
+    unplaceable,
+    until_placeable,
+)
+from pdserve.router.pool.ray_worker_client import RayWorkerClient
+from pdserve.router.pool.spawner import Progress
+from pdserve.router.pool.workers import WorkerHandle
+from pdserve.router.replicas.pool_registry import (
     LocalRegistry,
     PoolRecord,
     PoolRegistry,
@@ -35,10 +43,7 @@ from pdserve.router.pool_registry import (
     WorkerEntry,
     registry_for,
 )
-from pdserve.router.ray_worker_client import RayWorkerClient
 from pdserve.router.router import Router
-from pdserve.router.spawner import Progress
-from pdserve.router.workers import WorkerHandle
 from pdserve.worker.actor import WorkerActor
 
 log = logging.getLogger(__name__)
@@ -307,7 +312,7 @@ def new_router_id() -> str:
 
 def _check_unregistered(spec: SharedStateSpec) -> None:
     """RegistryError when a live pool is registered under spec's prefix already."""
-    from pdserve.router.redis_registry import read_registered
+    from pdserve.router.replicas.redis_registry import read_registered
 
     record, _ = read_registered(spec)
     if record is not None:

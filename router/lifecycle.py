@@ -25,8 +25,8 @@ from dataclasses import dataclass, field, replace
 from typing import Awaitable
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.worker_messages import Job
 from pdserve.router.slo import Slo
+from pdserve.worker.messages import Job
 
 
 class Phase(enum.Enum):

@@ -29,16 +29,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from pdserve.engine.worker_messages import BlockCopy, IncomingCopy
 from pdserve.router.clock import Clock
 from pdserve.router.config import RouterConfig
-from pdserve.router.decision import Colocate
 from pdserve.router.errors import WorkerError, short_reason
 from pdserve.router.lifecycle import Flight, Phase
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placer import Placer
-from pdserve.router.pool import Pool
-from pdserve.router.workers import WorkerHandle
+from pdserve.router.policy.decision import Colocate
+from pdserve.router.pool.pool import Pool
+from pdserve.router.pool.workers import WorkerHandle
+from pdserve.worker.messages import BlockCopy, IncomingCopy
 
 log = logging.getLogger(__name__)
 

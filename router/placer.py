@@ -15,20 +15,20 @@ from dataclasses import replace
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.router.capacity_queue import CapacityQueue
 from pdserve.router.clock import Clock
-from pdserve.router.cluster_models import ClusterModels
-from pdserve.router.cluster_state import ClusterState, RequestView
 from pdserve.router.config import RouterConfig
-from pdserve.router.decision import Colocate, Decision, Reject
 from pdserve.router.errors import OverloadedError
 from pdserve.router.lifecycle import Accepted, Flight, until
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_info import ModelInfo
-from pdserve.router.policy import decide
-from pdserve.router.pool import Pool
-from pdserve.router.prefix_index import block_hashes
+from pdserve.router.policy.cluster_models import ClusterModels
+from pdserve.router.policy.cluster_state import ClusterState, RequestView
+from pdserve.router.policy.decide import decide
+from pdserve.router.policy.decision import Colocate, Decision, Reject
+from pdserve.router.policy.prefix_index import block_hashes
+from pdserve.router.policy.snapshot import snapshot
+from pdserve.router.policy.worker_columns import ColumnsMemo
+from pdserve.router.pool.pool import Pool
 from pdserve.router.slo import Slo
-from pdserve.router.snapshot import snapshot
-from pdserve.router.worker_columns import ColumnsMemo
 
 _STATE = operator.attrgetter("state")  # a worker handle's state
 

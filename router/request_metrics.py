@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from pdserve.engine.worker_messages import TokenDelta
 from pdserve.router.clock import Clock
 from pdserve.router.lifecycle import Flight
 from pdserve.router.metrics import RouterMetrics
+from pdserve.worker.messages import TokenDelta
 
 
 class RequestTracker:

@@ -20,16 +20,8 @@ from typing import AsyncIterator, Callable
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.errors import InvalidRequestError, RequestFailedError
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.worker_messages import (
-    PrefillJob,
-    PrefillResult,
-    Reservation,
-    TokenDelta,
-)
 from pdserve.router.clock import Clock
-from pdserve.router.cluster_models import ClusterModels
 from pdserve.router.config import RouterConfig
-from pdserve.router.decision import Colocate
 from pdserve.router.errors import (
     NotMoved,
     OverloadedError,
@@ -41,10 +33,18 @@ from pdserve.router.errors import (
 from pdserve.router.lifecycle import Accepted, Cancelled, Flight, Phase, until
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placer import Placer
-from pdserve.router.pool import Pool
-from pdserve.router.request_directory import LocalDirectory, RequestDirectory
+from pdserve.router.policy.cluster_models import ClusterModels
+from pdserve.router.policy.decision import Colocate
+from pdserve.router.pool.pool import Pool
+from pdserve.router.pool.workers import WorkerHandle
+from pdserve.router.replicas.request_directory import LocalDirectory, RequestDirectory
 from pdserve.router.request_metrics import RequestTracker
-from pdserve.router.workers import WorkerHandle
+from pdserve.worker.messages import (
+    PrefillJob,
+    PrefillResult,
+    Reservation,
+    TokenDelta,
+)
 
 log = logging.getLogger(__name__)
 

@@ -17,29 +17,29 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from pdserve.engine.latency_calibration import NONE
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.worker_messages import WorkerTelemetry
 from pdserve.router.clock import SYSTEM_CLOCK, Clock
-from pdserve.router.cluster_models import ClusterModels
 from pdserve.router.config import RouterConfig
-from pdserve.router.decision import Decision, Reject
 from pdserve.router.intake import Intake
-from pdserve.router.leader_lease import lease_for
 from pdserve.router.lifecycle import Accepted, Flight
 from pdserve.router.live_move import LiveMover
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_info import ModelInfo
 from pdserve.router.placer import Placer
-from pdserve.router.planner_runner import PlannerRunner
-from pdserve.router.pool import Pool
-from pdserve.router.pool_registry import PoolRecord, PoolRegistry, registry_for
-from pdserve.router.request_directory import RequestDirectory, directory_for
+from pdserve.router.planner.runner import PlannerRunner
+from pdserve.router.planner.traffic import TrafficWindow, outcomes, refused
+from pdserve.router.policy.cluster_models import ClusterModels
+from pdserve.router.policy.decision import Decision, Reject
+from pdserve.router.policy.latency_calibration import NONE
+from pdserve.router.pool.pool import Pool
+from pdserve.router.pool.spawner import Spawner
+from pdserve.router.pool.workers import WorkerHandle
+from pdserve.router.replicas.leader_lease import lease_for
+from pdserve.router.replicas.pool_registry import PoolRecord, PoolRegistry, registry_for
+from pdserve.router.replicas.request_directory import RequestDirectory, directory_for
+from pdserve.router.replicas.shared_load import load_board_for
 from pdserve.router.request_runner import RequestRunner
-from pdserve.router.shared_load import load_board_for
-from pdserve.router.spawner import Spawner
-from pdserve.router.traffic import TrafficWindow, outcomes, refused
-from pdserve.router.workers import WorkerHandle
+from pdserve.worker.messages import WorkerTelemetry
 
 __all__ = ["Accepted", "Router"]
 

@@ -23,7 +23,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import exit_for_restart
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.telemetry import IDLE_REPORT_INTERVAL_S
-from pdserve.engine.worker_messages import (
+from pdserve.kv_transfer import TransferConfig
+from pdserve.worker.messages import (
     BlockCopy,
     IncomingCopy,
     Job,
@@ -33,7 +34,6 @@ from pdserve.engine.worker_messages import (
     Reservation,
     StepBatch,
 )
-from pdserve.kv_transfer import TransferConfig
 from pdserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)

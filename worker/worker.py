@@ -22,7 +22,9 @@ from pdserve.engine.errors import WorkerBusyError, WrongRoleError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.profile import profile
 from pdserve.engine.telemetry import gauges, report
-from pdserve.engine.worker_messages import (
+from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig
+from pdserve.prefill_worker.role import PrefillRole
+from pdserve.worker.messages import (
     BlockCopy,
     IncomingCopy,
     Job,
@@ -32,8 +34,6 @@ from pdserve.engine.worker_messages import (
     WorkerTelemetry,
     check_role,
 )
-from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig
-from pdserve.prefill_worker.role import PrefillRole
 
 
 class Worker:

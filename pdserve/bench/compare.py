@@ -66,8 +66,8 @@ def run_mode(mode: str, config: EngineConfig, prefill_workers: int, decode_worke
 
     from pdserve import ray_session
     from pdserve.router.config import PoolSpec
+    from pdserve.router.front.server import RouterServer
     from pdserve.router.launch import launch
-    from pdserve.router.server import RouterServer
 
     workers = prefill_workers + decode_workers
     ray_session.start_local(num_cpus=max(4, workers + 2), include_dashboard=False,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from pdserve.router.prefix_index import block_hashes
+from pdserve.router.policy.prefix_index import block_hashes
 
 _Z99 = 2.3263478740408408  # standard normal 99th percentile
 

@@ -15,10 +15,10 @@ from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.config import PoolSpec, RouterConfig
 from pdserve.router.model_info import ModelInfo
-from pdserve.router.pool_registry import PoolRegistry
+from pdserve.router.pool.spawner import Progress
+from pdserve.router.pool.workers import WorkerHandle
+from pdserve.router.replicas.pool_registry import PoolRegistry
 from pdserve.router.router import Router
-from pdserve.router.spawner import Progress
-from pdserve.router.workers import WorkerHandle
 from pdserve.sim.itl import ItlHistogram
 from pdserve.sim.profile import Profile
 from pdserve.sim.tokens import TokenSource

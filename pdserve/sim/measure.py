@@ -239,7 +239,7 @@ def _transfer(prefill: Worker, decode: Worker, request_id: str, prompt: list[int
               timeout_s: float) -> TransferSample:
     """The router's sequence: reserve on the decode worker, prefill into that
     reservation, start there (max_tokens=1: it finishes at once, freeing its blocks)."""
-    from pdserve.engine.worker_messages import Job, PrefillJob
+    from pdserve.worker.messages import Job, PrefillJob
 
     job = Job(request_id=request_id, prompt_token_ids=prompt,
               sampling_params=_FIRST_TOKEN_ONLY, arrival_time=time.time())

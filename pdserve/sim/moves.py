@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.engine.errors import MoveError
 from pdserve.engine.move_blocks import source_blocks, target_blocks
-from pdserve.engine.worker_messages import BlockCopy, IncomingCopy, Paused, TokenDelta
+from pdserve.worker.messages import BlockCopy, IncomingCopy, Paused, TokenDelta
 
 if TYPE_CHECKING:
     from pdserve.sim.worker import SimWorker

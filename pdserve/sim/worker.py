@@ -43,7 +43,12 @@ from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, 
 from pdserve.engine.step_shape import StepShape, StepTiming
 from pdserve.engine.telemetry import IDLE_REPORT_INTERVAL_S, report
 from pdserve.engine.validation import check_length
-from pdserve.engine.worker_messages import (
+from pdserve.router.errors import WorkerDied
+from pdserve.sim.itl import ItlHistogram
+from pdserve.sim.moves import SimMoves
+from pdserve.sim.profile import Profile
+from pdserve.sim.tokens import SyntheticTokens, TokenSource
+from pdserve.worker.messages import (
     BlockCopy,
     IncomingCopy,
     Job,
@@ -56,11 +61,6 @@ from pdserve.engine.worker_messages import (
     WorkerStats,
     check_role,
 )
-from pdserve.router.errors import WorkerDied
-from pdserve.sim.itl import ItlHistogram
-from pdserve.sim.moves import SimMoves
-from pdserve.sim.profile import Profile
-from pdserve.sim.tokens import SyntheticTokens, TokenSource
 
 # How long an abort is remembered, so a reservation it overtook is refused.
 TOMBSTONE_S = 60.0

@@ -22,10 +22,10 @@ import ray
 
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
-from pdserve.router.auth import ApiKeys
 from pdserve.router.config import PoolSpec, RouterConfig
+from pdserve.router.front.auth import ApiKeys
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
-from pdserve.router.server import RouterServer
 from tests.polling import until
 
 ADMIN_KEY = "admin-secret"

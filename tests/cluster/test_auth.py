@@ -17,10 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.cli import main
 from pdserve.client import AsyncClient, Client, PdserveError
 from pdserve.engine.config import EngineConfig
-from pdserve.router.auth import ApiKeys
 from pdserve.router.config import PoolSpec, TLSConfig
+from pdserve.router.front.auth import ApiKeys
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
-from pdserve.router.server import RouterServer
 from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
 
 KEY = "sk-test-8f1c2d"

@@ -18,10 +18,10 @@ from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router import placer as placer_module
 from pdserve.router.config import PoolSpec
-from pdserve.router.decision import Colocate, Disaggregate
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
-from pdserve.router.prefix_index import block_hashes
-from pdserve.router.server import RouterServer
+from pdserve.router.policy.decision import Colocate, Disaggregate
+from pdserve.router.policy.prefix_index import block_hashes
 from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
 from tests.engine.test_hf_oracle import Oracle
 

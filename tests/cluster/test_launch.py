@@ -8,7 +8,7 @@ import ray
 from pdserve.engine.config import EngineConfig
 from pdserve.router.config import PoolSpec, RouterConfig
 from pdserve.router.launch import launch
-from pdserve.router.placement import PlacementError
+from pdserve.router.pool.placement import PlacementError
 
 
 def test_workers_the_cluster_cannot_hold_fail_fast(ray_local, llama_dir):

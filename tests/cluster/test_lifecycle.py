@@ -16,8 +16,8 @@ from pdserve.client import AsyncClient, Client, InvalidArgumentError
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec, RouterConfig
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
-from pdserve.router.server import RouterServer
 from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
 
 NUM_KV_BLOCKS = 48  # 768 tokens of KV per worker, under the 1024-token context

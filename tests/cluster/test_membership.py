@@ -21,11 +21,11 @@ from pdserve import LLM, SamplingParams
 from pdserve.client import Client, UnavailableError
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
-from pdserve.router.auth import ApiKeys
 from pdserve.router.config import PoolSpec, RouterConfig
+from pdserve.router.front.auth import ApiKeys
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import WorkerSpawner, launch
-from pdserve.router.placement import PlacementError
-from pdserve.router.server import RouterServer
+from pdserve.router.pool.placement import PlacementError
 from tests.cluster.conftest import stop_cluster
 from tests.engine.test_hf_oracle import Oracle
 from tests.polling import until

@@ -22,9 +22,9 @@ from pdserve.client import AsyncClient
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec, RouterConfig
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
 from pdserve.router.lifecycle import Phase
-from pdserve.router.server import RouterServer
 from tests import faults
 from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
 from tests.engine.test_hf_oracle import Oracle

@@ -16,8 +16,8 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from pdserve.engine.config import EngineConfig
 from pdserve.router.config import PoolSpec
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
-from pdserve.router.server import RouterServer
 from tests.cluster.conftest import stop_cluster
 
 MAX_MODEL_LEN = 48  # keeps every generated request short

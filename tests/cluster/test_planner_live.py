@@ -15,10 +15,10 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
-from pdserve.router.auth import ApiKeys
 from pdserve.router.config import AutoscaleSpec, PoolSpec, RouterConfig, RoutingSpec
+from pdserve.router.front.auth import ApiKeys
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
-from pdserve.router.server import RouterServer
 from tests.cluster.conftest import stop_cluster
 from tests.cluster.test_membership import Load
 from tests.polling import until

@@ -20,13 +20,13 @@ from pdserve import LLM, SamplingParams
 from pdserve.client import AsyncClient, Client, InvalidArgumentError
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
-from pdserve.router.auth import ApiKeys
 from pdserve.router.config import AutoscaleSpec, PoolSpec, RouterConfig, SharedStateSpec
+from pdserve.router.front.auth import ApiKeys
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import NAMESPACE, join, launch
-from pdserve.router.prefix_index import block_hashes
-from pdserve.router.redis_directory import RedisDirectory
-from pdserve.router.redis_registry import read_registered
-from pdserve.router.server import RouterServer
+from pdserve.router.policy.prefix_index import block_hashes
+from pdserve.router.replicas.redis_directory import RedisDirectory
+from pdserve.router.replicas.redis_registry import read_registered
 from tests import faults
 from tests.cluster.conftest import wait_all_blocks_free
 from tests.front_process import FrontProcess

@@ -13,10 +13,10 @@ from pdserve.client import AsyncClient, InvalidArgumentError
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
+from pdserve.router.pool.workers import WorkerHandle
 from pdserve.router.router import Router
-from pdserve.router.server import RouterServer
-from pdserve.router.workers import WorkerHandle
 from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
 
 MAX_TOKENS = 16

@@ -18,8 +18,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.tiny_model import make_draft_model
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
-from pdserve.router.server import RouterServer
 from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
 from tests.engine.test_hf_oracle import Oracle
 

@@ -18,13 +18,13 @@ import ray
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig, SchedulerConfig
 from pdserve.engine.errors import WorkerBusyError, WrongRoleError
-from pdserve.engine.worker_messages import BlockCopy, IncomingCopy, Job, PrefillJob
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.errors import WorkerDied
-from pdserve.router.ray_worker_client import RayWorkerClient
+from pdserve.router.pool.ray_worker_client import RayWorkerClient
 from pdserve.sim import virtual_time
 from pdserve.sim.tokens import ModelTokens
 from pdserve.sim.worker import SimWorker
+from pdserve.worker.messages import BlockCopy, IncomingCopy, Job, PrefillJob
 from tests import faults
 from tests.sim.sims import model_profile
 

@@ -24,8 +24,8 @@ from pdserve.client import AsyncClient, PdserveError
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec, RouterConfig, RoutingSpec
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
-from pdserve.router.server import RouterServer
 from tests import faults
 from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
 

@@ -14,9 +14,9 @@ import ray
 
 from pdserve import SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.worker_messages import Job, PrefillJob
 from pdserve.kv_transfer import TransferConfig
 from pdserve.worker.actor import WorkerActor
+from pdserve.worker.messages import Job, PrefillJob
 from tests.engine.test_hf_oracle import Oracle
 from tests.polling import until
 

@@ -19,8 +19,13 @@ from transformers import AutoModelForCausalLM
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.tiny_model import make_draft_model
-from tests.engine.test_hf_oracle import (KV_BYTES, MAX_TOKENS, Oracle, assert_matches_hf,
-                                         random_prompts)
+from tests.engine.test_hf_oracle import (
+    KV_BYTES,
+    MAX_TOKENS,
+    Oracle,
+    assert_matches_hf,
+    random_prompts,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="the engine on a GPU needs one (this machine has none)")

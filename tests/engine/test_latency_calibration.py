@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pdserve.engine.latency_calibration import Calibrator
+from pdserve.router.policy.latency_calibration import Calibrator
 
 
 def test_the_factor_learns_a_bias_that_noise_hides_in_single_requests():

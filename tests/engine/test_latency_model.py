@@ -9,13 +9,6 @@ import pytest
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.latency_forecast import (
-    WorkerLoad,
-    prompt_pairs,
-    slots_short,
-    tpot_seconds,
-    ttft_seconds,
-)
 from pdserve.engine.latency_model import (
     OnlineFit,
     PromptShare,
@@ -30,6 +23,13 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import ModelRunnerOutput
 from pdserve.engine.step_shape import StepShape, StepTiming
 from pdserve.engine.telemetry import report
+from pdserve.router.policy.latency_forecast import (
+    WorkerLoad,
+    prompt_pairs,
+    slots_short,
+    tpot_seconds,
+    ttft_seconds,
+)
 
 TRUE = StepCost(base_s=3e-3, prefill_token_s=4e-5, prefill_pair_s=2e-8,
                 decode_seq_s=6e-4, decode_context_s=2e-7)

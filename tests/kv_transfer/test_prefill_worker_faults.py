@@ -8,8 +8,8 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.worker_messages import Job, PrefillJob, Reservation
 from pdserve.kv_transfer import KVTransferError, TransferConfig
+from pdserve.worker.messages import Job, PrefillJob, Reservation
 from pdserve.worker.worker import Worker as EngineWorker
 from tests.kv_transfer.harness import CacheSpec, Worker
 from tests.polling import until

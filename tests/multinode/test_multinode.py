@@ -15,8 +15,8 @@ from pdserve.client import Client
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec, RouterConfig
+from pdserve.router.front.server import RouterServer
 from pdserve.router.launch import launch
-from pdserve.router.server import RouterServer
 from tests.engine.test_hf_oracle import Oracle
 
 MAX_TOKENS = 8

@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.client import _request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.openai_protocol import ChatRequest, CompletionRequest
+from pdserve.router.front.openai_protocol import ChatRequest, CompletionRequest
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1.sampling import FIELDS, from_proto, to_proto
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.router.config import SharedStateSpec
-from pdserve.router.leader_lease import RedisLease
-from pdserve.router.redis_client import connect
+from pdserve.router.replicas.leader_lease import RedisLease
+from pdserve.router.replicas.redis_client import connect
 from tests.polling import eventually
 
 TTL_S = 1.0

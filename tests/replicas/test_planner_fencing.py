@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.router.config import AutoscaleSpec, RouterConfig, SharedStateSpec
-from pdserve.router.leader_lease import RedisLease
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.planner import Action
-from pdserve.router.planner_runner import PlannerRunner
-from pdserve.router.pool import Pool
-from pdserve.router.redis_client import connect
+from pdserve.router.planner.core import Action
+from pdserve.router.planner.runner import PlannerRunner
+from pdserve.router.planner.traffic import TrafficWindow
+from pdserve.router.pool.pool import Pool
+from pdserve.router.replicas.leader_lease import RedisLease
+from pdserve.router.replicas.redis_client import connect
 from pdserve.router.slo import Slo
-from pdserve.router.traffic import TrafficWindow
 from tests.polling import eventually
 
 

@@ -17,9 +17,9 @@ from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import PoolSpec, SharedStateSpec
 from pdserve.router.model_info import ModelInfo
-from pdserve.router.pool_registry import PoolRecord, RegistryError, WorkerEntry
-from pdserve.router.redis_client import connect
-from pdserve.router.redis_registry import RedisRegistry, read_registered
+from pdserve.router.replicas.pool_registry import PoolRecord, RegistryError, WorkerEntry
+from pdserve.router.replicas.redis_client import connect
+from pdserve.router.replicas.redis_registry import RedisRegistry, read_registered
 from tests.polling import eventually
 
 TTL_S = 3.0

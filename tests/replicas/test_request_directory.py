@@ -9,8 +9,8 @@ import os
 import signal
 
 from pdserve.router.config import SharedStateSpec
-from pdserve.router.redis_client import connect
-from pdserve.router.redis_directory import RedisDirectory
+from pdserve.router.replicas.redis_client import connect
+from pdserve.router.replicas.redis_directory import RedisDirectory
 from tests.polling import eventually
 
 TTL_S = 3.0

@@ -8,9 +8,9 @@ import asyncio
 import contextlib
 
 from pdserve.router.config import SharedStateSpec
-from pdserve.router.redis_client import connect
-from pdserve.router.shared_load import FULL_S, STALE_S, RedisLoad
-from pdserve.router.workers import WorkerHandle
+from pdserve.router.pool.workers import WorkerHandle
+from pdserve.router.replicas.redis_client import connect
+from pdserve.router.replicas.shared_load import FULL_S, STALE_S, RedisLoad
 from tests.polling import eventually
 
 

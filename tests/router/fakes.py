@@ -8,14 +8,14 @@ import asyncio
 import time
 from collections import defaultdict
 
-from pdserve.engine.worker_messages import (
+from pdserve.router.pool.workers import WorkerHandle
+from pdserve.worker.messages import (
     PrefillResult,
     Reservation,
     StepBatch,
     TokenDelta,
     WorkerTelemetry,
 )
-from pdserve.router.workers import WorkerHandle
 
 
 class FakeWorker:

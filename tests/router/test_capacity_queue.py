@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.router.capacity_queue import CapacityQueue
-from pdserve.router.decision import Colocate, Reject
+from pdserve.router.policy.decision import Colocate, Reject
 
 REFUSED = Reject("no room", 1.0, "kv")
 

@@ -8,11 +8,11 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_shape import StepShape, StepTiming
-from pdserve.engine.worker_messages import WorkerTelemetry, net_prefix_events
-from pdserve.router.cluster_models import ClusterModels
 from pdserve.router.config import RouterConfig
 from pdserve.router.model_info import ModelInfo
-from pdserve.router.prefix_index import PrefixIndex, block_hashes
+from pdserve.router.policy.cluster_models import ClusterModels
+from pdserve.router.policy.prefix_index import PrefixIndex, block_hashes
+from pdserve.worker.messages import WorkerTelemetry, net_prefix_events
 
 MODEL = ModelInfo("m", 4096, 1000, block_size=16, kv_bytes_per_block=1000)
 
@@ -119,9 +119,9 @@ def test_a_model_inflated_under_contention_recovers_once_its_worker_idles():
     # step_max_age_s past them, the forecast is the worker's profile again and the same
     # request is admitted.
     from pdserve.engine.latency_model import StepCost
-    from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
-    from pdserve.router.decision import Colocate, Reject
-    from pdserve.router.goodput import decide
+    from pdserve.router.policy.cluster_state import ClusterState, RequestView, WorkerState
+    from pdserve.router.policy.decision import Colocate, Reject
+    from pdserve.router.policy.goodput import decide
     from pdserve.router.slo import Slo
     true = StepCost(base_s=0.010, prefill_token_s=1e-4, prefill_pair_s=0.0,
                     decode_seq_s=0.001, decode_context_s=0.0)
@@ -156,9 +156,9 @@ def test_a_pair_whose_transfers_were_inflated_is_chosen_again_once_they_age_out(
     # to d0 completes, and its fit would never recover. Once its transfers are older
     # than the max age, its cost is the prior again and the lighter d0 wins.
     from pdserve.engine.latency_model import DEFAULT_TRANSFER_COST, StepCost
-    from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
-    from pdserve.router.decision import Disaggregate
-    from pdserve.router.goodput import decide
+    from pdserve.router.policy.cluster_state import ClusterState, RequestView, WorkerState
+    from pdserve.router.policy.decision import Disaggregate
+    from pdserve.router.policy.goodput import decide
     from pdserve.router.slo import Slo
     cost = StepCost(base_s=0.010, prefill_token_s=1e-4, prefill_pair_s=0.0,
                     decode_seq_s=0.001, decode_context_s=0.0)

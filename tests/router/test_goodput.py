@@ -11,16 +11,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from pdserve.engine.latency_calibration import Calibration
-from pdserve.engine.latency_forecast import decode_step_seconds
 from pdserve.engine.latency_model import StepCost, TransferCost
-from pdserve.engine.worker_messages import WorkerTelemetry
-from pdserve.router.cluster_state import ClusterState, RequestView, TpotBudgets, WorkerState
 from pdserve.router.config import RouterConfig, RoutingSpec
-from pdserve.router.decision import Colocate, Disaggregate, Reject
-from pdserve.router.goodput import decide
 from pdserve.router.model_info import ModelInfo
+from pdserve.router.policy.cluster_state import ClusterState, RequestView, TpotBudgets, WorkerState
+from pdserve.router.policy.decision import Colocate, Disaggregate, Reject
+from pdserve.router.policy.goodput import decide
+from pdserve.router.policy.latency_calibration import Calibration
+from pdserve.router.policy.latency_forecast import decode_step_seconds
 from pdserve.router.slo import Slo
+from pdserve.worker.messages import WorkerTelemetry
 
 COST = StepCost(base_s=0.010, prefill_token_s=1e-4, prefill_pair_s=0.0,
                 decode_seq_s=0.001, decode_context_s=0.0)

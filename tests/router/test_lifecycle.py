@@ -13,7 +13,6 @@ import pytest
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.worker_messages import WorkerStats
 from pdserve.kv_transfer import (
     KVTransferError,
     LayoutMismatchError,
@@ -29,6 +28,7 @@ from pdserve.router.model_info import ModelInfo
 from pdserve.router.placer import Placer
 from pdserve.router.router import Router
 from pdserve.router.slo import Slo
+from pdserve.worker.messages import WorkerStats
 from tests.router.fakes import (
     FakeWorker,
     batch,
@@ -393,7 +393,7 @@ def test_a_refusal_waits_only_while_capacity_is_predicted_to_free_in_time():
     # would only turn a fast 429 into a slow one); one ending in 0.5 s waits; so for
     # TPOT, by when the batch's first request ends. A KV refusal carries no
     # prediction of when capacity frees: it waits.
-    from pdserve.router.decision import Reject
+    from pdserve.router.policy.decision import Reject
     req = Accepted("r", [1, 2], PARAMS, arrival_time=100.0, slo=Slo(ttft_s=1.0))
 
     def wait(kind, retry_after_s, ttft_s=0.1):

@@ -1,8 +1,8 @@
 """The router's metrics, read back from its registry."""
 import pytest
 
-from pdserve.router.decision import Colocate, Disaggregate
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy.decision import Colocate, Disaggregate
 from pdserve.router.slo import Slo
 
 
@@ -67,7 +67,7 @@ def test_speculative_decoding_counters_follow_the_workers_cumulative_figures():
     """vLLM's names: drafts, draft tokens, accepted tokens and accepted per position,
     per worker, grown by each report's cumulative figures (a restarted worker's start
     from zero again)."""
-    from pdserve.engine.worker_messages import WorkerTelemetry
+    from pdserve.worker.messages import WorkerTelemetry
     metrics = RouterMetrics("m")
 
     def report(drafts, tokens, accepted, per_pos):

@@ -1,6 +1,6 @@
 """Workers Ray could never place are refused before any actor exists, with what they
 need and what the nodes have (pure: no Ray)."""
-from pdserve.router.placement import unplaceable, until_placeable
+from pdserve.router.pool.placement import unplaceable, until_placeable
 
 ONE_CPU = {"CPU": 1.0}
 

@@ -15,9 +15,8 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.engine.latency_forecast import WorkerLoad
 from pdserve.engine.latency_model import StepCost
-from pdserve.router.planner import (
+from pdserve.router.planner.core import (
     Observation,
     PlannerConfig,
     PlannerState,
@@ -25,6 +24,7 @@ from pdserve.router.planner import (
     WorkerView,
     plan,
 )
+from pdserve.router.policy.latency_forecast import WorkerLoad
 from pdserve.router.slo import Slo
 
 COST = StepCost(base_s=0.010, prefill_token_s=1e-4, prefill_pair_s=0.0, decode_seq_s=0.001,

@@ -4,11 +4,11 @@ the request are never chosen; a "full" report ranks a worker last but does not
 exclude it, and a stale report is unknown, neither full nor free."""
 from __future__ import annotations
 
-from pdserve.engine.worker_messages import WorkerTelemetry
-from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
 from pdserve.router.config import RouterConfig
-from pdserve.router.decision import Colocate, Disaggregate, Reject
-from pdserve.router.least_loaded import decide
+from pdserve.router.policy.cluster_state import ClusterState, RequestView, WorkerState
+from pdserve.router.policy.decision import Colocate, Disaggregate, Reject
+from pdserve.router.policy.least_loaded import decide
+from pdserve.worker.messages import WorkerTelemetry
 
 REQ = RequestView(num_prompt_tokens=100, blocks_needed=7)
 

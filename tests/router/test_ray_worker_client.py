@@ -9,7 +9,7 @@ import ray.exceptions as ray_errors
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.kv_transfer import TransferTimeout
 from pdserve.router.errors import WorkerDied, WorkerError, short_reason
-from pdserve.router.ray_worker_client import translated
+from pdserve.router.pool.ray_worker_client import translated
 
 
 def test_a_dead_actor_is_worker_died():

@@ -10,9 +10,9 @@ import pytest
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.config import RouterConfig
+from pdserve.router.front.server import RouterServer
 from pdserve.router.model_info import ModelInfo
 from pdserve.router.router import Router
-from pdserve.router.server import RouterServer
 from tests.router.fakes import FakeWorker, worker
 
 
@@ -47,7 +47,7 @@ def test_a_drain_stuck_in_a_call_that_blocks_the_loop_says_so(llama_dir, caplog)
         def emit(self, record) -> None:
             release.set()
     reported = Release(logging.ERROR)
-    logging.getLogger("pdserve.router.server").addHandler(reported)
+    logging.getLogger("pdserve.router.front.server").addHandler(reported)
     srv = RouterServer(router)
     srv.stop_margin_s = 0.5
     try:
@@ -55,6 +55,6 @@ def test_a_drain_stuck_in_a_call_that_blocks_the_loop_says_so(llama_dir, caplog)
             srv.stop(grace_s=0.1)
     finally:
         release.set()
-        logging.getLogger("pdserve.router.server").removeHandler(reported)
+        logging.getLogger("pdserve.router.front.server").removeHandler(reported)
     assert "nothing answers: a call blocks the loop's thread" in caplog.text
     assert not srv._thread.is_alive()

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from pdserve.router.budget_rows import BudgetRows
-from pdserve.router.cluster_state import WorkerState
 from pdserve.router.config import RouterConfig
 from pdserve.router.model_info import ModelInfo
-from pdserve.router.snapshot import snapshot
+from pdserve.router.policy.budget_rows import BudgetRows
+from pdserve.router.policy.cluster_state import WorkerState
+from pdserve.router.policy.snapshot import snapshot
 
 
 @dataclass(eq=False)

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from pdserve.router.planner.traffic import TrafficWindow, outcomes, refused
 from pdserve.router.slo import Slo
-from pdserve.router.traffic import TrafficWindow, outcomes, refused
 
 
 def test_a_steady_rate_is_read_with_no_trend_and_the_mean_lengths():

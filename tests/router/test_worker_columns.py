@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from pdserve.engine.latency_model import DEFAULT_STEP_COST, StepCost
-from pdserve.engine.worker_messages import WorkerTelemetry
-from pdserve.router.cluster_state import ClusterState, RequestView, WorkerState
 from pdserve.router.config import RouterConfig
-from pdserve.router.least_loaded import has_room
 from pdserve.router.model_info import ModelInfo
-from pdserve.router.worker_columns import _SHORTLIST, ColumnsMemo, WorkerColumns, shortlists
+from pdserve.router.policy.cluster_state import ClusterState, RequestView, WorkerState
+from pdserve.router.policy.least_loaded import has_room
+from pdserve.router.policy.worker_columns import _SHORTLIST, ColumnsMemo, WorkerColumns, shortlists
+from pdserve.worker.messages import WorkerTelemetry
 
 NOW = 1000.0
 

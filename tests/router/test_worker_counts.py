@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pdserve.engine.latency_forecast import slots_short
-from pdserve.engine.worker_messages import WorkerTelemetry
-from pdserve.router.workers import WorkerHandle
+from pdserve.router.policy.latency_forecast import slots_short
+from pdserve.router.pool.workers import WorkerHandle
+from pdserve.worker.messages import WorkerTelemetry
 
 
 def flight(key: str):

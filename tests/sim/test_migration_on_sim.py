@@ -217,8 +217,8 @@ def test_a_copy_into_a_move_aborted_on_its_target_fails_and_writes_nothing():
 
     from pdserve.engine.config import SchedulerConfig
     from pdserve.engine.errors import MoveError
-    from pdserve.engine.worker_messages import BlockCopy, IncomingCopy, Job, PrefillJob
     from pdserve.sim.worker import SimWorker
+    from pdserve.worker.messages import BlockCopy, IncomingCopy, Job, PrefillJob
     from tests.sim.sims import small_profile
 
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)

@@ -220,7 +220,7 @@ def test_a_split_request_s_usage_counts_its_prefill_worker_s_prefix_hit(monkeypa
     decoded on b, which received its KV and cached nothing of its own. Its usage
     counts the hit (the decode worker's count alone said 0: a cluster test saw it)."""
     from pdserve.router import placer as placer_module
-    from pdserve.router.decision import Colocate, Disaggregate
+    from pdserve.router.policy.decision import Colocate, Disaggregate
 
     first = list(range(100, 196))  # 6 full blocks
     second = first + list(range(400, 440))

@@ -15,11 +15,11 @@ import pytest
 
 from pdserve.bench.metrics import SLO
 from pdserve.bench.workloads import BenchRequest, iter_workload, make_workload
-from pdserve.engine.latency_forecast import WorkerLoad, ttft_seconds
 from pdserve.engine.latency_model import StepCost
 from pdserve.engine.scheduler import Scheduler
-from pdserve.router import goodput, policy
 from pdserve.router.config import PoolSpec, RouterConfig, RoutingSpec
+from pdserve.router.policy import decide, goodput
+from pdserve.router.policy.latency_forecast import WorkerLoad, ttft_seconds
 from pdserve.sim import virtual_time
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.driver import Load, drive
@@ -125,7 +125,7 @@ def test_the_production_scheduler_policy_and_latency_model_decide(monkeypatch):
         return wrapper
     monkeypatch.setattr(Scheduler, "schedule", counted("schedule", Scheduler.schedule))
     monkeypatch.setattr(Scheduler, "update", counted("update", Scheduler.update))
-    monkeypatch.setitem(policy.POLICIES, "goodput", counted("goodput", goodput.decide))
+    monkeypatch.setitem(decide.POLICIES, "goodput", counted("goodput", goodput.decide))
     monkeypatch.setattr(goodput, "ttft_seconds", counted("forecast", goodput.ttft_seconds))
     monkeypatch.setattr(StepCost, "duration", counted("duration", StepCost.duration))
     profile = small_profile()

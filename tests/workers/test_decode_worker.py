@@ -9,8 +9,8 @@ import torch
 
 from pdserve import SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.worker_messages import Job
 from pdserve.kv_transfer import KVSender, TransferConfig
+from pdserve.worker.messages import Job
 from pdserve.worker.worker import Worker
 
 
