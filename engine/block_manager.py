@@ -15,6 +15,11 @@ import xxhash
 from pdserve.engine.request import Request
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """The blocks that hold num_tokens tokens' KV (the last one partly filled)."""
+    return -(-num_tokens // block_size)
+
+
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     """The chained hash of a block: its parent's hash and its token ids (as int64),
     128-bit XXH3 (vLLM's `xxhash` choice: a non-cryptographic hash is enough because a
@@ -73,7 +78,7 @@ class BlockManager:
         return self.num_blocks - self._fresh + len(self._free)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Leading full blocks of `request` already in the cache (at least one token
@@ -202,7 +207,7 @@ class BlockManager:
     def take_prefix_events(self) -> list[tuple[bytes, bool]]:
         """Since the last call, in order: (hash, True) for a block made findable,
         (hash, False) for one evicted. A hash may be stored again after its eviction
-        (worker_messages.net_prefix_events keeps each hash's last)."""
+        (worker/messages.py: net_prefix_events keeps each hash's last)."""
         events, self._prefix_events = self._prefix_events, []
         return events
 

@@ -11,6 +11,7 @@ import logging
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment, TorchAttention
+from pdserve.engine.block_manager import blocks_for
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.engine.model.llama import LayerHook
@@ -242,7 +243,7 @@ class ModelRunner:
         groups = []
         for i in range(0, len(contexts), size):
             context = contexts[i:i + size]
-            width = -(-max(context) // bs)
+            width = blocks_for(max(context), bs)
             table = [blocks[:width] + [0] * (width - len(blocks[:width]))
                      for blocks in tables[i:i + size]]
             lens = self._tensor(context)  # [B]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from pdserve.engine.block_manager import blocks_for
 from pdserve.engine.errors import MoveError
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.worker.messages import BlockCopy, IncomingCopy
@@ -14,7 +15,7 @@ def copy_end(num_computed: int, block_size: int, final: bool) -> int:
     """A live migration's copies: the blocks holding the KV of num_computed tokens,
     whole ones only while the request decodes on at its source (final: the last,
     partly filled, too)."""
-    return -(-num_computed // block_size) if final else num_computed // block_size
+    return blocks_for(num_computed, block_size) if final else num_computed // block_size
 
 
 def source_blocks(request: Request | None, copy: BlockCopy, block_size: int) -> list[int]:

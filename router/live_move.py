@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from pdserve.engine.block_manager import blocks_for
 from pdserve.router.clock import Clock
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import WorkerError, short_reason
@@ -237,7 +238,7 @@ class LiveMover:
         try:  # paused: from here a failure replays it
             # The rest of its KV, at least its last block (the target decodes on once a
             # copy lands: there must be one).
-            end = -(-paused.num_computed_tokens // bs)
+            end = blocks_for(paused.num_computed_tokens, bs)
             final = IncomingCopy(
                 request_id=key_t, transfer_id=self._transfer_id(key_t),
                 first_block=min(copied, end - 1),

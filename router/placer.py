@@ -12,6 +12,7 @@ import operator
 from collections.abc import Callable
 from dataclasses import replace
 
+from pdserve.engine.block_manager import blocks_for
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.router.capacity_queue import CapacityQueue
 from pdserve.router.clock import Clock
@@ -147,7 +148,7 @@ class Placer:
         hits = (self.models.prefixes.hits((hashes or self.prompt_hashes(req))())
                 if self.models.prefixes and self.config.routing.prefix_aware else {})
         cached = {w: n * bs for w, n in hits.items()}
-        view = RequestView(num_prompt_tokens=len(ids), blocks_needed=-(-(len(ids) + 1) // bs),
+        view = RequestView(num_prompt_tokens=len(ids), blocks_needed=blocks_for(len(ids) + 1, bs),
                            refused=refused, slo=req.slo, priority=req.params.priority,
                            max_tokens=req.params.max_tokens, cached_tokens=cached,
                            sequence=next(self._placed),

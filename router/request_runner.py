@@ -258,8 +258,7 @@ class RequestRunner:
         except InvalidRequestError:
             raise  # it can never fit: 400, not 429
         except Exception as exc:
-            if isinstance(exc, WorkerDied):
-                self.pool.supervision.died(worker)
+            self._failure(worker, exc, "")  # a death is news to supervision
             reservation = None  # no answer in time: the worker may reserve late
             self.abort_on(worker, flight.key)
         if reservation is not None:
@@ -282,13 +281,17 @@ class RequestRunner:
             raise WorkerError(f"prefill of {req.request_id} took longer than "
                               f"{self.config.prefill_timeout_s:g}s") from None
         except Exception as exc:
-            died = isinstance(exc, WorkerDied)
-            if died:
-                self.pool.supervision.died(worker)
-            raise (WorkerDied if died else WorkerError)(
-                f"prefill of {req.request_id} failed: {short_reason(exc)}") from None
+            raise self._failure(worker, exc, f"prefill of {req.request_id} failed") from None
         flight.phase = Phase.STARTING  # the KV landed; the prefill worker holds nothing
         return result
+
+    def _failure(self, worker: WorkerHandle, exc: Exception, what: str) -> WorkerError:
+        """A worker call's failure: a dead worker is reported to supervision, and the
+        error says whether it died (WorkerDied) or only failed, after `what`."""
+        died = isinstance(exc, WorkerDied)
+        if died:
+            self.pool.supervision.died(worker)
+        return (WorkerDied if died else WorkerError)(f"{what}: {short_reason(exc)}")
 
     def _start(self, flight: Flight, first_token: int) -> None:
         # The call as a task of its own, so one cancelled before it ran is closed too.
@@ -308,12 +311,8 @@ class RequestRunner:
         except (Cancelled, asyncio.CancelledError, InvalidRequestError):
             raise
         except Exception as exc:
-            died = isinstance(exc, WorkerDied)
-            if died:
-                self.pool.supervision.died(worker)
-            raise (WorkerDied if died else WorkerError)(
-                f"engine worker {worker.worker_id} could not take {req.request_id}: "
-                f"{short_reason(exc)}") from None
+            raise self._failure(worker, exc, f"engine worker {worker.worker_id} could not "
+                                f"take {req.request_id}") from None
         self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         flight.phase = Phase.STREAMING
 

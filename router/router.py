@@ -4,12 +4,11 @@
     request_runner.py  a request's flight through its phases, released once
     placer.py          the policy's decision on a snapshot, the ordered wait for capacity
     live_move.py       a draining worker's running requests moved off with their KV
-    pool.py            membership, supervision and pairing of the workers
-    pool_registry.py, request_directory.py, shared_load.py, leader_lease.py
-                       what the replicas over one pool share (Redis, with --redis-url)
-    planner_runner.py  the SLO planner (planner.py), with --autoscale
-    cluster_models.py  what the router learns of the workers for the latency model
-    worker_client.py   the one seam to the workers (Ray, or simulated)
+    policy/            decide (pure), the goodput policy and its latency model
+    pool/              membership, supervision and pairing of the workers; the
+                       WorkerClient seam to them (Ray, or simulated)
+    replicas/          what the replicas over one pool share (Redis, with --redis-url)
+    planner/           the SLO planner, with --autoscale
 
 The clock is passed in: the system's in production, virtual time in the simulator."""
 from __future__ import annotations

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from pdserve import cli_flags
+from pdserve.engine.block_manager import blocks_for
 from pdserve.engine.latency_model import (
     DEFAULT_TRANSFER_COST,
     StepCost,
@@ -98,12 +99,9 @@ def serving_rounds(*, max_model_len: int, num_blocks: int, block_size: int,
     rounds += [Round(prompt_tokens=n, decode_seqs=b, decode_context=c)
                for c in contexts[:1] for b in MIXED_BATCHES for n in MIXED_PROMPTS]
 
-    def blocks(tokens: int) -> int:
-        return -(-tokens // block_size)
-
     def fits(r: Round) -> bool:
-        kv = (blocks(r.prompt_tokens + 1)
-              + r.decode_seqs * blocks(r.decode_context + DECODE_STEPS + 1))
+        kv = (blocks_for(r.prompt_tokens + 1, block_size)
+              + r.decode_seqs * blocks_for(r.decode_context + DECODE_STEPS + 1, block_size))
         seqs = r.decode_seqs + (r.prompt_tokens > 0)
         return (r.prompt_tokens < max_model_len and kv <= num_blocks // 2
                 and (not max_num_seqs or seqs <= max_num_seqs))
@@ -190,7 +188,7 @@ def measure_transfer(config: EngineConfig, *, lengths: Sequence[int], repeats: i
 
     if repeats < 1 or not lengths:
         raise ValueError("repeats must be >= 1 and lengths not empty")
-    blocks = 4 * -(-(max(lengths) + 1) // config.cache.block_size)
+    blocks = 4 * blocks_for(max(lengths) + 1, config.cache.block_size)
     config = replace(config, cache=replace(config.cache, num_kv_blocks=blocks))
     transfer = TransferConfig(timeout_s=timeout_s, connect_timeout_s=timeout_s)
     before = set(threading.enumerate())

@@ -19,7 +19,7 @@ from pdserve.router.pool.pool import MembershipError, Pool
 from pdserve.router.router import Router
 from pdserve.worker.messages import ROLES
 
-Role = Literal[ROLES]  # the one list, engine.worker_messages.ROLES
+Role = Literal[ROLES]  # the one list, pdserve.worker.messages.ROLES
 
 
 class AddWorker(BaseModel):

@@ -296,13 +296,39 @@ def _usage(accepted: Accepted, deltas: list[TokenDelta]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-class _CompletionShape:
-    def __init__(self, accepted: Accepted, model: str, body: CompletionRequest, router: Router):
+class _Shape:
+    """One response's OpenAI envelope (id, object, created, model) around its
+    choices: the whole response, a stream's chunk, and the stream's usage chunk."""
+    PREFIX = OBJECT = CHUNK_OBJECT = ""
+
+    def __init__(self, accepted: Accepted, model: str, body, router: Router):
         self.accepted, self.model, self.body, self.router = accepted, model, body, router
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"{self.PREFIX}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def _choice(self, deltas: list[TokenDelta]) -> dict:
+    def _envelope(self, obj: str, choices: list[dict],
+                  usage_of: list[TokenDelta] | None = None) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+               "choices": choices}
+        if usage_of is not None:
+            out["usage"] = _usage(self.accepted, usage_of)
+        return out
+
+    def full(self, deltas: list[TokenDelta]) -> dict:
+        return self._envelope(self.OBJECT, [self._full_choice(deltas)], deltas)
+
+    def chunk(self, delta: TokenDelta, first: bool) -> dict:
+        return self._envelope(self.CHUNK_OBJECT, [self._chunk_choice(delta, first)])
+
+    def usage_chunk(self, deltas: list[TokenDelta]) -> dict:
+        return self._envelope(self.CHUNK_OBJECT, [], deltas)
+
+
+class _CompletionShape(_Shape):
+    PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
+    body: CompletionRequest
+
+    def _full_choice(self, deltas: list[TokenDelta]) -> dict:
         ids = [t for d in deltas for t in d.token_ids]
         choice = {"index": 0, "text": "".join(d.text for d in deltas),
                   "finish_reason": deltas[-1].finish_reason if deltas else None,
@@ -323,25 +349,13 @@ class _CompletionShape:
             choice["token_ids"] = ids
         return choice
 
-    def full(self, deltas: list[TokenDelta]) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [self._choice(deltas)],
-                "usage": _usage(self.accepted, deltas)}
-
-    def chunk(self, delta: TokenDelta, first: bool) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [self._choice([delta])]}
-
-    def usage_chunk(self, deltas: list[TokenDelta]) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [], "usage": _usage(self.accepted, deltas)}
+    def _chunk_choice(self, delta: TokenDelta, first: bool) -> dict:
+        return self._full_choice([delta])
 
 
-class _ChatShape:
-    def __init__(self, accepted: Accepted, model: str, body: ChatRequest, router: Router):
-        self.accepted, self.model, self.body, self.router = accepted, model, body, router
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+class _ChatShape(_Shape):
+    PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
+    body: ChatRequest
 
     def _logprobs(self, deltas: list[TokenDelta]):
         if not self.body.logprobs:
@@ -361,24 +375,17 @@ class _ChatShape:
             choice["token_ids"] = [t for d in deltas for t in d.token_ids]
         return choice
 
-    def full(self, deltas: list[TokenDelta]) -> dict:
+    def _full_choice(self, deltas: list[TokenDelta]) -> dict:
         choice = {"index": 0, "finish_reason": deltas[-1].finish_reason if deltas else None,
                   "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
                   "logprobs": self._logprobs(deltas)}
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": [self._extra(choice, deltas)],
-                "usage": _usage(self.accepted, deltas)}
+        return self._extra(choice, deltas)
 
-    def chunk(self, delta: TokenDelta, first: bool) -> dict:
+    def _chunk_choice(self, delta: TokenDelta, first: bool) -> dict:
         message: dict = {"content": delta.text}
         if first:
             message["role"] = "assistant"
         choice = {"index": 0, "delta": message, "finish_reason": delta.finish_reason,
                   "logprobs": self._logprobs([delta])}
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "choices": [self._extra(choice, [delta])]}
-
-    def usage_chunk(self, deltas: list[TokenDelta]) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "choices": [], "usage": _usage(self.accepted, deltas)}
+        return self._extra(choice, [delta])
 

@@ -15,7 +15,7 @@ either). For each pool, from its serving workers past their cold start:
            and its recent requests met their SLOs at least as often as
            attainment_target (what the forecasts call spare, the outcome may not be:
            they are sized at the SLO's mean)
-    demand the workers the arrival rate a start-up ahead needs (planner_demand.py:
+    demand the workers the arrival rate a start-up ahead needs (demand.py:
            sized with the pool's measured step cost; ISL: prompt tokens not cached,
            decode context ISL + OSL/2). Growth reads it at the SLO, shrinking at
            margin x SLO: the band between them is where a pool holds. With a

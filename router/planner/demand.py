@@ -1,5 +1,5 @@
 """How many workers a pool needs for an arrival rate (the planner's demand, read by
-planner.py: grown at the SLO, shrunk at margin x SLO), from the slowest measured step
+core.py: grown at the SLO, shrunk at margin x SLO), from the slowest measured step
 cost among its warm workers and the traffic's mean prompt (ISL, not cached) and
 output (OSL) lengths:
 

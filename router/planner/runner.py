@@ -1,4 +1,4 @@
-"""Runs the SLO planner (planner.py) every interval against this router's pool and
+"""Runs the SLO planner (core.py) every interval against this router's pool and
 carries its actions out through the Pool: an added worker joins draining and gets
 traffic once paired; a removed one is drained first (no running request is cut), or,
 still starting, given up; a flipped one is drained, then changes role with its

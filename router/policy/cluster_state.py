@@ -70,7 +70,7 @@ class WorkerState:
     replaces its worker's state (never mutates it) on every change, so a snapshot of
     many workers is a tuple of the states they hold."""
     worker_id: str
-    role: str  # prefill | decode | both (engine.worker_messages.ROLES)
+    role: str  # prefill | decode | both (pdserve.worker.messages.ROLES)
     alive: bool = True  # in service (not dead, not restarting, not stalled)
     # No step and no report for telemetry_stale_s (a frozen process, a hung loop): no
     # new requests until it reports again; its running ones wait for the stall bound.

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.engine.block_manager import blocks_for
 from pdserve.router.policy.cluster_state import NO_BUDGETS, ClusterState, RequestView, WorkerState
 from pdserve.router.policy.decision import Colocate, Decision, Disaggregate, Reject
 from pdserve.router.policy.latency_forecast import (
@@ -248,7 +249,7 @@ class _Side:
         what joining its batch takes from its decodes."""
         scale = self.w.calibration.factor("tpot", "disaggregate")
         state = self._state
-        prompt_blocks = -(-self._request.num_prompt_tokens // state.block_size)
+        prompt_blocks = blocks_for(self._request.num_prompt_tokens, state.block_size)
         blocks_sent = max(prompt_blocks - self.cached // state.block_size, 0)
         return (self.tpot * scale, scale, blocks_sent * state.kv_bytes_per_block,
                 self.harm(joins=True, computes=False))

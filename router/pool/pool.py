@@ -8,7 +8,7 @@ WorkerClient. Deaths, stalls, revivals and evictions: supervision.py.
 
 Every change this pool makes is recorded in its registry (pool_registry.py); with
 other router replicas over the same workers, their changes are applied here
-(replica_follower.py). A drain then waits for every replica's requests on the worker
+(replicas/follower.py). A drain then waits for every replica's requests on the worker
 (its own reports say when it holds none), and of the replicas that see a worker
 evicted only one replaces it (`may_replace`)."""
 from __future__ import annotations
