@@ -2,6 +2,26 @@
 
 `import pdserve` loads neither torch, Ray nor gRPC: each name below is imported on
 first use (PEP 562), so an SDK user pays only for the client.
+
+Its own modules:
+    cli.py, __main__.py  the `pdserve` command (`python -m pdserve`): serve, router,
+                         demo, bench, sim, profile, admin, make-tiny-model
+    cli_flags.py         argparse flags derived from documented config dataclasses
+    admin_cli.py         `pdserve admin`: membership through the router's admin API
+    env.py               every environment variable pdserve reads
+    ray_session.py       how a command reaches Ray: a cluster of its own on this
+                         machine, or one it joins with Ray's token when it wants one
+    progress.py          the long commands' progress bars (off when stderr is not a
+                         terminal, or with --quiet)
+    demo.py              `pdserve demo`: 1 prefill + 1 decode worker on local Ray
+    llm.py               LLM: offline batch inference
+    client.py            the gRPC SDK: Client, AsyncClient, typed errors, retry on
+                         overload
+    v1/                  the gRPC stubs generated from proto/pdserve/v1/, and
+                         sampling.py, SamplingParams <-> proto
+    bench/               the goodput harness behind `pdserve bench`
+    sim/                 the capacity simulator behind `pdserve sim` and
+                         `pdserve profile`
 """
 from __future__ import annotations
 

@@ -1,1 +1,12 @@
-"""One worker: a Ray actor hosting one engine in role prefill, decode or both."""
+"""One worker: a Ray actor hosting one engine in role prefill, decode or both.
+
+    worker.py     Worker: one engine loop, a KV sender and a receiver, and both roles
+                  over them (prefill_worker, decode_worker); its role gates which calls
+                  it takes and changes once idle, weights loaded; a StepBatch each step
+    actor.py      WorkerActor, its Ray async actor: a steps(subscriber) stream per
+                  router (its own requests' deltas, everyone's telemetry, reports while
+                  idle); a step error it cannot pin on requests ends the process
+    messages.py   typed router <-> worker messages, plain data: Reservation, PrefillJob,
+                  PrefillResult, TokenDelta, WorkerTelemetry, StepBatch, live
+                  migration's BlockCopy and IncomingCopy; ROLES
+"""

@@ -1,5 +1,19 @@
 """The goodput load-test harness behind `pdserve bench`: workloads, arrival
-processes, per-request metrics and SLO goodput."""
+processes, per-request metrics and SLO goodput.
+
+    cli.py        `pdserve bench run` and `pdserve bench compare`, and their flags
+    workloads.py  seeded, locally generated workloads (lognormal lengths), as a list
+                  or drawn one at a time
+    arrivals.py   when each request is sent: Poisson, gamma, or a trace's timestamps
+    driver.py     drives pdserve's gRPC API or any OpenAI server, recording every
+                  request's token arrival times
+    metrics.py    per-request metrics, SLO goodput and the sweep's crossing point
+    sweep.py      rate sweeps: the highest rate per worker holding the attainment target
+    compare.py    disaggregated vs colocated, SLOs scaled from isolated latencies
+    report.py     text, JSON, Markdown and PNG reports
+
+require_extra (below) imports a module of the `bench` extra, or says how to get it.
+"""
 from __future__ import annotations
 
 import importlib

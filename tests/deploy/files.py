@@ -10,18 +10,13 @@ from pathlib import Path
 
 import yaml
 
+from tests.commands import markdown_shell_blocks, pdserve_commands, shell_words
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 LAUNCHERS = sorted((DEPLOY / "ray").glob("*.yaml"))
 KUBERAY = DEPLOY / "kuberay"
 DASHBOARD = DEPLOY / "observability" / "pdserve-dashboard.json"
-
-# `pdserve` where a shell command starts: at the start of a line, after a control
-# operator, or after a command that runs the rest (exec, nohup, ...). Prose and
-# comments that name pdserve are not commands.
-_COMMAND = re.compile(r"(?:^|[;&|(]|\b(?:exec|nohup|then|do|time|setsid)\s)\s*pdserve\s",
-                      re.MULTILINE)
-_OPERATORS = {";", "&", "&&", "|", "||", "(", ")", "<", ">", ">>", ">&", "<<", "2>", "&>"}
 
 
 def load(path: Path) -> dict:
@@ -43,29 +38,9 @@ def strings(node) -> list[str]:
     return []
 
 
-def pdserve_commands(shell: str) -> list[list[str]]:
-    """The arguments of every `pdserve ...` command in a piece of shell: each up to the
-    first control operator or redirection, line continuations joined."""
-    shell = shell.replace("\\\n", " ")
-    found = []
-    for match in _COMMAND.finditer(shell):
-        rest = shell[match.end():].split("\n", 1)[0]
-        lexer = shlex.shlex(rest, posix=True, punctuation_chars=";&|()<>")
-        lexer.whitespace_split = True
-        words = []
-        for word in lexer:
-            if word in _OPERATORS or word[0] in "#":
-                break
-            words.append(word)
-        if words and words[-1].isdigit() and rest.rstrip().endswith(">&1"):
-            words.pop()  # the 2 of 2>&1
-        found.append(words)
-    return found
-
-
 def readme_shell(path: Path) -> str:
-    """The ```bash blocks of a Markdown file."""
-    return "\n".join(re.findall(r"```(?:bash|sh|shell)\n(.*?)```", path.read_text(), re.S))
+    """The shell blocks of a Markdown file."""
+    return "\n".join(text for _, text in markdown_shell_blocks(path.read_text()))
 
 
 def dockerfile_shell(path: Path) -> str:
@@ -89,14 +64,7 @@ def ray_start(command: str) -> dict | None:
     match = re.search(r"\bray start\s(.*)", command)
     if match is None:
         return None
-    words = []
-    lexer = shlex.shlex(match.group(1), posix=True, punctuation_chars=";&|()<>")
-    lexer.whitespace_split = True
-    for word in lexer:
-        if word in _OPERATORS:
-            break
-        words.append(word)
-    return start.make_context("start", words).params
+    return start.make_context("start", shell_words(match.group(1))).params
 
 
 def deploy_files() -> list[Path]:

@@ -4,29 +4,10 @@ the Dockerfile, the README's shell blocks) parsed by pdserve's own parser, and e
 on a GPU cluster."""
 from __future__ import annotations
 
-import contextlib
-import io
-
 import pytest
 
-from pdserve.cli import build_parser
-from tests.deploy.capacity import serve_settings
-from tests.deploy.files import DEPLOY, ROOT, commands_in, deploy_files, pdserve_commands
-
-
-def parse(argv: list[str]) -> None:
-    """Parse as `pdserve` would; a bad command line raises SystemExit with what pdserve
-    printed. `serve` also makes its settings. --help is a good command."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(printed):
-        try:
-            build_parser().parse_args(argv)
-        except SystemExit as done:
-            if done.code != 0 or "--help" not in argv:
-                raise SystemExit(printed.getvalue() or done.code) from None
-            return
-    if argv[0] == "serve":
-        serve_settings(argv)
+from tests.commands import parse, pdserve_commands
+from tests.deploy.files import DEPLOY, ROOT, commands_in, deploy_files
 
 
 def test_the_files_that_run_pdserve_are_the_ones_expected():
