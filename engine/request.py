@@ -104,7 +104,7 @@ class Request:
             self.output_top_logprobs.append(top_logprobs)
 
     def extend_output(self, token_ids: list[int]) -> None:
-        """Several sampled tokens at once (no logprobs): Scheduler.decode_steps."""
+        """Several sampled tokens at once (no logprobs): steady_batch.advance."""
         self.output_token_ids.extend(token_ids)
         self.num_tokens += len(token_ids)
 

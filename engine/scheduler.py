@@ -7,12 +7,12 @@ goes back to the front of the waiting queue. No torch, no I/O, no clocks.
 from __future__ import annotations
 
 import itertools
-from typing import Callable
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.request import FinishReason, Request, RequestStatus
 from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+from pdserve.engine.steady_batch import SteadyBatch
 
 
 class Scheduler:
@@ -31,8 +31,7 @@ class Scheduler:
         self._seq = itertools.count()
         # The running batch as the last update left it, when each of its requests is
         # one token behind (a decode): schedule() takes it whole while it is unchanged.
-        self._steady: list[Request] | None = None
-        self._short: list[Request] = []  # of those, the ones whose next token needs a block
+        self._steady: SteadyBatch | None = None
 
     # ---- queue management -------------------------------------------------
 
@@ -156,10 +155,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         steady = self._steady
-        # `running == steady` compares identities first: a few us for hundreds.
-        if steady is not None and not self.waiting and len(steady) <= budget \
-                and self.running == steady:
-            out = self._schedule_steady()
+        if steady is not None and steady.holds(self.running, self.waiting, budget):
+            out = steady.schedule()
             if out is not None:
                 return out
         out = SchedulerOutput()
@@ -178,79 +175,31 @@ class Scheduler:
         out.num_running = len(self.running)
         return out
 
-    def _schedule_steady(self) -> SchedulerOutput | None:
-        """The batch the last update left, all of it decoding one token (what the
-        general path would schedule, in an order that cannot matter: every running
-        request is in it): only the requests entering a new block are looked at. None
-        when a block is short (the general path preempts)."""
-        append_block = self.block_manager.append_block
-        for request in self._short:
-            if not append_block(request):
-                return None
-        self._short = []
-        n = len(self.running)
-        return SchedulerOutput(requests=list(self.running), num_scheduled=[1] * n,
-                               total_num_scheduled_tokens=n, num_running=n, steady=True)
-
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Advance progress counters, append sampled tokens, finish what stopped."""
-        if out.steady and not (result.logprobs or result.top_logprobs or result.failed):
-            return self._update_steady(out.requests, result.sampled_token_ids)
+        """Advance progress counters, append sampled tokens, finish what stopped (the
+        stop rule: Request.check_stop, for every path)."""
+        steady = self._steady
+        if out.steady and steady is not None \
+                and not (result.logprobs or result.top_logprobs or result.failed):
+            generated, events = steady.update(self.running, result.sampled_token_ids)
+            self.stats.generation_tokens += generated
+            finished = []
+            for request in events:
+                if self._stopped(request):
+                    finished.append(request)
+                else:
+                    steady.going_on(request)
+            steady.requests = list(self.running)
+            return finished
         finished = self._update(out, result)
-        # Every running request scheduled and now one token behind: the next schedule
-        # may take the batch whole (the blocks it needs found once here).
-        self._steady = None
-        if out.num_running == len(out.requests) and all(
-                r.num_tokens - r.num_computed_tokens == 1 for r in out.requests):
-            bs = self.block_manager.block_size
-            self._steady = list(self.running)
-            self._short = [r for r in self.running
-                           if len(r.block_ids) * bs <= r.num_computed_tokens]
-        return finished
-
-    def _update_steady(self, requests: list[Request], sampled: dict[str, int]
-                       ) -> list[Request]:
-        """update() of a steady batch with tokens alone: Request.append_output and
-        check_stop inlined, the rest only for requests completing a block or stopping
-        (a 16-token block: one step in 16 per request)."""
-        bs = self.block_manager.block_size
-        if self.running != requests:  # changed since schedule(): one finished, or joined
-            requests = [r for r in requests if r.status is RequestStatus.RUNNING]
-        events = []
-        for request in requests:
-            token = sampled[request.request_id]
-            request.output_token_ids.append(token)
-            computed = request.num_computed_tokens = request.num_computed_tokens + 1
-            request.num_tokens = computed + 1
-            if computed % bs and computed + 1 < request.max_num_tokens \
-                    and token not in request.stop_token_set:
-                continue
-            events.append(request)
-        self.stats.generation_tokens += len(requests)
-        finished, short = [], self._short
-        self.block_manager.cache_decoded_blocks(
-            [r for r in events if not r.num_computed_tokens % bs])
-        for request in events:
-            computed = request.num_computed_tokens
-            token = request.output_token_ids[-1]
-            if token in request.stop_token_set:
-                request.stop_reason, reason = token, FinishReason.STOP
-            elif computed + 1 >= request.max_num_tokens:
-                reason = FinishReason.LENGTH
-            else:
-                if len(request.block_ids) * bs <= computed:
-                    short.append(request)
-                continue
-            self._finish(request, reason)
-            finished.append(request)
-        self._steady = list(self.running)
+        self._steady = SteadyBatch.after(out, self.running, self.block_manager)
         return finished
 
     def _update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         finished = []
-        sampled = result.sampled_token_ids
-        logprobs, tops, failed = result.logprobs, result.top_logprobs, result.failed
-        plain = not (logprobs or tops or failed)  # the common step: tokens alone
+        sampled, failed = result.sampled_token_ids, result.failed
+        logprobs, tops = result.logprobs, result.top_logprobs
+        plain = not (logprobs or tops)  # the common step: tokens alone
         bs = self.block_manager.block_size
         cache_full_blocks = self.block_manager.cache_full_blocks
         running = RequestStatus.RUNNING
@@ -259,8 +208,9 @@ class Scheduler:
         for request, n in zip(out.requests, out.num_scheduled):
             if request.status is not running:
                 continue
-            if spec and request.request_id in spec:
-                if self._update_verified(request, spec[request.request_id], result):
+            rid = request.request_id
+            if spec and rid in spec:
+                if self._update_verified(request, spec[rid], result):
                     finished.append(request)
                 continue
             before = request.num_computed_tokens
@@ -269,35 +219,34 @@ class Scheduler:
                 cache_full_blocks(request, computed)
             if computed != request.num_tokens:
                 continue  # a partial prefill chunk samples nothing
-            rid = request.request_id
-            if plain:  # Request.append_output and check_stop, inlined: per request per step
-                token = sampled[rid]
-                request.output_token_ids.append(token)
-                request.num_tokens = computed + 1
-                generated += 1
-                if token in request.stop_token_set:
-                    request.stop_reason = token
-                    reason = FinishReason.STOP
-                elif computed + 1 >= request.max_num_tokens:
-                    reason = FinishReason.LENGTH
-                else:
-                    continue
-                self._finish(request, reason)
-                finished.append(request)
-                continue
             if rid in failed:
                 request.error = failed[rid]
                 self._finish(request, FinishReason.ERROR)
                 finished.append(request)
                 continue
-            request.append_output(sampled[rid], logprobs.get(rid), tops.get(rid))
             generated += 1
-            reason = request.check_stop()
-            if reason is not None:
-                self._finish(request, reason)
+            if plain:  # Request.append_output inlined: per request per step
+                token = sampled[rid]
+                request.output_token_ids.append(token)
+                request.num_tokens = computed + 1
+                # check_stop's rule can hold only then (and is read only then)
+                if token not in request.stop_token_set \
+                        and computed + 1 < request.max_num_tokens:
+                    continue
+            else:
+                request.append_output(sampled[rid], logprobs.get(rid), tops.get(rid))
+            if self._stopped(request):
                 finished.append(request)
         self.stats.generation_tokens += generated
         return finished
+
+    def _stopped(self, request: Request) -> bool:
+        """Finished by its last token (Request.check_stop: a stop token, or its length)."""
+        reason = request.check_stop()
+        if reason is None:
+            return False
+        self._finish(request, reason)
+        return True
 
     def _update_verified(self, request: Request, drafts: list[int],
                          result: ModelRunnerOutput) -> bool:
@@ -336,53 +285,6 @@ class Scheduler:
             return False
         self._finish(request, reason)
         return True
-
-    # ---- steady decoding, many steps at once (the simulator's fast path) -----
-
-    def steady_decode_steps(self) -> int:
-        """How many steps from now would be the same batch decoding one token each:
-        nothing waiting, every running request one token behind with no stop token
-        or logprobs to check, none reaching its end, and KV blocks free for every
-        token. decode_steps(n) for n up to it equals n rounds of schedule() and
-        update() with the same tokens (tests/engine/test_scheduler.py)."""
-        running = self.running
-        if self.waiting or not running or len(running) > self.config.max_num_batched_tokens:
-            return 0
-        steps = None
-        for r in running:
-            if r.num_tokens - r.num_computed_tokens != 1 or r.stop_token_set \
-                    or r.sampling_params.logprobs:
-                return 0
-            left = r.max_num_tokens - r.num_tokens - 1  # the last one is a step of its own
-            steps = left if steps is None else min(steps, left)
-        bm = self.block_manager
-        free = bm.num_free_blocks
-        # The most steps whose new blocks fit: new blocks grow with the steps.
-        low, high = 0, max(steps, 0)
-        while low < high:
-            mid = (low + high + 1) // 2
-            if sum(self._blocks_short(r, mid) for r in running) <= free:
-                low = mid
-            else:
-                high = mid - 1
-        return low
-
-    def decode_steps(self, steps: int, tokens: Callable[[Request, int], list[int]]) -> None:
-        """`steps` steady decode steps at once (at most steady_decode_steps()): each
-        request gets tokens(request, steps) as its next tokens."""
-        bm = self.block_manager
-        for r in self.running:
-            if self._blocks_short(r, steps):
-                bm.allocate_slots(r, steps)
-            r.extend_output(tokens(r, steps))
-            r.num_computed_tokens += steps
-            bm.cache_full_blocks(r, r.num_computed_tokens)
-        self.stats.generation_tokens += steps * len(self.running)
-
-    def _blocks_short(self, request: Request, steps: int) -> int:
-        """The blocks `steps` more decode steps of the request need beyond its own."""
-        need = self.block_manager.blocks_needed(request.num_computed_tokens + steps)
-        return max(0, need - len(request.block_ids))
 
     # ---- internals ----------------------------------------------------------
 

@@ -16,10 +16,10 @@ real one runs beside the forward pass. Deltas go to the request's subscriber (th
 router that reserved or submitted it), telemetry to every subscriber. Text is not
 detokenized: deltas carry token ids only.
 
-A steady batch (every request decoding, nothing waiting; Scheduler.
-steady_decode_steps) is run many steps at a time, up to MAX_STRETCH_S of virtual
-time: the same steps, their durations summed, their tokens applied at once by the
-production scheduler (decode_steps, tested equal to step-by-step), one delta per
+A steady batch (every request decoding, nothing waiting; engine/steady_batch.py's
+steps_ahead) is run many steps at a time, up to MAX_STRETCH_S of virtual time: the
+same steps, their durations summed, their tokens applied at once to the production
+scheduler (steady_batch.advance, tested equal to step-by-step), one delta per
 request and one report (a few of its steps, for the latency model) at its end. A
 call that changes the batch cuts the stretch after the step in flight, as it would
 join the real engine at the next step boundary. Inter-token gaps are counted here,
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.engine import steady_batch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.errors import InvalidRequestError, WorkerBusyError, WrongRoleError
@@ -187,7 +188,7 @@ class SimWorker:
         """One engine step, or a steady batch's many; False when there was nothing to
         schedule."""
         if publish and self.tokens.coasts:
-            steady = self.scheduler.steady_decode_steps()
+            steady = steady_batch.steps_ahead(self.scheduler)
             if steady >= 2:
                 await self._coast(steady)
                 return True
@@ -265,7 +266,7 @@ class SimWorker:
         return _Stretch(seqs, context, durations[:n], start + elapsed[:n], asyncio.Event())
 
     def _apply(self, stretch: _Stretch, steps: int) -> None:
-        self.scheduler.decode_steps(steps, self.tokens.following)
+        steady_batch.advance(self.scheduler, steps, self.tokens.following)
         stretch.steps = steps
 
     def _cut(self) -> None:

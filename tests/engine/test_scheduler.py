@@ -10,6 +10,7 @@ from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import ModelRunnerOutput
+from pdserve.engine.steady_batch import advance, steps_ahead
 
 
 def make(num_blocks=10_000, block_size=16, prefix=True, **cfg) -> Scheduler:
@@ -174,21 +175,21 @@ def test_steady_decode_steps_at_once_equal_as_many_schedule_and_update_rounds():
         step(s)  # the prompts: every request now decodes
         return s
     per_step, at_once = batch(100), batch(100)
-    steady = at_once.steady_decode_steps()
+    steady = steps_ahead(at_once)
     assert steady == 12 - 1 - 1  # r1 has 11 tokens left; its last is a step of its own
-    at_once.decode_steps(steady, lambda r, n: [7] * n)
+    advance(at_once, steady, lambda r, n: [7] * n)
     for _ in range(steady):
         step(per_step)
     assert _state(at_once) == _state(per_step)
     # blocks run short first: 3 requests cross block ends every 4 steps
-    assert batch(9).steady_decode_steps() < batch(100).steady_decode_steps()
+    assert steps_ahead(batch(9)) < steps_ahead(batch(100))
     short = batch(9)
-    n = short.steady_decode_steps()
-    short.decode_steps(n, lambda r, k: [7] * k)
+    n = steps_ahead(short)
+    advance(short, n, lambda r, k: [7] * k)
     assert short.block_manager.num_free_blocks >= 0 and not short.waiting
     waiting = batch(100)
     waiting.add_request(request("late", 5))
-    assert waiting.steady_decode_steps() == 0
+    assert steps_ahead(waiting) == 0
 
 
 def _replay(seed: int, steady_path: bool, policy: str, prioritize_prefill: bool,
@@ -199,8 +200,6 @@ def _replay(seed: int, steady_path: bool, policy: str, prioritize_prefill: bool,
     rng = random.Random(seed)
     s = make(num_blocks=16, block_size=4, max_num_batched_tokens=48, policy=policy,
              prioritize_prefill=prioritize_prefill)
-    if not steady_path:
-        s._schedule_steady = lambda: None  # every step the general way
     log, steady_steps = [], 0
     for t in range(160):
         if rng.random() < 0.15:
@@ -226,6 +225,8 @@ def _replay(seed: int, steady_path: bool, policy: str, prioritize_prefill: bool,
             if r.num_computed_tokens + n == r.num_tokens})
         batch = [(r.request_id, n) for r, n in zip(out.requests, out.num_scheduled)]
         finished = [r.request_id for r in s.update(out, result)]
+        if not steady_path:
+            s._steady = None  # every step the general way
         log.append((sorted(batch) if policy == "priority" else batch,
                     out.preempted_request_ids, finished))
     return log, _state(s), s.stats.num_preemptions, steady_steps
