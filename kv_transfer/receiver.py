@@ -14,6 +14,7 @@ and every ending take the transfer's lock, so they cannot interleave.
 from __future__ import annotations
 
 import collections
+import copy
 import datetime
 import hmac
 import json
@@ -130,11 +131,16 @@ class KVReceiver:
         way the request is forgotten afterwards."""
         incoming = self._watch(request_id)
         try:
-            incoming.done.result(self.config.timeout_s if timeout is None else timeout)
+            error = incoming.done.exception(
+                self.config.timeout_s if timeout is None else timeout)
         except FutureTimeout:
             self._fail(incoming, TransferTimeout(request_id, "not complete within the wait"),
                        P.TIMED_OUT)
-            incoming.done.result()
+            error = incoming.done.exception()
+        if error is not None:
+            # A copy: the error the transfer keeps would gather every waiter's frames
+            # (and what they hold, a sender's pair included) for as long as it is kept.
+            raise copy.copy(error)
 
     def abort(self, request_id: str) -> None:
         incoming = self._by_request.get(request_id)

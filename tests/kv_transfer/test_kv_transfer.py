@@ -485,40 +485,53 @@ def test_padding_that_lands_before_its_abort_is_read_is_never_taken_for_kv():
     # only once every layer landed (a condition on its landings). The transfer must
     # still end ABORTED with its blocks released: it is complete only once its
     # step's STEP_SENT arrived, which follows the ABORT on the control stream.
+    import gc
     import threading
 
     from pdserve.kv_transfer import KVReceiver, KVSender, TransferAborted
-    config = TransferConfig(timeout_s=10, connect_timeout_s=20)
-    released = []
-    receiver = KVReceiver([torch.zeros(SPEC.layer_shape()) for _ in range(SPEC.num_layers)],
-                          config, on_release=released.append)
-    sender = KVSender("s", sender_cache(SPEC, 5), config)
-    landed = threading.Condition()
-    real_land, real_fail = receiver._land, receiver._fail
+    threads_before = set(threading.enumerate())
+    def abort_with_its_padding_landed_first() -> None:
+        config = TransferConfig(timeout_s=10, connect_timeout_s=20)
+        released = []
+        receiver = KVReceiver([torch.zeros(SPEC.layer_shape()) for _ in range(SPEC.num_layers)],
+                              config, on_release=released.append)
+        sender = KVSender("s", sender_cache(SPEC, 5), config)
+        landed = threading.Condition()
+        real_land, real_fail = receiver._land, receiver._fail
 
-    def land(incoming, layer, payload):
-        real_land(incoming, layer, payload)
-        with landed:
-            landed.notify_all()
+        def land(incoming, layer, payload):
+            real_land(incoming, layer, payload)
+            with landed:
+                landed.notify_all()
 
-    def fail(incoming, error, status, lease=None):
-        if isinstance(error, TransferAborted) and "by the sender" in str(error):
-            with landed:  # the ABORT is read only after the padding landed
-                assert landed.wait_for(
-                    lambda: incoming.layers_landed == SPEC.num_layers, timeout=10)
-        return real_fail(incoming, error, status, lease)
-    receiver._land, receiver._fail = land, fail
-    try:
-        receiver.expect("quit", [1, 2])
-        handle = sender.begin("quit", receiver.address, [3, 4], [1, 2])
-        sender.send_layer(handle, 0)
-        sender.abort(handle)  # layers 1 and 2 go as padding
-        with pytest.raises(TransferAborted):
-            receiver.wait("quit")
-        assert released == ["quit"]
-    finally:
-        sender.close()
-        receiver.close()
+        def fail(incoming, error, status, lease=None):
+            if isinstance(error, TransferAborted) and "by the sender" in str(error):
+                with landed:  # the ABORT is read only after the padding landed
+                    assert landed.wait_for(
+                        lambda: incoming.layers_landed == SPEC.num_layers, timeout=10)
+            return real_fail(incoming, error, status, lease)
+        receiver._land, receiver._fail = land, fail
+        try:
+            receiver.expect("quit", [1, 2])
+            handle = sender.begin("quit", receiver.address, [3, 4], [1, 2])
+            sender.send_layer(handle, 0)
+            sender.abort(handle)  # layers 1 and 2 go as padding
+            with pytest.raises(TransferAborted):
+                receiver.wait("quit")
+            assert released == ["quit"]
+        finally:
+            sender.close()
+            receiver.close()
+
+    abort_with_its_padding_landed_first()
+    # With the sender gone its pair's sockets close and the receiver's threads for the
+    # pair end: the error wait() raised keeps no reference to the frames it went
+    # through (the sender among their locals). They stayed blocked for the rest of the
+    # process, and gloo's threads under them aborted the interpreter's exit now and then.
+    gc.collect()
+    for thread in set(threading.enumerate()) - threads_before:
+        thread.join(timeout=10)
+    assert not set(threading.enumerate()) - threads_before
 
 
 def test_a_step_out_of_step_with_a_reservation_ends_only_that_transfer():
