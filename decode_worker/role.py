@@ -11,7 +11,6 @@ id is remembered for a while and a later reserve() of it is refused.
 """
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -19,6 +18,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kv_transfer import KVReceiver
+from pdserve.worker.core import WorkerCore
 from pdserve.worker.messages import Job, Reservation, TokenDelta
 
 
@@ -26,14 +26,15 @@ class DecodeRole:
     """Hosted by a Worker (worker/worker.py). `publish(deltas)` sends deltas that
     arise outside a step (a started request's first token) on the engine thread."""
 
-    def __init__(self, loop: EngineLoop, receiver: KVReceiver, tombstone_s: float,
+    def __init__(self, loop: EngineLoop, receiver: KVReceiver, core: WorkerCore,
                  publish: Callable[[list[TokenDelta]], None]):
+        """core: its worker's; the aborts it remembers (read and written under the
+        engine's state lock)."""
         self.loop = loop
         self.receiver = receiver
+        self.core = core
         self.publish = publish
         self._reserving = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reserve")
-        self._aborted: dict[str, float] = {}  # request id -> when its abort arrived
-        self._tombstone_s = tombstone_s
 
     @property
     def address(self) -> str:
@@ -46,7 +47,7 @@ class DecodeRole:
         transfer of the whole is expected (a live migration copies it in parts:
         moves.py)."""
         def reserve(engine: LLMEngine) -> Reservation | None:
-            if job.request_id in self._aborted:
+            if self.core.overtaken(job.request_id):
                 return None  # its abort overtook this call
             request = engine.reserve_remote(job.request_id, job.prompt_token_ids,
                                             job.sampling_params, job.arrival_time,
@@ -95,11 +96,7 @@ class DecodeRole:
         """Frees whatever the request holds here, now or once a reservation in flight
         lands. Atomic with reserve(): both run under the engine's state lock."""
         def abort(engine: LLMEngine) -> None:
-            now = time.monotonic()
-            self._aborted[request_id] = now
-            for rid, at in list(self._aborted.items()):
-                if now - at > self._tombstone_s:
-                    del self._aborted[rid]
+            self.core.aborted(request_id)
             self.receiver.abort(request_id)
             engine.abort(request_id)
         self.loop.call_concurrent(abort)

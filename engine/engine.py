@@ -35,7 +35,8 @@ from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.spec_decode.proposer import build_proposer
 from pdserve.engine.step_shape import StepShape, StepTiming
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.validation import check_length, prompt_token_ids
+from pdserve.engine.validation import check_fits, prompt_token_ids
+from pdserve.worker.core import admit_started
 from pdserve.worker.messages import Paused
 
 # Prefill role: given a step's schedule, a hook for the forward pass (or None).
@@ -120,12 +121,9 @@ class LLMEngine:
 
     def admit_remote(self, request_id: str, first_token: int) -> RequestOutput:
         """Decode role: the prompt's KV landed; continue from the prefill's first token."""
-        request = self.scheduler.admit_prefilled(request_id, first_token)
+        request = admit_started(self.scheduler, request_id, first_token)
         tracked = self._tracked[request_id]
         tracked.metrics.first_token_time = time.time()
-        reason = request.check_stop()
-        if reason is not None:
-            self.scheduler.finish_requests([request_id], reason)
         new_text, stop = tracked.detokenizer.append([first_token])
         if stop is not None and not request.is_finished:
             self.scheduler.finish_requests([request_id], FinishReason.STOP)
@@ -247,11 +245,10 @@ class LLMEngine:
         if request_id in self._tracked:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         token_ids = self._prompt_token_ids(prompt)
-        self._check_length(len(token_ids), params.max_tokens)
         outputs = self._prompt_token_ids(list(output_token_ids)) if output_token_ids else []
-        if len(outputs) >= params.max_tokens:
-            raise InvalidRequestError("output_token_ids", f"{len(outputs)} tokens generated "
-                                      f"already: max_tokens {params.max_tokens} leaves none")
+        bm = self.block_manager
+        check_fits(len(token_ids), params.max_tokens, len(outputs), self.max_model_len,
+                   bm.num_blocks, bm.block_size)
         arrival = time.time() if arrival_time is None else arrival_time
         return Request(request_id, token_ids, params, arrival,
                        eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
@@ -319,14 +316,6 @@ class LLMEngine:
 
     def _prompt_token_ids(self, prompt) -> list[int]:
         return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
-
-    def _check_length(self, num_prompt: int, max_tokens: int) -> None:
-        check_length(num_prompt, max_tokens, self.max_model_len)
-        need = self.block_manager.blocks_needed(num_prompt + max_tokens)
-        if need > self.block_manager.num_blocks:
-            raise InvalidRequestError(
-                "max_tokens", f"prompt plus max_tokens needs {need} KV blocks; the cache "
-                f"holds {self.block_manager.num_blocks}")
 
 
 def _max_model_len(config: EngineConfig, model: ModelConfig) -> int:

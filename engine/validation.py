@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.block_manager import blocks_for
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.tokenizer import Tokenizer
 
@@ -58,6 +59,21 @@ def check_length(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
         raise InvalidRequestError(
             "max_tokens", f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) "
             f"exceeds the model's context of {max_model_len} tokens")
+
+
+def check_fits(num_prompt: int, max_tokens: int, num_outputs: int, max_model_len: int,
+               num_blocks: int, block_size: int) -> None:
+    """A request's sizes, checked alike by every worker (the engine's, and the
+    simulator's): the prompt and max_tokens against the context and the whole KV
+    cache, and a moved request's outputs so far against max_tokens."""
+    check_length(num_prompt, max_tokens, max_model_len)
+    need = blocks_for(num_prompt + max_tokens, block_size)
+    if need > num_blocks:
+        raise InvalidRequestError("max_tokens", f"prompt plus max_tokens needs {need} KV "
+                                  f"blocks; the cache holds {num_blocks}")
+    if num_outputs >= max_tokens:
+        raise InvalidRequestError("output_token_ids", f"{num_outputs} tokens generated "
+                                  f"already: max_tokens {max_tokens} leaves none")
 
 
 def _no_room(num_prompt: int, max_model_len: int) -> str:

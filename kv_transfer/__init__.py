@@ -25,19 +25,23 @@ and block lists.
     config.py          TransferConfig, frozen settings
     errors.py          typed transfer failures, each leaving both sides clean
 """
-from pdserve.kv_transfer.config import TransferConfig
-from pdserve.kv_transfer.errors import (
-                                KVTransferError,
-                                LayoutMismatchError,
-                                PeerLostError,
-                                TransferAborted,
-                                TransferRefused,
-                                TransferTimeout,
-)
-from pdserve.kv_transfer.layout import KVLayout
-from pdserve.kv_transfer.receiver import KVReceiver
-from pdserve.kv_transfer.sender import KVSender, SendHandle
+from __future__ import annotations
 
-__all__ = ["KVLayout", "KVReceiver", "KVSender", "SendHandle", "TransferConfig",
-           "KVTransferError", "LayoutMismatchError", "PeerLostError", "TransferAborted",
-           "TransferRefused", "TransferTimeout"]
+from pdserve.lazy import lazy_names
+
+# Loaded on first use (PEP 562): the settings (config.py) import no torch, so a
+# process that only configures transfers (the simulator) does not load it.
+_LAZY = {
+    "TransferConfig": "pdserve.kv_transfer.config",
+    "KVLayout": "pdserve.kv_transfer.layout",
+    "KVReceiver": "pdserve.kv_transfer.receiver",
+    "KVSender": "pdserve.kv_transfer.sender",
+    "SendHandle": "pdserve.kv_transfer.sender",
+    **{name: "pdserve.kv_transfer.errors" for name in (
+        "KVTransferError", "LayoutMismatchError", "PeerLostError", "TransferAborted",
+        "TransferRefused", "TransferTimeout")},
+}
+__all__ = list(_LAZY)
+
+
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())

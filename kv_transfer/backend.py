@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-BACKENDS = ("auto", "gloo", "nccl")
+from pdserve.kv_transfer.config import BACKENDS
 
 
 @dataclass(frozen=True)

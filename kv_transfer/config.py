@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.kv_transfer.backend import BACKENDS
+# The data stream's backends (backend.py chooses among them).
+BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass(frozen=True)

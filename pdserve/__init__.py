@@ -9,6 +9,7 @@ Its own modules:
     cli_flags.py         argparse flags derived from documented config dataclasses
     admin_cli.py         `pdserve admin`: membership through the router's admin API
     env.py               every environment variable pdserve reads
+    lazy.py              names loaded on first use (this package, pdserve.kv_transfer)
     ray_session.py       how a command reaches Ray: a cluster of its own on this
                          machine, or one it joins with Ray's token when it wants one
     progress.py          the long commands' progress bars (off when stderr is not a
@@ -25,8 +26,9 @@ Its own modules:
 """
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from pdserve.lazy import lazy_names
 
 # public name -> the module that defines it
 _LAZY = {
@@ -54,14 +56,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs; `as` marks a re-export
     from pdserve.engine.sampling_params import SamplingParams as SamplingParams
     from pdserve.llm import LLM as LLM
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pdserve' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next access skips this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())

@@ -6,6 +6,11 @@
     actor.py      WorkerActor, its Ray async actor: a steps(subscriber) stream per
                   router (its own requests' deltas, everyone's telemetry, reports while
                   idle); a step error it cannot pin on requests ends the process
+    core.py       what every worker keeps alike, the Ray one and the simulator's: role
+                  gating, each request's owner (subscriber), abort tombstones, the
+                  start handshake's rule; pure, on a clock passed in
+    streams.py    the subscribers' step streams (each router's own deltas, everyone's
+                  telemetry, merged when a subscriber falls behind), for both workers
     messages.py   typed router <-> worker messages, plain data: Reservation, PrefillJob,
                   PrefillResult, TokenDelta, WorkerTelemetry, StepBatch, live
                   migration's BlockCopy and IncomingCopy; ROLES

@@ -15,13 +15,12 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from contextlib import aclosing
 
 import ray
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import exit_for_restart
-from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.telemetry import IDLE_REPORT_INTERVAL_S
 from pdserve.kv_transfer import TransferConfig
 from pdserve.worker.messages import (
@@ -34,15 +33,10 @@ from pdserve.worker.messages import (
     Reservation,
     StepBatch,
 )
+from pdserve.worker.streams import Streams
 from pdserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Subscriber:
-    batches: asyncio.Queue
-    stall_timeout_s: float
 
 
 @ray.remote
@@ -55,8 +49,6 @@ class WorkerActor:
         ever end. (A subscriber's stream is no sign of life: Ray does not tell a
         generator that its reader died.)"""
         self._loop = asyncio.get_event_loop()
-        self._subscribers: dict[str, _Subscriber] = {}
-        self._owners: dict[str, str] = {}  # request id -> its subscriber
         self._published_at = time.monotonic()
         self._ticker: asyncio.Task | None = None
         self._asked_at = time.monotonic()  # the last call to stats
@@ -64,6 +56,8 @@ class WorkerActor:
         self.worker = Worker(worker_id, engine_config, transfer, role, on_batch=self._publish,
                              on_death=exit_for_restart,
                              kv_host=ray.util.get_node_ip_address())
+        self.core = self.worker.core  # ownership: read and written on this loop only
+        self.streams = Streams(worker_id)  # the subscribers' step streams, on this loop
         if orphan_after_s > 0:
             self._loop.call_soon_threadsafe(
                 lambda: self._loop.create_task(self._reap_if_orphaned(orphan_after_s)))
@@ -87,17 +81,7 @@ class WorkerActor:
         dropped."""
         if batch.telemetry is not None:
             self._published_at = time.monotonic()
-        by_subscriber: dict[str, list] = {}
-        for delta in batch.deltas:
-            owner = (self._owners.pop(delta.request_id, None) if delta.finished
-                     else self._owners.get(delta.request_id))
-            if owner in self._subscribers:
-                by_subscriber.setdefault(owner, []).append(delta)
-        for name, subscriber in self._subscribers.items():
-            deltas = by_subscriber.get(name, [])
-            if deltas or batch.telemetry is not None:
-                subscriber.batches.put_nowait(StepBatch(
-                    worker_id=batch.worker_id, deltas=deltas, telemetry=batch.telemetry))
+        self.streams.publish(self.core.route(batch.deltas), batch.telemetry)
 
     async def _tick(self) -> None:
         """Telemetry while no step reports it, to the subscribers whose stall bound the
@@ -109,25 +93,18 @@ class WorkerActor:
                 continue
             telemetry = await asyncio.to_thread(self.worker.telemetry)
             self._published_at = time.monotonic()
-            quiet_s = time.monotonic() - loop.progress_at
-            for subscriber in self._subscribers.values():
-                if quiet_s <= subscriber.stall_timeout_s:
-                    subscriber.batches.put_nowait(StepBatch(
-                        worker_id=self.worker.worker_id, deltas=[], telemetry=telemetry))
+            self.streams.report_idle(telemetry, time.monotonic() - loop.progress_at)
 
     async def _owned(self, request_id: str, subscriber: str, start):
         """Runs start() (which may start a request) with the request owned by
         `subscriber` from before its first delta can be published; ownership is
         dropped if nothing started. An id another subscriber's request holds is
         refused before anything is called: it is theirs."""
-        if request_id in self._owners:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use "
-                                      "on this worker")
-        self._owners[request_id] = subscriber
+        self.core.claim(request_id, subscriber)
         try:
             return await start()
         except BaseException:
-            self._owners.pop(request_id, None)
+            self.core.release(request_id)
             raise
 
     async def address(self) -> str:
@@ -149,7 +126,7 @@ class WorkerActor:
         reservation = await self._owned(job.request_id, subscriber, lambda: asyncio.wrap_future(
             self.worker.reserve(job)))
         if reservation is None:
-            self._owners.pop(job.request_id, None)
+            self.core.release(job.request_id)
         return reservation
 
     async def submit(self, job: Job, subscriber: str = "") -> None:
@@ -165,7 +142,7 @@ class WorkerActor:
         reservation = await self._owned(job.request_id, subscriber, lambda: asyncio.wrap_future(
             self.worker.take_over(job)))
         if reservation is None:
-            self._owners.pop(job.request_id, None)
+            self.core.release(job.request_id)
         return reservation
 
     async def expect_copy(self, incoming: IncomingCopy) -> list[int]:
@@ -180,8 +157,7 @@ class WorkerActor:
 
     async def abort(self, request_id: str, subscriber: str = "") -> None:
         """Another subscriber's request of the same id is not this caller's to end."""
-        owner = self._owners.get(request_id)
-        if owner is not None and owner != subscriber:
+        if not self.core.may_abort(request_id, subscriber):
             return
         # It waits for the engine's state lock: not on this loop, which streams steps.
         await asyncio.to_thread(self.worker.abort, request_id)
@@ -189,10 +165,9 @@ class WorkerActor:
     async def abort_all(self, subscriber: str) -> int:
         """The subscriber (a router) is gone: its requests end, their KV freed, and its
         stream is forgotten (Ray's stream does not tell a producer its reader died)."""
-        self._subscribers.pop(subscriber, None)
-        orphans = [r for r, owner in self._owners.items() if owner == subscriber]
+        self.streams.drop(subscriber)
+        orphans = self.core.orphans(subscriber)
         for request_id in orphans:
-            self._owners.pop(request_id, None)
             await asyncio.to_thread(self.worker.abort, request_id)
         return len(orphans)
 
@@ -207,22 +182,15 @@ class WorkerActor:
         if self._ticker is None or self._ticker.done():
             self._ticker = asyncio.get_running_loop().create_task(self._tick())
         loop = self.worker.loop
-        me = self._subscribers[subscriber] = _Subscriber(asyncio.Queue(), stall_timeout_s)
-        batches = me.batches
-        try:
-            while True:
-                try:
-                    batch = await asyncio.wait_for(batches.get(), IDLE_REPORT_INTERVAL_S)
-                except asyncio.TimeoutError:
-                    if loop.error is not None:
-                        raise RuntimeError(f"engine loop stopped: {loop.error!r}") from None
-                    continue  # no report: the subscriber's stall bound decides
-                while not batches.empty():
-                    batch = batch.merged(batches.get_nowait())
+
+        def check() -> None:  # no report: the subscriber's stall bound decides, unless
+            if loop.error is not None:  # the loop is known dead
+                raise RuntimeError(f"engine loop stopped: {loop.error!r}")
+        async with aclosing(self.streams.stream(subscriber, stall_timeout_s,
+                                                poll_s=IDLE_REPORT_INTERVAL_S,
+                                                check=check)) as batches:
+            async for batch in batches:
                 yield batch
-        finally:
-            if self._subscribers.get(subscriber) is me:
-                del self._subscribers[subscriber]
 
     async def stats(self) -> dict:
         self._asked_at = time.monotonic()

@@ -18,12 +18,12 @@ from pdserve.decode_worker.role import DecodeRole, deltas
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.errors import WorkerBusyError, WrongRoleError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.profile import profile
 from pdserve.engine.telemetry import gauges, report
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig
 from pdserve.prefill_worker.role import PrefillRole
+from pdserve.worker.core import WorkerCore
 from pdserve.worker.messages import (
     BlockCopy,
     IncomingCopy,
@@ -44,9 +44,8 @@ class Worker:
                  kv_host: str = "127.0.0.1"):
         """kv_host: the address its KV rendezvous and pairs bind (the node's, on a
         cluster). on_batch(batch) runs on the engine thread."""
-        check_role(role)
         self.worker_id = worker_id
-        self.role = role
+        self.core = WorkerCore(worker_id, role, time.monotonic, transfer.begin_lease_s)
         self.on_batch = on_batch
         engine = LLMEngine(engine_config)
         profile(engine)  # warm, and the latency model's first measurements
@@ -59,10 +58,14 @@ class Worker:
         self.loop = EngineLoop(engine, on_step=self._on_step, export=self._export,
                                on_death=on_death)
         self.prefill_role = PrefillRole(self.loop, self.sender)
-        self.decode_role = DecodeRole(self.loop, self.receiver, transfer.begin_lease_s,
+        self.decode_role = DecodeRole(self.loop, self.receiver, self.core,
                                       self._publish_deltas)
         self.moves = Moves(self.loop, self.receiver, self.prefill_role.send,
                            self._publish_deltas)
+
+    @property
+    def role(self) -> str:
+        return self.core.role
 
     @property
     def address(self) -> str:
@@ -72,7 +75,7 @@ class Worker:
     # ---- the roles' calls -------------------------------------------------------
 
     def prefill(self, job: PrefillJob) -> Future:
-        self._require("prefill", "prefill", "both")
+        self.core.require("prefill")
         return self.prefill_role.prefill(job)
 
     def connect(self, receiver_addresses: list[str]) -> None:
@@ -83,20 +86,20 @@ class Worker:
         self.prefill_role.disconnect(receiver_addresses)
 
     def reserve(self, job: Job) -> Future:
-        self._require("reserve", "decode", "both")
+        self.core.require("reserve")
         return self.decode_role.reserve(job)
 
     def start(self, request_id: str, first_token: int) -> Future:
         return self.decode_role.start(request_id, first_token)
 
     def submit(self, job: Job) -> Future:
-        self._require("submit", "both")
+        self.core.require("submit")
         return self.decode_role.submit(job)
 
     # ---- live migration (decode_worker/moves.py) ---------------------------------
 
     def take_over(self, job: Job) -> Future:
-        self._require("take_over", "decode", "both")
+        self.core.require("take_over")
         return self.decode_role.reserve(job, expect=False)
 
     def expect_copy(self, incoming: IncomingCopy) -> list[int]:
@@ -117,14 +120,11 @@ class Worker:
         """Changes the role; refused (WorkerBusyError) while any request is here. In
         role decode it sends no KV: its pairs as a sender close (the receivers' sides
         end with them)."""
-        check_role(role)
+        check_role(role)  # before the engine is asked
 
         def flip(engine: LLMEngine) -> None:
-            if engine.has_unfinished() or self.prefill_role.busy:
-                raise WorkerBusyError(
-                    f"worker {self.worker_id} still holds {engine.scheduler.num_unfinished} "
-                    f"request(s); drain it first")
-            self.role = role
+            self.core.change_role(
+                role, engine.scheduler.num_unfinished or int(self.prefill_role.busy))
         self.loop.call_concurrent(flip)
         if role == "decode":
             self.prefill_role.disconnect()
@@ -172,10 +172,5 @@ class Worker:
         steps = tuple(engine.step_timings)[-new:] if new else ()
         return report(self.worker_id, self.role, engine.scheduler, time.time(),
                                 steps)
-
-    def _require(self, call: str, *roles: str) -> None:
-        if self.role not in roles:
-            raise WrongRoleError(f"worker {self.worker_id} is in role {self.role}: it "
-                                 f"takes no {call}")
 
 

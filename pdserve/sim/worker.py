@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +36,7 @@ import numpy as np
 from pdserve.engine import steady_batch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.errors import InvalidRequestError, WorkerBusyError, WrongRoleError
+from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.profile import startup_rounds
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampling_params import SamplingParams
@@ -43,12 +44,14 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from pdserve.engine.step_shape import StepShape, StepTiming
 from pdserve.engine.telemetry import IDLE_REPORT_INTERVAL_S, report
-from pdserve.engine.validation import check_length
+from pdserve.engine.validation import check_fits
+from pdserve.kv_transfer.config import TransferConfig
 from pdserve.router.errors import WorkerDied
 from pdserve.sim.itl import ItlHistogram
 from pdserve.sim.moves import SimMoves
 from pdserve.sim.profile import Profile
 from pdserve.sim.tokens import SyntheticTokens, TokenSource
+from pdserve.worker.core import WorkerCore, admit_started
 from pdserve.worker.messages import (
     BlockCopy,
     IncomingCopy,
@@ -60,11 +63,9 @@ from pdserve.worker.messages import (
     StepBatch,
     TokenDelta,
     WorkerStats,
-    check_role,
 )
+from pdserve.worker.streams import Streams
 
-# How long an abort is remembered, so a reservation it overtook is refused.
-TOMBSTONE_S = 60.0
 # The longest a steady batch runs before it reports (the router's view of the worker
 # is at most this old; a real worker reports every step).
 MAX_STRETCH_S = 1.0
@@ -103,12 +104,16 @@ class SimWorker:
                  scheduler: SchedulerConfig = SchedulerConfig(),
                  peers: dict[str, "SimWorker"] | None = None, *, seed: int = 0,
                  tokens: TokenSource | None = None, prefix_caching: bool = True,
-                 eos_token_ids: tuple[int, ...] = (), itl: ItlHistogram | None = None):
+                 eos_token_ids: tuple[int, ...] = (), itl: ItlHistogram | None = None,
+                 transfer: TransferConfig = TransferConfig()):
         """peers: address -> worker, shared by a cluster's workers (a transfer lands
         on its target through it); this worker adds itself. seed: its step noise.
-        itl: where the gaps between its requests' tokens are counted."""
-        check_role(role)
-        self.worker_id, self.role, self.profile = worker_id, role, profile
+        itl: where the gaps between its requests' tokens are counted. transfer: the
+        KV transfer's settings (its begin lease bounds what aborts are remembered)."""
+        self.worker_id, self.profile = worker_id, profile
+        # Roles, ownership and aborts as every worker keeps them, in virtual time.
+        self.core = WorkerCore(worker_id, role, lambda: asyncio.get_running_loop().time(),
+                               transfer.begin_lease_s)
         self.blocks = BlockManager(profile.num_kv_blocks, profile.block_size, prefix_caching)
         self.blocks.record_prefix_events = True  # reported in telemetry, as a real worker's
         self.scheduler = Scheduler(scheduler, self.blocks)
@@ -119,19 +124,21 @@ class SimWorker:
         self.alive = True
         self._eos = eos_token_ids
         self._noise = np.random.default_rng(seed)
-        self._owners: dict[str, str] = {}  # request id -> its subscriber
         self._prefills: dict[str, _Prefill] = {}
         self._landing: dict[str, asyncio.Future] = {}  # reserved here, KV on its way
-        self._aborted: dict[str, float] = {}  # request id -> when its abort came
         self._boundary: list[Callable[[], None]] = []  # calls for the next step boundary
         self._wake = asyncio.Event()
-        self._subscribers: dict[str, asyncio.Queue] = {}
+        self.streams = Streams(worker_id)  # the subscribers' step streams
         self._steps: list[StepTiming] = []  # since the last report
         self._task: asyncio.Task | None = None
         self._stretch: _Stretch | None = None
         self._itl = itl
         self._last_token_at: dict[str, float] = {}  # when its last token reached the router
         self.moves = SimMoves(self)  # live migration's calls
+
+    @property
+    def role(self) -> str:
+        return self.core.role
 
     @property
     def _now(self) -> float:
@@ -163,8 +170,7 @@ class SimWorker:
         self.alive = False
         if self._task is not None:
             self._task.cancel()
-        for queue in self._subscribers.values():
-            queue.put_nowait(WorkerDied(f"worker {self.worker_id} died"))
+        self.streams.end(WorkerDied(f"worker {self.worker_id} died"))
         for waiting in [*(p.done for p in self._prefills.values()), *self._landing.values()]:
             if not waiting.done():
                 waiting.set_exception(WorkerDied(f"worker {self.worker_id} died"))
@@ -302,31 +308,22 @@ class SimWorker:
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         """Each delta to its request's subscriber, the telemetry to all."""
-        if not self._subscribers:
+        if not self.streams:
             return  # nobody listens: the steps wait for the first report
         telemetry = report(self.worker_id, self.role, self.scheduler, self._now,
                            tuple(self._steps))
         self._steps = []
-        mine: dict[str, list[TokenDelta]] = {}
-        for delta in deltas:
-            owner = (self._owners.pop(delta.request_id, None) if delta.finished
-                     else self._owners.get(delta.request_id))
-            mine.setdefault(owner, []).append(delta)
-        for name, queue in self._subscribers.items():
-            queue.put_nowait(StepBatch(worker_id=self.worker_id, deltas=mine.get(name, []),
-                                       telemetry=telemetry))
+        self.streams.publish(self.core.route(deltas), telemetry)
 
     def _at_boundary(self, call: Callable[[], None]) -> None:
         self._boundary.append(call)
         self._cut()
         self._wake.set()
 
-    def _check(self, call: str, *roles: str) -> None:
+    def _check(self, call: str) -> None:
         if not self.alive:
             raise WorkerDied(f"worker {self.worker_id} died")
-        if roles and self.role not in roles:
-            raise WrongRoleError(f"worker {self.worker_id} is in role {self.role}: it "
-                                 f"takes no {call}")
+        self.core.require(call)
 
     def _request(self, request_id: str, prompt: list[int], params: SamplingParams,
                  arrival_time: float, outputs: tuple[int, ...] = ()) -> Request:
@@ -334,14 +331,8 @@ class SimWorker:
         outputs: a moved request's tokens so far (Job.output_token_ids)."""
         if request_id in self.scheduler.requests or request_id in self._prefills:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        check_length(len(prompt), params.max_tokens, self.profile.max_model_len)
-        need = self.blocks.blocks_needed(len(prompt) + params.max_tokens)
-        if need > self.blocks.num_blocks:
-            raise InvalidRequestError("max_tokens", f"prompt plus max_tokens needs {need} KV "
-                                      f"blocks; the cache holds {self.blocks.num_blocks}")
-        if len(outputs) >= params.max_tokens:
-            raise InvalidRequestError("output_token_ids", f"{len(outputs)} tokens generated "
-                                      f"already: max_tokens {params.max_tokens} leaves none")
+        check_fits(len(prompt), params.max_tokens, len(outputs), self.profile.max_model_len,
+                   self.blocks.num_blocks, self.blocks.block_size)
         return Request(request_id=request_id, prompt_token_ids=list(prompt),
                        sampling_params=params, arrival_time=arrival_time,
                        eos_token_ids=self._eos, max_model_len=self.profile.max_model_len,
@@ -362,23 +353,22 @@ class SimWorker:
         self.paired.difference_update(receiver_addresses)
 
     async def reserve(self, job: Job, subscriber: str) -> Reservation | None:
-        self._check("reserve", "decode", "both")
+        self._check("reserve")
         return self._reserve(job, subscriber, expect=True)
 
     def _reserve(self, job: Job, subscriber: str, expect: bool) -> Reservation | None:
         """expect: its KV arrives as one transfer (a prefill's); else in parts (a live
         migration's copies: moves.py)."""
         rid = job.request_id
-        if rid in self._aborted:
+        if self.core.overtaken(rid):
             return None  # its abort overtook this call
-        if rid in self._owners:
-            raise InvalidRequestError("request_id", f"{rid!r} is already in use on this worker")
+        self.core.check_unclaimed(rid)
         request = self._request(rid, job.prompt_token_ids, job.sampling_params,
                                 job.arrival_time, job.output_token_ids)
         self._cut()  # the blocks a stretch in flight took are taken
         if not self.scheduler.reserve(request):
             return None
-        self._owners[rid] = subscriber
+        self.core.claim(rid, subscriber)
         if expect:
             self._landing[rid] = asyncio.get_running_loop().create_future()
         cached = request.num_cached_tokens // self.blocks.block_size
@@ -386,7 +376,7 @@ class SimWorker:
                            block_ids=list(request.block_ids), num_cached_blocks=cached)
 
     async def prefill(self, job: PrefillJob) -> PrefillResult:
-        self._check("prefill", "prefill", "both")
+        self._check("prefill")
         prompt = job.job
         request = self._request(job.request_id, prompt.prompt_token_ids, job.params,
                                 prompt.arrival_time, prompt.output_token_ids)
@@ -410,18 +400,17 @@ class SimWorker:
         await admitted
 
     async def submit(self, job: Job, subscriber: str) -> None:
-        self._check("submit", "both")
+        self._check("submit")
         rid = job.request_id
-        if rid in self._owners:
-            raise InvalidRequestError("request_id", f"{rid!r} is already in use on this worker")
+        self.core.check_unclaimed(rid)
         request = self._request(rid, job.prompt_token_ids, job.sampling_params,
                                 job.arrival_time, job.output_token_ids)
-        self._owners[rid] = subscriber
+        self.core.claim(rid, subscriber)
         added = asyncio.get_running_loop().create_future()
 
         def add() -> None:
-            if rid in self._aborted:
-                self._owners.pop(rid, None)
+            if self.core.overtaken(rid):
+                self.core.release(rid)
                 added.set_exception(InvalidRequestError("request_id", f"{rid!r} was aborted"))
                 return
             self.scheduler.add_request(request)
@@ -432,7 +421,7 @@ class SimWorker:
     # Live migration (pdserve/sim/moves.py)
 
     async def take_over(self, job: Job, subscriber: str) -> Reservation | None:
-        self._check("take_over", "decode", "both")
+        self._check("take_over")
         return self._reserve(job, subscriber, expect=False)
 
     async def expect_copy(self, incoming: IncomingCopy) -> list[int]:
@@ -450,13 +439,9 @@ class SimWorker:
     async def abort(self, request_id: str, subscriber: str) -> None:
         """Another subscriber's request of the same id is not this caller's to end."""
         self._check("abort")
-        owner = self._owners.get(request_id)
-        if owner is not None and owner != subscriber:
+        if not self.core.may_abort(request_id, subscriber):
             return
-        now = self._now
-        self._aborted[request_id] = now
-        for rid in [r for r, at in self._aborted.items() if now - at > TOMBSTONE_S]:
-            del self._aborted[rid]
+        self.core.aborted(request_id)
         landing = self._landing.pop(request_id, None)
         if landing is not None and not landing.done():
             _fail_quietly(landing, TransferFailed(f"{request_id} was aborted"))
@@ -468,37 +453,22 @@ class SimWorker:
 
     async def abort_all(self, subscriber: str) -> int:
         self._check("abort_all")
-        self._subscribers.pop(subscriber, None)
-        orphans = [r for r, owner in self._owners.items() if owner == subscriber]
+        self.streams.drop(subscriber)
+        orphans = self.core.orphans(subscriber)
         for request_id in orphans:
             await self.abort(request_id, subscriber)
-            self._owners.pop(request_id, None)
         return len(orphans)
 
     async def steps(self, stall_timeout_s: float, subscriber: str
                     ) -> AsyncIterator[StepBatch]:
         self._check("steps")
-        queue = self._subscribers[subscriber] = asyncio.Queue()
-        try:
-            while True:
-                batch = await queue.get()
-                while isinstance(batch, StepBatch) and not queue.empty():
-                    later = queue.get_nowait()
-                    batch = later if isinstance(later, Exception) else batch.merged(later)
-                if isinstance(batch, Exception):
-                    raise batch
+        async with aclosing(self.streams.stream(subscriber, stall_timeout_s)) as batches:
+            async for batch in batches:
                 yield batch
-        finally:
-            if self._subscribers.get(subscriber) is queue:
-                del self._subscribers[subscriber]
 
     async def set_role(self, role: str) -> None:
         self._check("set_role")
-        check_role(role)
-        if self.scheduler.has_unfinished() or self._prefills:
-            raise WorkerBusyError(f"worker {self.worker_id} still holds "
-                                  f"{self.scheduler.num_unfinished} request(s); drain it first")
-        self.role = role
+        self.core.change_role(role, self.scheduler.num_unfinished or len(self._prefills))
         if role == "decode":  # it sends no KV: its pairs close, as a real worker's do
             self.paired.clear()
 
@@ -513,13 +483,11 @@ class SimWorker:
         """The KV landed: the request joins the batch after token #1 (published now, so
         it precedes the request's next step)."""
         try:
-            request = self.scheduler.admit_prefilled(request_id, first_token)
+            request = admit_started(self.scheduler, request_id, first_token)
         except (KeyError, ValueError) as exc:  # aborted meanwhile
             admitted.set_exception(TransferFailed(f"{request_id} cannot start: {exc}"))
             return
-        reason = request.check_stop()
-        if reason is not None:
-            self.scheduler.finish_requests([request_id], reason)
+        if request.is_finished:
             self._done(request_id)
         self._publish([_delta(request, 1)])
         admitted.set_result(None)
@@ -527,7 +495,7 @@ class SimWorker:
     def _finish_aborted(self, request_id: str) -> None:
         for request in self.scheduler.finish_requests([request_id], FinishReason.ABORT):
             self._done(request_id)
-            if request_id in self._owners:
+            if self.core.owns(request_id):
                 self._publish([_delta(request, 0)])
 
     # ---- the KV transfer ----------------------------------------------------------------
