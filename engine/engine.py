@@ -245,10 +245,10 @@ class LLMEngine:
         if request_id in self._tracked:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         token_ids = self._prompt_token_ids(prompt)
-        outputs = self._prompt_token_ids(list(output_token_ids)) if output_token_ids else []
         bm = self.block_manager
-        check_fits(len(token_ids), params.max_tokens, len(outputs), self.max_model_len,
-                   bm.num_blocks, bm.block_size)
+        check_fits(len(token_ids), params.max_tokens, len(output_token_ids),
+                   self.max_model_len, bm.num_blocks, bm.block_size)
+        outputs = self._prompt_token_ids(list(output_token_ids)) if output_token_ids else []
         arrival = time.time() if arrival_time is None else arrival_time
         return Request(request_id, token_ids, params, arrival,
                        eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,

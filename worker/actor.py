@@ -168,6 +168,7 @@ class WorkerActor:
         self.streams.drop(subscriber)
         orphans = self.core.orphans(subscriber)
         for request_id in orphans:
+            self.core.release(request_id)
             await asyncio.to_thread(self.worker.abort, request_id)
         return len(orphans)
 

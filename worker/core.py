@@ -91,11 +91,9 @@ class WorkerCore:
         return owner is None or owner == subscriber
 
     def orphans(self, subscriber: str) -> list[str]:
-        """The requests of a subscriber that is gone, no longer owned by anyone."""
-        ids = [r for r, owner in self._owners.items() if owner == subscriber]
-        for request_id in ids:
-            del self._owners[request_id]
-        return ids
+        """The requests of a subscriber that is gone (still its own: each is released
+        as it is ended, so no other subscriber takes an id that is still ending)."""
+        return [r for r, owner in self._owners.items() if owner == subscriber]
 
     def route(self, deltas: Iterable[TokenDelta]) -> dict[str, list[TokenDelta]]:
         """Each delta under its request's owner (None: nobody's); a finished request is

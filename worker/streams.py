@@ -71,6 +71,8 @@ class Streams:
                     try:
                         batch = await asyncio.wait_for(batches.get(), poll_s)
                     except asyncio.TimeoutError:
+                        batch = None
+                    if batch is None:  # check() outside the except: its error stands alone
                         if check is not None:
                             check()
                         continue

@@ -457,6 +457,7 @@ class SimWorker:
         orphans = self.core.orphans(subscriber)
         for request_id in orphans:
             await self.abort(request_id, subscriber)
+            self.core.release(request_id)
         return len(orphans)
 
     async def steps(self, stall_timeout_s: float, subscriber: str
