@@ -67,3 +67,27 @@ _LAST = ("tests/bench/", "tests/cluster/", "tests/multinode/", "tests/autoscaler
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.nodeid.startswith(_LAST))  # stable: order kept within
+
+
+# A pytest process ends with os._exit once pytest has reported everything, skipping
+# the interpreter's teardown: native threads that outlive the tests (gloo's, gRPC's,
+# torch's) are destroyed there in no set order, and the main run of `make test`
+# aborted at that point now and then ("terminate called without an active exception")
+# after every test had passed. The exit status is pytest's own.
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    status = config.stash.get(_EXIT_STATUS, None)
+    if status is None:
+        return  # no session ran (--help, a usage error): pytest exits as usual
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
