@@ -42,12 +42,17 @@ def add_sim_parser(sub) -> None:
     plan.add_argument("--first-rate", type=float, default=1.0,
                       help="the first request rate of a shape searched with no neighbour's "
                       "rate to start from, req/s (default: %(default)s)")
-    plan.add_argument("--iterations", type=int, default=5,
+    plan.add_argument("--iterations", type=int, default=4,
                       help="each shape's rate is found to within 2^-N of itself: N "
-                      "bisections of a doubling's bracket (default: %(default)s)")
-    plan.add_argument("--min-duration", type=float, default=20.0,
+                      "bisections of a doubling's bracket (default: %(default)s, about "
+                      "6%%: finer than an analytic profile is right; each one more "
+                      "doubles the probes' length and adds a probe)")
+    plan.add_argument("--min-duration", type=float, default=None,
                       help="each probe sends requests for at least this many seconds at "
-                      "its rate; --num-prompts is the fewest (default: %(default)s)")
+                      "its rate; --num-prompts is the fewest. Unset: long enough for a "
+                      "rate 2^-N above what the shape sustains to fail (its queue grows "
+                      "2^-N s a second, so the TTFT SLO over 2^-N x the attainment "
+                      "target), at least 5 s")
     plan.add_argument("--jobs", type=int, default=None,
                       help="shapes searched at once, each in a process of its own "
                       "(default: the machine's cores); the table does not depend on it")
@@ -173,7 +178,7 @@ def _plan(args: argparse.Namespace) -> int:
     import functools
     import os
 
-    from pdserve.sim.plan import Search
+    from pdserve.sim.plan import Draws, Search, min_duration_s
 
     if not args.goodput:
         raise SystemExit("pdserve sim plan: give the SLOs (--goodput ttft:MS tpot:MS)")
@@ -182,13 +187,20 @@ def _plan(args: argparse.Namespace) -> int:
     setup = setup_of(args, PoolSpec(prefill_workers=args.budget, decode_workers=0,
                                     mode="colocated"))
     args.request_rate, args.max_concurrency = float("inf"), 0
-    search = Search(setup=setup, workload=functools.partial(
-        _plan_workload, args, setup.profile.vocab_size), load=load_of(args),
-        first_rate=args.first_rate, iterations=args.iterations,
-        min_requests=args.num_prompts, min_duration_s=args.min_duration)
+    load = load_of(args)
+    if args.min_duration is None:
+        args.min_duration = min_duration_s(load.slo, args.iterations)
+    vocab = setup.profile.vocab_size
+    workload = (Draws(functools.partial(_plan_workload, args, vocab))
+                if args.workload != "file" else  # a trace: all of it, at its times
+                functools.partial(_plan_trace, args, vocab))
+    search = Search(setup=setup, workload=workload, load=load, first_rate=args.first_rate,
+                    iterations=args.iterations, min_requests=args.num_prompts,
+                    min_duration_s=args.min_duration)
     jobs = args.jobs or os.cpu_count() or 1
     print(f"{setup.profile.name}, {args.budget} workers, {args.workload} (each probe at "
-          f"least {args.min_duration:g} s and {args.num_prompts} requests), SLOs "
+          f"least {args.min_duration:.3g} s and {args.num_prompts} requests; rates within "
+          f"2^-{args.iterations}), SLOs "
           f"{' '.join(args.goodput)}, routing {args.routing_policy}/{args.admission}; "
           f"{jobs} at once", flush=True)
     began = time.perf_counter()
@@ -202,9 +214,14 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_workload(args: argparse.Namespace, vocab: int, n: int):
-    """n requests of the plan's seeded workload (the same draw whatever the shape)."""
-    return workload_of(replace_args(args, num_prompts=n), vocab)(0)
+def _plan_trace(args: argparse.Namespace, vocab: int, n: int):
+    return workload_of(args, vocab)(0)
+
+
+def _plan_workload(args: argparse.Namespace, vocab: int):
+    """The plan's seeded workload, drawn as it is read (as many as are read)."""
+    return iter(workload_of(replace_args(args, num_prompts=sys.maxsize), vocab,
+                            lazy=True)(0))
 
 
 def _search_shapes(args: argparse.Namespace, search, jobs: int) -> list:

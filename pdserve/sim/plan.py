@@ -13,16 +13,20 @@ the target, or enough missed that they cannot lift it over.
 
 Shapes next to each other serve similar rates, so a shape starts from its neighbour's
 result with a small growth (a bracket of 1.25x, not 2x, and no climb from the first
-rate): the P:D splits outward from the even split, adaptive from colocated. Which
-neighbour is fixed, so the table does not depend on how many shapes run at once
-(`jobs`, in processes of their own)."""
+rate): the P:D splits outward from the even split, two chains on each side, adaptive
+from colocated (`neighbours`). Which neighbour is fixed, so the table does not depend on
+how many shapes run at once (`jobs`, in processes of their own).
+
+A probe lasts long enough for the search's precision (`min_duration_s`), and its
+requests are the first n of one seeded sequence, drawn once per process (`Draws`)."""
 from __future__ import annotations
 
-import concurrent.futures as cf
 import math
 import multiprocessing
+import multiprocessing.pool
 import queue
 import time
+from array import array
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
@@ -34,6 +38,7 @@ from pdserve.sim import virtual_time
 from pdserve.sim.driver import Load
 from pdserve.sim.run import Setup, run_requests
 
+_MIN_DURATION_S = 5.0
 _MAX_STEPS = 20  # a shape that holds its SLOs at 2^20 x the first rate holds them
 NEIGHBOUR_GROWTH = 1.25
 _POLL_S = 0.2  # how often the parent reads its children's probes
@@ -80,12 +85,33 @@ def shapes(budget: int) -> list[PoolSpec]:
 
 def neighbours(budget: int) -> list[int | None]:
     """For each of shapes(budget), the index of the shape it starts from, or None for
-    a search from the first rate: the even split and colocated; every other split
-    starts from the split one step nearer the even one, adaptive from colocated."""
-    even = budget // 2 - 1  # the index of budget // 2 prefill workers
-    splits = [None if i == even else i + (1 if i < even else -1)
-              for i in range(budget - 1)]
-    return splits + [None, budget - 1]
+    a search from the first rate: the even split and colocated. A split d workers from
+    the even one starts from the split two nearer (one, next to it), adaptive from
+    colocated. A chain of splits is searched one after another; stepping by two makes
+    two chains on each side of the even split, each half as long as a chain of every
+    split: with 16 workers the high-rate splits were a chain of 8 searches (7 now 4),
+    most of the plan's wall time with two jobs."""
+    even = budget // 2
+
+    def after(p: int) -> int | None:
+        if p == even:
+            return None
+        toward = 2 if abs(p - even) >= 2 else 1
+        return p + (toward if p < even else -toward) - 1  # shapes()[i]: i + 1 prefill
+    return [after(p) for p in range(1, budget)] + [None, budget - 1]
+
+
+def min_duration_s(slo: SLO, iterations: int, target: float = TARGET_ATTAINMENT) -> float:
+    """How long a probe must send for a rate 2^-iterations above what the cluster
+    sustains to fail, so the search's precision is the probe's too: its queue grows by
+    2^-iterations seconds of work a second, so a request waits past the TTFT SLO from
+    ttft / 2^-iterations seconds on, and more than 1 - target of the probe's requests
+    do once it lasts that over target (the TTFT the queue adds to, and the headroom a
+    placement keeps, only shorten it). Without a TTFT SLO (a TPOT SLO is broken at
+    once, with no queue), _MIN_DURATION_S."""
+    if slo.ttft_ms is None:
+        return _MIN_DURATION_S
+    return max(_MIN_DURATION_S, slo.ttft_ms / 1e3 / 2.0 ** -iterations / target)
 
 
 class Verdict:
@@ -113,7 +139,51 @@ class Verdict:
         return self.good >= self.need
 
 
-def probe(setup: Setup, requests: list[BenchRequest], load: Load,
+class Draws:
+    """A search's workload: workload(n) is the first n requests of one seeded sequence
+    (the same requests whatever the shape or rate), each drawn the first time a probe
+    of this process sends it and kept (a prompt as int32, 4 bytes a token) for the
+    probes after it, which read it back rather than draw it again (drawing an
+    azure-code prompt costs about as much as simulating a fifth of its request). A
+    probe whose verdict comes early draws none of the requests it did not send.
+    draw(): a fresh iterator over the sequence; picklable, as a process gets its own
+    (empty) copy."""
+
+    def __init__(self, draw: Callable[[], Iterator[BenchRequest]]):
+        self._draw = draw
+        self._source: Iterator[BenchRequest] | None = None
+        self._kept: list[tuple[array, int]] = []  # (prompt, max_tokens)
+
+    def __call__(self, n: int) -> _First:
+        return _First(self, n)
+
+    def __getstate__(self) -> dict:
+        return {"_draw": self._draw, "_source": None, "_kept": []}
+
+    def at(self, i: int) -> BenchRequest:
+        while len(self._kept) <= i:
+            if self._source is None:
+                self._source = self._draw()
+            req = next(self._source)
+            self._kept.append((array("i", req.prompt), req.max_tokens))
+        prompt, max_tokens = self._kept[i]
+        return BenchRequest(prompt.tolist(), max_tokens)
+
+
+@dataclass(frozen=True)
+class _First:
+    """The first n requests of a Draws, drawn as they are read."""
+    draws: Draws
+    n: int
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[BenchRequest]:
+        return map(self.draws.at, range(self.n))
+
+
+def probe(setup: Setup, requests: list[BenchRequest] | _First, load: Load,
           target: float = TARGET_ATTAINMENT) -> Probe:
     """The workload at load's rate through a fresh simulated cluster, stopped once its
     verdict is certain."""
@@ -127,7 +197,7 @@ def probe(setup: Setup, requests: list[BenchRequest], load: Load,
                  ended=ended, requests=len(requests), wall_s=time.perf_counter() - began)
 
 
-def max_rate(setup: Setup, workload: Callable[[int], list[BenchRequest]], load: Load,
+def max_rate(setup: Setup, workload: Callable[[int], list[BenchRequest] | _First], load: Load,
              first_rate: float, iterations: int = 5, min_requests: int = 100,
              min_duration_s: float = 20.0, target: float = TARGET_ATTAINMENT,
              growth: float = 2.0, on_probe: Callable[[Probe], None] | None = None,
@@ -174,7 +244,7 @@ def max_rate(setup: Setup, workload: Callable[[int], list[BenchRequest]], load: 
 class Search:
     """What every shape's search shares (picklable: it goes to the processes)."""
     setup: Setup
-    workload: Callable[[int], list[BenchRequest]]
+    workload: Callable[[int], list[BenchRequest] | _First]  # n requests: a Draws, as a rule
     load: Load
     first_rate: float
     iterations: int = 5
@@ -221,19 +291,19 @@ def plan(search: Search, budget: int, jobs: int = 1,
             yield results[i]
         return
     context = multiprocessing.get_context("spawn")
-    with context.Manager() as manager, cf.ProcessPoolExecutor(jobs, context) as pool:
+    # A Pool, whose exit terminates its processes: a plan stopped (Ctrl-C, or its
+    # caller closing this generator) leaves no search running on.
+    with context.Manager() as manager, context.Pool(jobs) as pool:
         events = manager.Queue()
-        running: dict[cf.Future, int] = {}
+        running: dict[int, multiprocessing.pool.AsyncResult] = {}
         while len(results) < len(all_shapes):
             for i in ready():
-                if i not in running.values():
-                    running[pool.submit(_run_in_child, search, all_shapes[i], start_of(i),
-                                        events)] = i
-            done, _ = cf.wait(running, timeout=_POLL_S, return_when=cf.FIRST_COMPLETED)
-            _drain(events, on_probe)
-            for future in done:
-                i = running.pop(future)
-                results[i] = future.result()
+                if i not in running:
+                    running[i] = pool.apply_async(
+                        _run_in_child, (search, all_shapes[i], start_of(i), events))
+            _drain(events, on_probe, _POLL_S)
+            for i in [i for i, r in running.items() if r.ready()]:
+                results[i] = running.pop(i).get()
                 yield results[i]
 
 
@@ -241,12 +311,15 @@ def _run_in_child(search: Search, pools: PoolSpec, start: float | None, events) 
     return search.run(pools, start, lambda p: events.put((pools, p)))
 
 
-def _drain(events, on_probe) -> None:
+def _drain(events, on_probe, wait_s: float) -> None:
+    """The children's probes, after waiting for one at most wait_s."""
+    timeout: float | None = wait_s
     while True:
         try:
-            pools, p = events.get_nowait()
+            pools, p = events.get(timeout=timeout) if timeout else events.get_nowait()
         except queue.Empty:
             return
+        timeout = None
         if on_probe is not None:
             on_probe(pools, p)
 

@@ -7,7 +7,10 @@ found."""
 from __future__ import annotations
 
 import functools
+import itertools
 import json
+import multiprocessing
+import pickle
 import subprocess
 import sys
 
@@ -18,7 +21,16 @@ from pdserve.bench.workloads import make_workload
 from pdserve.cli import main
 from pdserve.router.config import PoolSpec
 from pdserve.sim.driver import Load
-from pdserve.sim.plan import Search, max_rate, neighbours, plan, probe, shapes
+from pdserve.sim.plan import (
+    Draws,
+    Search,
+    max_rate,
+    min_duration_s,
+    neighbours,
+    plan,
+    probe,
+    shapes,
+)
 from pdserve.sim.run import Setup, simulate
 from tests.sim.sims import small_profile
 
@@ -74,11 +86,48 @@ def test_a_probe_stopped_when_certain_gives_the_whole_run_s_verdict():
     assert early[True] and early[False]  # both verdicts came before the run's end
 
 
-def test_each_split_starts_from_its_neighbour_nearer_the_even_split():
+def test_draws_are_the_first_n_of_one_sequence_drawn_once_and_only_as_sent():
+    profile = small_profile()
+
+    def draw():
+        draw.calls += 1
+        return iter(make_workload("azure-conv", 10_000, profile.vocab_size, 1, 0.25))
+    draw.calls = 0
+    draws = Draws(draw)
+    whole = make_workload("azure-conv", 60, profile.vocab_size, 1, 0.25)
+    assert list(draws(20)) == whole[:20] and len(draws(60)) == 60
+    assert list(draws(60)) == whole and list(draws(30)) == whole[:30]
+    assert draw.calls == 1 and len(draws._kept) == 60
+    copy = pickle.loads(pickle.dumps(Draws(functools.partial(
+        iter, make_workload("azure-conv", 100, profile.vocab_size, 1, 0.25)))))
+    assert list(itertools.islice(copy(100), 5)) == whole[:5] and len(copy._kept) == 5
+    # A probe at a rate far beyond the cluster's: its verdict comes early, and the
+    # requests it never sent are never drawn.
+    early = probe(Setup(profile=profile, pools=PoolSpec(0, 2, mode="colocated")),
+                  copy(100), Load(request_rate=400.0, slo=SLO_))
+    assert not early.holds and early.ended < 100 and len(copy._kept) < 100
+
+
+def test_a_probe_lasts_long_enough_for_a_rate_one_bracket_too_high_to_fail():
+    assert min_duration_s(SLO(ttft_ms=500), 5) == pytest.approx(0.5 * 32 / 0.9)
+    assert min_duration_s(SLO(ttft_ms=500), 4) == pytest.approx(0.5 * 16 / 0.9)
+    assert min_duration_s(SLO(ttft_ms=2000), 4) > min_duration_s(SLO(ttft_ms=500), 4)
+    assert min_duration_s(SLO(tpot_ms=50), 5) == min_duration_s(SLO(ttft_ms=10), 1) == 5.0
+
+
+def test_each_split_starts_from_the_split_two_nearer_the_even_one():
     named = dict(zip((f"{p.prefill_workers}:{p.mode}" for p in shapes(6)), neighbours(6)))
-    assert named == {"1:disaggregated": 1, "2:disaggregated": 2, "3:disaggregated": None,
-                     "4:disaggregated": 2, "5:disaggregated": 3, "0:colocated": None,
+    assert named == {"1:disaggregated": 2, "2:disaggregated": 2, "3:disaggregated": None,
+                     "4:disaggregated": 2, "5:disaggregated": 2, "0:colocated": None,
                      "0:adaptive": 5}
+    # 16 workers: two chains each side of 8 prefill workers, none longer than 4
+    after = neighbours(16)
+
+    def chain(i: int) -> int:
+        return 0 if after[i] is None else 1 + chain(after[i])
+    assert [i + 1 for i, a in enumerate(after[:15]) if a is None] == [8]
+    assert max(map(chain, range(17))) == 4
+    assert [after[i] + 1 for i in (8, 9, 10, 14)] == [8, 8, 9, 13]  # 9, 10, 11, 15
 
 
 def small_search() -> Search:
@@ -110,6 +159,13 @@ def test_the_table_does_not_depend_on_the_jobs():
     assert searched(2) == alone
 
 
+def test_a_plan_stopped_early_leaves_no_search_running():
+    found = plan(small_search(), 3, jobs=2)
+    next(found)
+    found.close()  # as a Ctrl-C in the command leaves it: its processes terminated
+    assert multiprocessing.active_children() == []
+
+
 def test_a_stopped_plan_keeps_the_shapes_it_found(tmp_path):
     """As a user runs it (output not a terminal: no bar, no probe lines): each shape's
     row is printed and written as it ends; a run stopped after the first keeps it."""
@@ -122,11 +178,13 @@ def test_a_stopped_plan_keeps_the_shapes_it_found(tmp_path):
          "--out-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
     try:
-        row = next(line for line in process.stdout if line.startswith("| 2P:2D |"))
+        row = next(line for line in process.stdout if line.startswith("| ")
+                   and not line.startswith("| pools"))
     finally:
         process.kill()
         _, err = process.communicate(timeout=30)
     written = json.loads((tmp_path / "plan.json").read_text())
-    assert not written["complete"] and [s["pools"] for s in written["shapes"]] == ["2P:2D"]
+    first = row.split("|")[1].strip()
+    assert not written["complete"] and [s["pools"] for s in written["shapes"]] == [first]
     assert f"{written['shapes'][0]['max_rate']:.2f}" in row
     assert "req/s holds" not in err and "shapes" not in err  # quiet off a terminal
