@@ -1,130 +1,98 @@
-"""Attention over the paged KV cache for mixed batches.
+"""The attention seam: one kernel-shaped description of a step's batch, and the
+backends that attend over the paged KV cache from it.
 
-A batch is flat: [T] tokens. The first `num_decode_tokens` tokens belong to requests
-computing one token (decodes, and one-token prefill tails) or a few (a decode with the
-draft tokens it verifies); they are attended in groups of requests with as many
-tokens, against their gathered blocks. The rest are prefill chunks: causal inside the
-chunk, attending to everything already computed before it.
+A step's batch is flat: [T] tokens, sequence after sequence. The runner describes it
+once per step in `StepMetadata`, the shape kernels take (vLLM's common attention
+metadata): where each sequence's query tokens start, each one's length with them,
+an int32 block table, the slot each new token's K/V goes to, and which leading
+sequences compute a few tokens each (decodes, the rows of a speculative
+verification, a draft model's short chunks) rather than a prompt chunk. Every
+sequence follows one rule: its q_len query tokens are the last q_len of its seq_len
+positions, and query i attends keys 0 .. seq_len - q_len + i.
 
-`AttentionBackend` is the interface; `TorchAttention` runs on CPU and CUDA. Faster
-CUDA backends (flash / paged kernels) plug in behind the same metadata.
+Each `AttentionBackend` turns that into what it needs once per step (`build`), then
+attends layer by layer (`forward`): `TorchAttention` (any device: gathers blocks and
+masks for SDPA) and `TritonAttention` (a paged kernel reading blocks in place; CUDA,
+or Triton's interpreter on CPU). `attention_backend` in the engine's config picks
+one; unset, triton on CUDA and torch on CPU.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-# On CUDA, attention runs on FlashAttention, memory-efficient attention or the math
-# fallback, never cuDNN's: PyTorch tries cuDNN first on H100 / H200, and cuDNN builds
-# an execution graph for every new shape, which a serving engine makes every step. On
-# an H200 that took 1.57 s of a 2,048-token prefill step of 1.67 s (22 ms on these;
-# docs/gpu.md).
-CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-@dataclass
-class DecodeGroup:
-    start: int  # first token of the group in the flat batch: B requests, S tokens each
-    block_table: torch.Tensor  # [B, max_blocks] long
-    # [B, 1, S * G, max_blocks * block_size] bool, True = attend (G query heads per KV
-    # head; [B, 1, 1, L] when S == 1): query s of a request sees its KV up to itself.
-    mask: torch.Tensor
-    query_len: int = 1  # S
+@dataclass(frozen=True)
+class StepMetadata:
+    """One step's batch as kernels see it. The tensors are views of the runner's
+    persistent buffers on the device (int32 where a kernel indexes with them); the
+    host lists are the same figures, so a backend reads them without a device sync."""
+    query_start_loc: torch.Tensor  # int32 [B + 1]: sequence b's queries are [qsl[b], qsl[b+1])
+    seq_lens: torch.Tensor  # int32 [B]: its KV length, the query tokens included
+    block_table: torch.Tensor  # int32 [B, max_blocks], 0-padded
+    slot_mapping: torch.Tensor  # long [T]: the flat KV slot each token writes
+    num_decodes: int  # the first num_decodes sequences compute a few tokens each
+    num_decode_tokens: int  # their tokens, the batch's first
+    max_query_len: int
+    max_seq_len: int
+    query_lens: list[int]  # host copies, per sequence
+    seq_lens_host: list[int]
+    block_ids: list[list[int]]  # each sequence's block ids (its table row, unpadded)
 
     @property
-    def end(self) -> int:
-        """One past its last token in the flat batch."""
-        return self.start + self.block_table.shape[0] * self.query_len
-
-
-@dataclass
-class PrefillSegment:
-    start: int  # first token of the chunk in the flat batch
-    num_tokens: int  # query length
-    context_len: int  # tokens computed before the chunk + the chunk
-    block_ids: torch.Tensor  # [num_blocks] long
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] long: flat KV slot each token writes
-    num_decode_tokens: int = 0
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
-    prefills: list[PrefillSegment] = field(default_factory=list)
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
 
 
 class AttentionBackend:
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        raise NotImplementedError
+    """build(step) once per step, then forward(q, k, v, kv_cache, built) per layer:
+    q [T, H, D], k and v [T, Hkv, D], kv_cache [2, num_blocks, block_size, Hkv, D];
+    forward writes the tokens' K/V into the cache at step.slot_mapping and returns
+    [T, H * D]."""
+    name = ""
 
-
-class TorchAttention(AttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.block_size = block_size
         self.scale = head_dim ** -0.5
 
-    def forward(self, q, k, v, kv_cache, meta):
-        # q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]
-        assert q.shape[0] == k.shape[0] == meta.slot_mapping.shape[0]
-        with sdpa_kernel(CUDA_BACKENDS) if q.is_cuda else nullcontext():
-            return self._forward(q, k, v, kv_cache, meta)
+    def build(self, step: StepMetadata) -> object:
+        raise NotImplementedError
 
-    def _forward(self, q, k, v, kv_cache, meta):
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
-        for group in meta.decode_groups:
-            out[group.start:group.end] = self._decode(q[group.start:group.end], k_cache,
-                                                      v_cache, group)
-        for seg in meta.prefills:
-            end = seg.start + seg.num_tokens
-            out[seg.start:end] = self._prefill(q[seg.start:end], k[seg.start:end],
-                                               v[seg.start:end], k_cache, v_cache, seg)
-        return out.view(q.shape[0], self.num_heads * self.head_dim)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta) -> torch.Tensor:
+        raise NotImplementedError
 
-    def _decode(self, q, k_cache, v_cache, group: DecodeGroup):
-        # q: [B * S, H, D]. A KV head's G query heads at each of the S positions ride
-        # the query-length axis, [B, Hkv, S * G, D], so K/V ([B, Hkv, L, D]) are never
-        # expanded to H heads.
-        b, s, hkv, d = group.block_table.shape[0], group.query_len, self.num_kv_heads, self.head_dim
-        assert q.shape[0] == b * s
-        keys = self._gather(k_cache, group.block_table).view(b, -1, hkv, d)
-        values = self._gather(v_cache, group.block_table).view(b, -1, hkv, d)
-        q = q.view(b, s, hkv, -1, d).transpose(1, 2).reshape(b, hkv, -1, d)
-        out = F.scaled_dot_product_attention(
-            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask,
-            scale=self.scale)
-        # [B, Hkv, S * G, D] -> [B * S, H, D]
-        return out.view(b, hkv, s, -1, d).transpose(1, 2).reshape(b * s, self.num_heads, d)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, seg: PrefillSegment):
-        # q: [S, H, D]; the chunk's own k, v: [S, Hkv, D]
-        if seg.context_len == seg.num_tokens:
-            mask, causal = None, True  # nothing before the chunk: plain causal
-        else:
-            shape = (-1, self.num_kv_heads, self.head_dim)
-            k = self._gather(k_cache, seg.block_ids).view(shape)[:seg.context_len]
-            v = self._gather(v_cache, seg.block_ids).view(shape)[:seg.context_len]
-            offset = seg.context_len - seg.num_tokens
-            rows = torch.arange(seg.num_tokens, device=q.device).unsqueeze(1)
-            cols = torch.arange(seg.context_len, device=q.device).unsqueeze(0)
-            mask, causal = cols <= rows + offset, False  # causal, aligned bottom-right
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
-            scale=self.scale, enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1)
+def resolve(name: str | None, device: torch.device) -> str:
+    """The backend `attention_backend` names, or the default for the device; refuses
+    triton where it cannot run."""
+    if name is None:
+        return "triton" if device.type == "cuda" and _triton_importable() else "torch"
+    if name == "triton":
+        if not _triton_importable():
+            raise ValueError("attention_backend triton needs the triton package "
+                             "(pip install triton); use --attention-backend torch")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend triton runs on cuda (on cpu only under "
+                             "TRITON_INTERPRET=1, slowly); use --attention-backend torch")
+    return name
 
-    @staticmethod
-    def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        # cache: [num_blocks, block_size, Hkv, D]; index_select over a flat id list is
-        # several times faster on CPU than advanced indexing with a 2-D table.
-        return cache.index_select(0, block_ids.reshape(-1))
+
+def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int) -> AttentionBackend:
+    """The backend `resolve` chose."""
+    if name == "triton":
+        from pdserve.engine.triton_attention import TritonAttention
+        return TritonAttention(num_heads, num_kv_heads, head_dim, block_size)
+    from pdserve.engine.torch_attention import TorchAttention
+    return TorchAttention(num_heads, num_kv_heads, head_dim, block_size)
+
+
+def _triton_importable() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None

@@ -8,6 +8,7 @@ from pdserve.engine.spec_decode.config import SpeculativeConfig
 
 POLICIES = ("fcfs", "priority")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch", "triton")  # engine/attention.py
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class EngineConfig:
     num_threads: int | None = option(None, "torch intra-op threads on cpu; unset: torch's "
                                      "default")
     gpu_memory_utilization: float = option(0.9, "share of GPU memory the worker may use")
+    attention_backend: str | None = option(
+        None, "torch (SDPA over gathered blocks, any device) or triton (a paged kernel "
+        "reading blocks in place); unset: triton on cuda, torch on cpu",
+        choices=ATTENTION_BACKENDS)
     speculative_config: SpeculativeConfig | None = option(
         None, 'speculative decoding, vLLM\'s shape: {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} or '
@@ -74,6 +79,8 @@ class EngineConfig:
                "must be >= 1")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                "must be in (0, 1]")
+        _check(self.attention_backend in (None, *ATTENTION_BACKENDS), "attention_backend",
+               f"must be one of {ATTENTION_BACKENDS}")
         if self.speculative_config is not None:  # a dict (JSON, kwargs) or the config
             object.__setattr__(self, "speculative_config",
                                SpeculativeConfig.of(self.speculative_config))

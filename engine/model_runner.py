@@ -5,13 +5,11 @@ rows fail are the only ones to fail (ModelRunnerOutput.failed). An error no sing
 row reproduces, or one in the forward pass, belongs to the step: it propagates."""
 from __future__ import annotations
 
-import itertools
 import logging
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment, TorchAttention
-from pdserve.engine.block_manager import blocks_for
+from pdserve.engine.attention import make_backend, resolve
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.engine.model.llama import LayerHook
@@ -21,12 +19,11 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, Verified
+from pdserve.engine.step_buffers import StepBuffers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Decodes are attended in groups of similar context length, so padding stays small.
-DECODE_GROUP_SIZE = 32
-# forward_tokens: chunks up to this long are attended in groups (a draft model
-# catching up on a verification's tokens); longer ones (a prompt) as prefill chunks.
+# forward_tokens: chunks up to this long are the step's few-token sequences (a draft
+# model catching up on a verification's tokens); longer ones (a prompt) prompt chunks.
 GROUPED_CHUNK = 16
 log = logging.getLogger(__name__)
 
@@ -38,9 +35,14 @@ class ModelRunner:
         self.model_config = model_config
         self.model = load_model(config.model, model_config, self.device, self.dtype)
         self.rope = RotaryEmbedding(model_config, max_model_len, self.device, self.dtype)
-        self.backend = TorchAttention(model_config.num_heads, model_config.num_kv_heads,
-                                      model_config.head_dim)
         self.block_size = config.cache.block_size
+        self.backend = make_backend(resolve(config.attention_backend, self.device),
+                                    model_config.num_heads, model_config.num_kv_heads,
+                                    model_config.head_dim, self.block_size)
+        self.buffers = StepBuffers(self.device, self.block_size,
+                                   max_tokens=config.scheduler.max_num_batched_tokens,
+                                   max_seqs=max(config.scheduler.max_num_seqs, 1),
+                                   max_blocks=min(-(-max_model_len // self.block_size), 512))
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler(config.seed)
 
@@ -144,25 +146,31 @@ class ModelRunner:
         return batch, samplers, [r for r, _ in verifications]
 
     def _prepare(self, batch: list[tuple[Request, int]], drafts: dict[str, list[int]]):
+        """The step's inputs in the persistent buffers: token ids, positions, the
+        attention backend's metadata, the rows to sample (then the verified ones)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
         num_decodes = 0
         for request, n in batch:
             if n != 1:
                 break
             pos = request.num_computed_tokens
+            blocks = request.block_ids
             input_ids.append(request.token_at(pos))
             positions.append(pos)
-            slots.append(request.block_ids[pos // bs] * bs + pos % bs)
+            slots.append(blocks[pos // bs] * bs + pos % bs)
             if pos + 1 == request.num_tokens:
                 logits_indices.append(num_decodes)
             num_decodes += 1
-        decodes = [r for r, _ in batch[:num_decodes]]
-        groups = self._decode_groups([r.num_computed_tokens + 1 for r in decodes],
-                                     [r.block_ids for r in decodes])
+            seq_lens.append(pos + 1)
+            tables.append(blocks)
+        query_lens += [1] * num_decodes
         verifying = [(r, n) for r, n in batch[num_decodes:] if r.request_id in drafts]
         for request, n in verifying:  # its last known token, then the drafts
             start = request.num_computed_tokens
@@ -171,95 +179,64 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             blocks = request.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-        for n, same in itertools.groupby(verifying, key=lambda item: item[1]):
-            same = [r for r, _ in same]
-            groups += self._decode_groups([r.num_computed_tokens + n for r in same],
-                                          [r.block_ids for r in same],
-                                          first=groups[-1].end if groups else 0, query_len=n)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(blocks)
         verify_indices = list(range(num_decodes, len(input_ids)))  # logits at every position
         num_decode_tokens = len(input_ids)
-        prefills = []
+        num_grouped = len(query_lens)
         for request, n in batch[num_decodes + len(verifying):]:
             start = request.num_computed_tokens
             blocks = request.block_ids
-            prefills.append(PrefillSegment(len(input_ids), n, start + n,
-                                           torch.tensor(blocks, device=self.device)))
             input_ids.extend(request.token_ids(start, start + n))
             span = range(start, start + n)
             positions.extend(span)
             slots.extend(blocks[p // bs] * bs + p % bs for p in span)
             if start + n == request.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots),
-                                 num_decode_tokens=num_decode_tokens, decode_groups=groups,
-                                 prefills=prefills)
-        return (self._tensor(input_ids), self._tensor(positions), meta,
-                self._tensor(logits_indices + verify_indices))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(blocks)
+        ids, pos, step, rows = self.buffers.fill(
+            input_ids, positions, slots, logits_indices + verify_indices, query_lens,
+            seq_lens, tables, num_grouped, num_decode_tokens)
+        return ids, pos, self.backend.build(step), rows
 
     @torch.inference_mode()
     def forward_tokens(self, chunks: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """A forward pass over tokens given directly (a draft model's): each chunk is
         (tokens, first position, block ids), after the KV already in its blocks.
         Logits [len(chunks), vocab], after each chunk's last token. Chunks of up to
-        GROUPED_CHUNK tokens are attended in decode groups of equal length (one
-        attention call per group, not per chunk), longer ones as prefill chunks."""
+        GROUPED_CHUNK tokens go first, by length, as the few-token sequences of the
+        step (attended in groups of equal length by the torch backend), longer ones
+        as prompt chunks."""
         bs = self.block_size
         order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i][0]) > GROUPED_CHUNK,
                                                           len(chunks[i][0])))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
         last = [0] * len(chunks)  # chunk -> the flat index of its last token
-        groups: list[DecodeGroup] = []
-        prefills: list[PrefillSegment] = []
-        for n, same in itertools.groupby(order, key=lambda i: len(chunks[i][0])):
-            same = list(same)
-            first = len(input_ids)
-            for i in same:
-                tokens, start, blocks = chunks[i]
-                if n > GROUPED_CHUNK:
-                    prefills.append(PrefillSegment(len(input_ids), n, start + n,
-                                                   torch.tensor(blocks, device=self.device)))
-                input_ids.extend(tokens)
-                positions.extend(range(start, start + n))
-                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-                last[i] = len(input_ids) - 1
+        num_grouped = num_grouped_tokens = 0
+        for i in order:
+            tokens, start, blocks = chunks[i]
+            n = len(tokens)
+            input_ids.extend(tokens)
+            positions.extend(range(start, start + n))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            last[i] = len(input_ids) - 1
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(blocks)
             if n <= GROUPED_CHUNK:
-                groups += self._decode_groups([chunks[i][1] + n for i in same],
-                                              [chunks[i][2] for i in same], first, n)
-        num_grouped = groups[-1].end if groups else 0
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=num_grouped,
-                                 decode_groups=groups, prefills=prefills)
-        hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.rope,
-                            self.backend, self.kv_caches, meta)
-        return self.model.compute_logits(hidden[self._tensor(last)])
-
-    def _decode_groups(self, contexts: list[int], tables: list[list[int]], first: int = 0,
-                       query_len: int = 1) -> list[DecodeGroup]:
-        """Requests computing `query_len` tokens each (their tokens from `first` in the
-        flat batch, request after request), in groups of DECODE_GROUP_SIZE: each one's
-        context length (its KV including the tokens it computes) and block ids."""
-        bs, size = self.block_size, DECODE_GROUP_SIZE
-        groups = []
-        for i in range(0, len(contexts), size):
-            context = contexts[i:i + size]
-            width = blocks_for(max(context), bs)
-            table = [blocks[:width] + [0] * (width - len(blocks[:width]))
-                     for blocks in tables[i:i + size]]
-            lens = self._tensor(context)  # [B]
-            keys = torch.arange(width * bs, device=self.device)
-            if query_len == 1:
-                mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-            else:  # query j sees the keys up to its own position
-                ends = lens.unsqueeze(1) - query_len + 1 + torch.arange(
-                    query_len, device=self.device).unsqueeze(0)  # [B, S]
-                mask = keys[None, None, :] < ends[:, :, None]  # [B, S, L]
-                g = self.model_config.num_heads // self.model_config.num_kv_heads
-                mask = mask[:, :, None, :].expand(-1, -1, g, -1).reshape(
-                    len(context), 1, query_len * g, -1)
-            groups.append(DecodeGroup(first + i * query_len, self._tensor(table), mask,
-                                      query_len))
-        return groups
-
-    def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+                num_grouped += 1
+                num_grouped_tokens += n
+        ids, pos, step, rows = self.buffers.fill(input_ids, positions, slots, last, query_lens,
+                                                 seq_lens, tables, num_grouped,
+                                                 num_grouped_tokens)
+        hidden = self.model(ids, pos, self.rope, self.backend, self.kv_caches,
+                            self.backend.build(step))
+        return self.model.compute_logits(hidden[rows])

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The checks CI cannot run, on a machine with a GPU: the CUDA-only tests (the engine on
-# CUDA in float32 and bfloat16 against HF; kv_transfer's host staging of CUDA caches,
-# and NCCL where there are two GPUs), benchmarks/kv_transfer.py on every backend the
-# machine has, and where an engine step's time goes there (scripts/profile_engine.py).
-# It needs torch, transformers, tokenizers, safetensors, xxhash, jinja2 and pytest
+# CUDA in float32 and bfloat16 against HF; the Triton attention kernel compiled, alone
+# and through the engine, as CI runs it in Triton's interpreter; kv_transfer's host
+# staging of CUDA caches, and NCCL where there are two GPUs), benchmarks/kv_transfer.py
+# on every backend the machine has, and where an engine step's time goes there
+# (scripts/profile_engine.py).
+# It needs torch, triton, transformers, tokenizers, safetensors, xxhash, jinja2 and pytest
 # there, not pdserve installed (nor Ray): the import package is assembled in a scratch
 # folder as setup.py maps it, and everything runs from there.
 #
@@ -33,8 +35,9 @@ python3 -c "import sys, torch, transformers; print(sys.version.split()[0], 'torc
 torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(),
 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
 
-timeout 240 python3 -m pytest -q -s -rA -p no:cacheprovider --junitxml "$OUT/cuda_tests.xml" \
+timeout 360 python3 -m pytest -q -s -rA -p no:cacheprovider --junitxml "$OUT/cuda_tests.xml" \
     tests/engine/test_cuda.py \
+    tests/engine/test_triton_attention.py tests/engine/test_attention_backends.py \
     tests/kv_transfer/test_kv_transfer.py::test_cuda_caches_on_one_gpu_move_through_pinned_host_memory \
     tests/kv_transfer/test_kv_transfer.py::test_cuda_caches_on_two_gpus_move_over_nccl \
     || status=1

@@ -11,6 +11,11 @@ os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Triton's kernels run in its interpreter, on CPU tensors, where there is no GPU (read
+# when triton is first imported): CI tests the GPU kernels that way, slowly and exactly.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from pdserve.engine.tiny_model import TinySpec, make_tiny_model, train_tokenizer  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.attention import AttentionBackend
 from pdserve.engine.model.linear import Linear, linear, pack
 from pdserve.engine.model.rope import RotaryEmbedding, RotaryTables
 from pdserve.engine.model_config import ModelConfig
@@ -41,7 +41,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
 
     def forward(self, x, rotary: RotaryTables, backend: AttentionBackend,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: object) -> torch.Tensor:
         c = self.config
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([c.q_size + c.kv_size, c.kv_size], dim=-1)
@@ -104,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 backend: AttentionBackend, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, on_layer_done: LayerHook | None = None) -> torch.Tensor:
+                meta: object, on_layer_done: LayerHook | None = None) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden states [T, hidden]
         x = self.embed_tokens(input_ids)
         rotary = rope.tables(positions)

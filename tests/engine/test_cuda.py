@@ -39,6 +39,8 @@ PATHS = {
         "long_prefill_token_threshold": 24, "max_num_batched_tokens": 96,
         "enable_prefix_caching": True},
     "preemption": {"num_kv_blocks": 20},
+    # the default backend there is the Triton kernel; SDPA over gathered blocks too
+    "torch_attention": {"attention_backend": "torch"},
     "ngram": {"speculative_config": NGRAM},
     "draft_model": {},  # the draft's path is known only once the fixture built it
 }

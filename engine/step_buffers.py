@@ -1,0 +1,103 @@
+"""A step's inputs in persistent buffers: token ids, positions, the indices of the rows
+to sample, and the attention seam's StepMetadata (query start offsets, sequence
+lengths, an int32 block table, the slot mapping).
+
+Each step the runner's host lists are written into host staging (pinned on CUDA) and
+copied into device buffers of a fixed address, sliced to the step's size: no tensor is
+allocated per step (what captured CUDA graphs need: they replay over the same
+addresses). On CPU the staging is the buffer. A step larger than the buffers grows
+them (to the next power of two), once."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pdserve.engine.attention import StepMetadata
+
+
+class _Buffer:
+    """One input: host staging and its device twin, `size` entries of each row."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, rows: int, width: int = 0):
+        self.device, self.dtype, self.width = device, dtype, width
+        shape = (rows, width) if width else (rows,)
+        on_cuda = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
+        self.np = self.host.numpy()
+        self.dev = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.host
+
+    @property
+    def rows(self) -> int:
+        return self.host.shape[0]
+
+    def upload(self, rows: int, width: int = 0) -> torch.Tensor:
+        """The device view of the first `rows` (and `width` columns), after copying
+        them from staging."""
+        if self.width:
+            host, dev = self.host[:rows, :width], self.dev[:rows, :width]
+        else:
+            host, dev = self.host[:rows], self.dev[:rows]
+        if dev is not host and rows:
+            dev.copy_(host, non_blocking=True)
+        return dev
+
+
+def _grown(n: int, have: int) -> int:
+    return have if n <= have else 1 << max(n - 1, 1).bit_length()
+
+
+class StepBuffers:
+    def __init__(self, device: torch.device, block_size: int, max_tokens: int = 2048,
+                 max_seqs: int = 256, max_blocks: int = 128):
+        self.device, self.block_size = device, block_size
+        self._alloc(max_tokens, max_seqs, max_blocks)
+
+    def _alloc(self, tokens: int, seqs: int, blocks: int) -> None:
+        d = self.device
+        self.input_ids = _Buffer(d, torch.long, tokens)
+        self.positions = _Buffer(d, torch.long, tokens)
+        self.slot_mapping = _Buffer(d, torch.long, tokens)
+        self.logits_indices = _Buffer(d, torch.long, tokens)
+        self.query_start_loc = _Buffer(d, torch.int32, seqs + 1)
+        self.seq_lens = _Buffer(d, torch.int32, seqs)
+        self.block_table = _Buffer(d, torch.int32, seqs, blocks)
+
+    def _fit(self, tokens: int, seqs: int, blocks: int) -> None:
+        have = (self.input_ids.rows, self.seq_lens.rows, self.block_table.width)
+        want = (_grown(tokens, have[0]), _grown(seqs, have[1]), _grown(blocks, have[2]))
+        if want != have:
+            self._alloc(*want)
+
+    def fill(self, input_ids: list[int], positions: list[int], slots: list[int],
+             logits_indices: list[int], query_lens: list[int], seq_lens: list[int],
+             block_ids: list[list[int]], num_decodes: int, num_decode_tokens: int,
+             ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, torch.Tensor]:
+        """The step's device tensors: input ids, positions, the StepMetadata, the
+        flat indices of the rows whose logits are wanted. block_ids[b]: sequence b's
+        blocks, at least enough for seq_lens[b] tokens."""
+        t, b, bs = len(input_ids), len(query_lens), self.block_size
+        width = -(-max(seq_lens) // bs) if b else 0
+        self._fit(max(t, len(logits_indices)), b, width)
+        self.input_ids.np[:t] = input_ids
+        self.positions.np[:t] = positions
+        self.slot_mapping.np[:t] = slots
+        self.logits_indices.np[:len(logits_indices)] = logits_indices
+        starts = self.query_start_loc.np
+        starts[0] = 0
+        np.cumsum(query_lens, out=starts[1:b + 1])
+        self.seq_lens.np[:b] = seq_lens
+        table = self.block_table.np
+        table[:b, :width] = 0
+        for row, (blocks, n) in enumerate(zip(block_ids, seq_lens)):
+            k = -(-n // bs)
+            table[row, :k] = blocks[:k]
+        meta = StepMetadata(
+            query_start_loc=self.query_start_loc.upload(b + 1),
+            seq_lens=self.seq_lens.upload(b),
+            block_table=self.block_table.upload(b, width),
+            slot_mapping=self.slot_mapping.upload(t),
+            num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
+            max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
+            query_lens=query_lens, seq_lens_host=seq_lens, block_ids=block_ids)
+        return (self.input_ids.upload(t), self.positions.upload(t), meta,
+                self.logits_indices.upload(len(logits_indices)))
