@@ -64,6 +64,8 @@ class EngineConfig:
         None, "torch (SDPA over gathered blocks, any device) or triton (a paged kernel "
         "reading blocks in place); unset: triton on cuda, torch on cpu",
         choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = option(False, "never capture CUDA graphs: decode steps run "
+                                 "eagerly (graphs need cuda and the triton backend)")
     speculative_config: SpeculativeConfig | None = option(
         None, 'speculative decoding, vLLM\'s shape: {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} or '

@@ -11,6 +11,7 @@ import torch
 
 from pdserve.engine.attention import make_backend, resolve
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.engine.model.llama import LayerHook
 from pdserve.engine.model.loader import load_model
@@ -39,17 +40,57 @@ class ModelRunner:
         self.backend = make_backend(resolve(config.attention_backend, self.device),
                                     model_config.num_heads, model_config.num_kv_heads,
                                     model_config.head_dim, self.block_size)
+        # Decode steps from CUDA graphs (cuda_graphs.py) where they can be captured.
+        sched = config.scheduler
+        self.graphs = DecodeGraphs(capture_sizes(sched.max_num_seqs), capture=True) \
+            if (self.device.type == "cuda" and self.backend.name == "triton"
+                and not config.enforce_eager) else None
+        largest = self.graphs.max_size if self.graphs else 1
+        # Sized for every step the scheduler makes, so they never move (captured graphs
+        # read them): a table row holds a whole max_model_len context.
         self.buffers = StepBuffers(self.device, self.block_size,
-                                   max_tokens=config.scheduler.max_num_batched_tokens,
-                                   max_seqs=max(config.scheduler.max_num_seqs, 1),
-                                   max_blocks=min(-(-max_model_len // self.block_size), 512))
+                                   max_tokens=max(sched.max_num_batched_tokens, largest),
+                                   max_seqs=max(sched.max_num_seqs, largest),
+                                   max_blocks=-(-max_model_len // self.block_size))
+        self._captured = 0  # the buffers' generation the graphs were captured over
+        self.scratch_block = 0  # set with the cache: a block no request owns
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler(config.seed)
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """After the weights are in place, so a device budget counts what is left."""
-        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, self.block_size,
+        """After the weights are in place, so a device budget counts what is left. One
+        block more than the block manager hands out: the scratch block, where padding
+        rows of a padded decode step write and read (cuda_graphs.py). Then the decode
+        graphs are captured."""
+        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks + 1, self.block_size,
                                            self.device, self.dtype)
+        self.scratch_block = num_blocks
+        if self.graphs is not None:
+            self._capture()
+
+    def _capture(self) -> None:
+        """Each capture size's forward over an all-padding step, captured."""
+        def padding_only(size: int) -> tuple:
+            return self._prepare([], {}, pad_to=size)[:3]
+
+        def forward(filled: tuple) -> torch.Tensor:
+            ids, pos, meta = filled
+            return self.model(ids, pos, self.rope, self.backend, self.kv_caches, meta)
+        with torch.inference_mode():
+            self.graphs.capture_all(padding_only, forward, self.device)
+        self._captured = self.buffers.generation
+
+    def _graph_size(self, batch: list[tuple[Request, int]], on_layer_done) -> int | None:
+        """The padded size a step runs at through the decode graphs, or None (eager):
+        decode-only steps (one token each) with no KV export hook, up to the largest
+        capture size."""
+        if self.graphs is None or on_layer_done is not None or not batch \
+                or any(n != 1 for _, n in batch):
+            return None
+        size = self.graphs.size_for(len(batch))
+        if size is not None and self.graphs.capture and self._captured != self.buffers.generation:
+            self._capture()  # a larger step moved the buffers since
+        return size
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, on_layer_done: LayerHook | None = None
@@ -121,9 +162,16 @@ class ModelRunner:
                        drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
         """Computes `batch` (decodes first); logits [len(samplers), vocab] float32, then
         every position of each request verifying `drafts` (rid -> its drafts)."""
-        input_ids, positions, meta, logits_indices = self._prepare(batch, drafts or {})
-        hidden = self.model(input_ids, positions, self.rope, self.backend, self.kv_caches,
-                            meta, on_layer_done)
+        size = self._graph_size(batch, on_layer_done)
+        input_ids, positions, meta, logits_indices = self._prepare(batch, drafts or {}, size)
+        if size is None:
+            hidden = self.model(input_ids, positions, self.rope, self.backend, self.kv_caches,
+                                meta, on_layer_done)
+        else:  # replayed over the buffers just filled, or run eagerly where not captured
+            assert not self.graphs.capture or self._captured == self.buffers.generation, \
+                "the step moved the buffers the graphs read"
+            hidden = self.graphs.run(size, lambda: self.model(
+                input_ids, positions, self.rope, self.backend, self.kv_caches, meta))
         return self.model.compute_logits(hidden[logits_indices])
 
     def _order(self, out: SchedulerOutput):
@@ -145,9 +193,12 @@ class ModelRunner:
         samplers = [r for r, n in decodes + prefills if r.num_computed_tokens + n == r.num_tokens]
         return batch, samplers, [r for r, _ in verifications]
 
-    def _prepare(self, batch: list[tuple[Request, int]], drafts: dict[str, list[int]]):
+    def _prepare(self, batch: list[tuple[Request, int]], drafts: dict[str, list[int]],
+                 pad_to: int | None = None):
         """The step's inputs in the persistent buffers: token ids, positions, the
-        attention backend's metadata, the rows to sample (then the verified ones)."""
+        attention backend's metadata, the rows to sample (then the verified ones).
+        pad_to: a decode-only step padded to that many rows, each decoding token 0 at
+        position 0 in the scratch block."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -183,6 +234,14 @@ class ModelRunner:
             seq_lens.append(start + n)
             tables.append(blocks)
         verify_indices = list(range(num_decodes, len(input_ids)))  # logits at every position
+        if pad_to:
+            pad, scratch = pad_to - len(query_lens), self.scratch_block
+            input_ids += [0] * pad
+            positions += [0] * pad
+            slots += [scratch * bs] * pad
+            query_lens += [1] * pad
+            seq_lens += [1] * pad
+            tables += [[scratch]] * pad
         num_decode_tokens = len(input_ids)
         num_grouped = len(query_lens)
         for request, n in batch[num_decodes + len(verifying):]:

@@ -3,8 +3,9 @@ per-request seeds. The order is vLLM's: penalties on the raw logits (greedy sees
 too), then temperature, then the truncations. Logprobs are of the raw logits, as
 vLLM reports by default.
 
-A seeded request's k-th output token is drawn from a generator seeded by (seed, k), so
-it does not depend on where it is sampled: the prefill worker samples token 0 and a
+A seeded request's k-th output token is drawn with noise hashed from (seed, k)
+(`race_noise`), in one batched pass for all rows on the logits' device, so it does not
+depend on where it is sampled or what rides with it: the prefill worker samples token 0 and a
 decode worker the rest, a preempted request recomputes, batches differ, and the tokens
 are the same as one engine sampling them all."""
 from __future__ import annotations
@@ -51,13 +52,13 @@ class Sampler:
             for i in penalized:
                 _penalize(logits[i], params[i], self._distinct_prompt(requests[i], logits),
                           requests[i].output_token_ids)
-        tokens = logits.argmax(dim=-1).tolist()
+        chosen = logits.argmax(dim=-1)
         drawn = [i for i, p in enumerate(params) if not p.greedy]
-        if drawn:
-            for i, token in zip(drawn, self._draw(
-                    logits[drawn], [params[i] for i in drawn],
-                    [len(requests[i].output_token_ids) for i in drawn])):
-                tokens[i] = token
+        if drawn:  # on the device: one host sync for greedy and drawn rows together
+            rows = torch.tensor(drawn, device=logits.device)
+            chosen[rows] = self._draw(logits[rows], [params[i] for i in drawn],
+                                      [len(requests[i].output_token_ids) for i in drawn])
+        tokens = chosen.tolist()
         logprobs: list[float | None] = [None] * len(params)
         tops: list[dict[int, float] | None] = [None] * len(params)
         wanted = [i for i, p in enumerate(params) if p.logprobs]
@@ -99,7 +100,7 @@ class Sampler:
                 return int(row(j).argmax())
         else:
             def sample_at(j: int) -> int:
-                return self._draw(row(j).unsqueeze(0), [p], [len(output) + j])[0]
+                return int(self._draw(row(j).unsqueeze(0), [p], [len(output) + j])[0])
         run = rejection_sampler.verify(drafts, sample_at)
         if not p.logprobs:
             return run, None, None
@@ -113,45 +114,52 @@ class Sampler:
                                zip(top.indices.tolist(), top.values.tolist())]
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams],
-              output_indices: list[int]) -> list[int]:
+              output_indices: list[int]) -> torch.Tensor:
         """logits: [R, vocab], the rows of requests that sample (not greedy) -> one
-        token each. Temperature, min-p, top-k and top-p apply to all rows at once;
-        each row's result depends on that row alone (so a seeded request draws the
-        same token in any batch), and a seeded row draws from its (seed, index)."""
-        x = logits.cpu() / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        token each ([R] long, on the logits' device: no host sync).
+        Temperature, min-p, top-k and top-p apply to all rows at once; each row then
+        draws by an exponential race (the token maximizing p / E, E ~ Exp(1) per token:
+        token j wins with probability p_j), its E's hashed from the row's seed and the
+        token ids (`race_noise`), so a row's draw depends on that row alone (a seeded
+        request draws the same token in any batch, on any worker) and a seeded row's
+        seed is its (seed, index); an unseeded row's comes from the engine's
+        generator."""
+        device = logits.device
+
+        def column(values) -> torch.Tensor:
+            return torch.tensor(values, device=device).unsqueeze(1)
+        x = logits / column([p.temperature for p in params])
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
             probs = x.softmax(-1)
-            x = x.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+            x = x.masked_fill(probs < column([p.min_p for p in params])
+                              * probs.max(-1, keepdim=True).values, float("-inf"))
         vocab = x.shape[-1]
         ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
         if any(ks):
             values = torch.topk(x, max(ks)).values  # [R, max k], descending
-            kth = values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks]).unsqueeze(1))
-            kth = kth.masked_fill(torch.tensor([k == 0 for k in ks]).unsqueeze(1), float("-inf"))
+            kth = values.gather(1, column([max(k, 1) - 1 for k in ks]))
+            kth = kth.masked_fill(column([k == 0 for k in ks]), float("-inf"))
             x = x.masked_fill(x < kth, float("-inf"))
         if any(p.top_p < 1.0 for p in params):
             sorted_logits, order = torch.sort(x, descending=True, stable=True)
             mass = sorted_logits.softmax(-1)
             # Keep the smallest prefix whose mass reaches top_p, the first token always
             # (a top_p below float32's range compares as 0 and would drop it too).
-            top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+            top_p = column([p.top_p for p in params])
             drop = (mass.cumsum(-1) - mass >= top_p) & (top_p < 1.0)
             drop[:, 0] = False
             x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
         probs = x.softmax(-1)
-        finite = torch.isfinite(probs).all(-1).tolist()
-        tokens = []
-        for i, (p, index) in enumerate(zip(params, output_indices)):
-            if not finite[i]:
-                # Extreme penalties overflow a logit to inf (inf - inf is NaN in
-                # softmax): the distribution has collapsed onto those tokens; the first.
-                tokens.append(int(x[i].nan_to_num(nan=float("-inf")).argmax()))
-                continue
-            generator = (self._default if p.seed is None
-                         else self._seeded.manual_seed(token_seed(p.seed, index)))
-            tokens.append(int(torch.multinomial(probs[i], 1, generator=generator)))
-        return tokens
+        unseeded = iter(torch.randint(0, 1 << 62, (sum(p.seed is None for p in params),),
+                                      generator=self._default).tolist())
+        seeds = [next(unseeded) if p.seed is None else token_seed(p.seed, index)
+                 for p, index in zip(params, output_indices)]
+        noise = race_noise(torch.tensor(seeds, device=device), vocab)
+        drawn = torch.where(probs > 0, probs / noise, -1.0).argmax(-1)
+        # Extreme penalties overflow a logit to inf (inf - inf is NaN in softmax): the
+        # distribution has collapsed onto those tokens; the first of them.
+        collapsed = x.nan_to_num(nan=float("-inf")).argmax(-1)
+        return torch.where(torch.isfinite(probs).all(-1), drawn, collapsed)
 
     def _distinct_prompt(self, request: Request, logits: torch.Tensor) -> torch.Tensor:
         ids = self._prompt_ids.get(request.request_id)
@@ -159,6 +167,38 @@ class Sampler:
             ids = torch.tensor(request.prompt_token_ids, device=logits.device).unique()
             self._prompt_ids[request.request_id] = ids
         return ids
+
+
+def race_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, vocab] Exp(1) draws, float32, on the seeds' device: entry (r, j) a
+    function of seeds[r] and j alone (SplitMix64 of the pair, its top 23 bits a
+    uniform in (0, 1): `unit`), in a few batched integer ops rather than a generator
+    per row."""
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    z = seeds.to(torch.int64).unsqueeze(1) ^ (ids * _GOLDEN).unsqueeze(0)
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return -torch.log(unit(z ^ _shr(z, 31)))
+
+
+def unit(z: torch.Tensor) -> torch.Tensor:
+    """int64 bits -> float32 strictly inside (0, 1): the top 23 bits and a half, exact
+    in float32 (24 bits would round 2^24 - 0.5 up to 1.0, an Exp draw of 0)."""
+    return (_shr(z, 41).to(torch.float32) + 0.5) * 2.0 ** -23
+
+
+def _signed(value: int) -> int:
+    """A 64-bit constant as int64 holds it."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                               0x94D049BB133111EB))
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
 
 
 def _penalize(row: torch.Tensor, p: SamplingParams, prompt_ids: torch.Tensor,

@@ -33,13 +33,9 @@ class _Buffer:
     def upload(self, rows: int, width: int = 0) -> torch.Tensor:
         """The device view of the first `rows` (and `width` columns), after copying
         them from staging."""
-        if self.width:
-            host, dev = self.host[:rows, :width], self.dev[:rows, :width]
-        else:
-            host, dev = self.host[:rows], self.dev[:rows]
-        if dev is not host and rows:
-            dev.copy_(host, non_blocking=True)
-        return dev
+        if self.dev is not self.host and rows:  # whole rows: one contiguous pinned copy
+            self.dev[:rows].copy_(self.host[:rows], non_blocking=True)
+        return self.dev[:rows, :width] if self.width else self.dev[:rows]
 
 
 def _grown(n: int, have: int) -> int:
@@ -50,9 +46,15 @@ class StepBuffers:
     def __init__(self, device: torch.device, block_size: int, max_tokens: int = 2048,
                  max_seqs: int = 256, max_blocks: int = 128):
         self.device, self.block_size = device, block_size
+        self.generation = 0  # counts allocations: captured graphs read one generation's
+        # On CUDA, the last step's uploads: staging is written again only once they
+        # ran (a step that samples nothing, a prompt chunk, never waits on the device,
+        # and its copies may still be queued when the next step fills).
+        self._uploaded: torch.cuda.Event | None = None
         self._alloc(max_tokens, max_seqs, max_blocks)
 
     def _alloc(self, tokens: int, seqs: int, blocks: int) -> None:
+        self.generation += 1
         d = self.device
         self.input_ids = _Buffer(d, torch.long, tokens)
         self.positions = _Buffer(d, torch.long, tokens)
@@ -77,6 +79,8 @@ class StepBuffers:
         blocks, at least enough for seq_lens[b] tokens."""
         t, b, bs = len(input_ids), len(query_lens), self.block_size
         width = -(-max(seq_lens) // bs) if b else 0
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
         self._fit(max(t, len(logits_indices)), b, width)
         self.input_ids.np[:t] = input_ids
         self.positions.np[:t] = positions
@@ -99,5 +103,9 @@ class StepBuffers:
             num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
             max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
             query_lens=query_lens, seq_lens_host=seq_lens, block_ids=block_ids)
-        return (self.input_ids.upload(t), self.positions.upload(t), meta,
-                self.logits_indices.upload(len(logits_indices)))
+        uploaded = (self.input_ids.upload(t), self.positions.upload(t), meta,
+                    self.logits_indices.upload(len(logits_indices)))
+        if self.device.type == "cuda":
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+        return uploaded

@@ -132,6 +132,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert k_cache.shape[3] == head_dim and num_heads % num_kv_heads == 0
     assert query_start_loc.shape[0] == num_seqs + 1 and block_table.shape[0] == num_seqs
     assert block_table.stride(1) == 1
+    assert triton.next_power_of_2(head_dim) >= 16, "tl.dot needs 16 columns or more"
     if num_seqs == 0 or num_tokens == 0:
         return out
     group = num_heads // num_kv_heads

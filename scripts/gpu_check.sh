@@ -2,9 +2,10 @@
 # The checks CI cannot run, on a machine with a GPU: the CUDA-only tests (the engine on
 # CUDA in float32 and bfloat16 against HF; the Triton attention kernel compiled, alone
 # and through the engine, as CI runs it in Triton's interpreter; kv_transfer's host
-# staging of CUDA caches, and NCCL where there are two GPUs), benchmarks/kv_transfer.py
-# on every backend the machine has, and where an engine step's time goes there
-# (scripts/profile_engine.py).
+# staging of CUDA caches, and NCCL where there are two GPUs), benchmarks/engine_gpu.py
+# (a real-size model against the device's roofline, eager and from CUDA graphs),
+# benchmarks/kv_transfer.py on every backend the machine has, and where an engine
+# step's time goes there (scripts/profile_engine.py). Under 8 minutes in all.
 # It needs torch, triton, transformers, tokenizers, safetensors, xxhash, jinja2 and pytest
 # there, not pdserve installed (nor Ray): the import package is assembled in a scratch
 # folder as setup.py maps it, and everything runs from there.
@@ -35,18 +36,24 @@ python3 -c "import sys, torch, transformers; print(sys.version.split()[0], 'torc
 torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(),
 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
 
-timeout 360 python3 -m pytest -q -s -rA -p no:cacheprovider --junitxml "$OUT/cuda_tests.xml" \
+timeout 240 python3 -m pytest -q -s -rA -p no:cacheprovider --junitxml "$OUT/cuda_tests.xml" \
     tests/engine/test_cuda.py \
     tests/engine/test_triton_attention.py tests/engine/test_attention_backends.py \
     tests/kv_transfer/test_kv_transfer.py::test_cuda_caches_on_one_gpu_move_through_pinned_host_memory \
     tests/kv_transfer/test_kv_transfer.py::test_cuda_caches_on_two_gpus_move_over_nccl \
     || status=1
 
-timeout 150 python3 benchmarks/kv_transfer.py --out "$OUT/kv_transfer.json" || status=1
+# The engine against the device's limits: Llama-3-8B's config with random weights
+# (built on the device, saved under $OUT/models) and the tiny model; eager vs graphs.
+timeout 270 python3 benchmarks/engine_gpu.py --work-dir "$OUT/models" \
+    --out "$OUT/engine_gpu.json" || status=1
+rm -rf "$OUT/models"  # 16 GB of random weights: not worth bringing back
 
-# Where an engine step's time goes there, and the engine against HF on the GPU.
-timeout 120 python3 scripts/profile_engine.py --device cuda --steps 5 \
+timeout 90 python3 benchmarks/kv_transfer.py --sizes-mib 1 8 32 --repeats 5 \
+    --out "$OUT/kv_transfer.json" || status=1
+
+# Where an engine step's time goes there.
+timeout 60 python3 scripts/profile_engine.py --device cuda --steps 5 \
     --out "$OUT/profile.json" || status=1
-timeout 240 python3 benchmarks/engine_throughput.py --device cuda --rounds 1 \
-    --out "$OUT/engine_throughput.json" || status=1
+echo "gpu_check: ${SECONDS} s"
 exit $status

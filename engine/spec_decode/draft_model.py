@@ -40,7 +40,9 @@ class DraftModelProposer:
             raise ValueError(f"the draft model's vocabulary ({self.model_config.vocab_size}) "
                              f"is not the target's ({target.vocab_size}): they must share "
                              "the tokenizer")
-        self.runner = ModelRunner(replace(config, model=model_dir, speculative_config=None),
+        # It runs forward_tokens only, never the decode steps CUDA graphs replay.
+        self.runner = ModelRunner(replace(config, model=model_dir, speculative_config=None,
+                                          enforce_eager=True),
                                   self.model_config, max_model_len)
         self.k = spec.num_speculative_tokens
         self.block_size = config.cache.block_size

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import httpx
@@ -75,33 +76,59 @@ def _processes_under(marker: str) -> list[int]:
 def fake_cluster():
     temp = tempfile.mkdtemp(prefix="pdfake-", dir="/tmp")  # short: Ray's socket paths
     ip = ray.util.get_node_ip_address()
-    port = _free_port()
-    config = Path(temp) / "autoscaling.json"
-    config.write_text(json.dumps(_config(f"{ip}:{port}")))
     env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
            "RAY_AUTH_MODE": "disabled"}
     ray_cli = str(Path(sys.executable).parent / "ray")
-    head = subprocess.Popen(
-        [ray_cli, "start", "--head", "--block", f"--port={port}", f"--temp-dir={temp}",
-         "--include-dashboard=false", "--num-cpus=1", f"--autoscaling-config={config}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # The port is free when picked, but another process may take it before the head's
+    # GCS binds it (once, the GCS aborted and ray.init waited until pytest's timeout):
+    # the head is started again on a fresh port until its GCS listens.
+    for _ in range(3):
+        port = _free_port()
+        config = Path(temp) / "autoscaling.json"
+        config.write_text(json.dumps(_config(f"{ip}:{port}")))
+        head = subprocess.Popen(
+            [ray_cli, "start", "--head", "--block", f"--port={port}", f"--temp-dir={temp}",
+             "--include-dashboard=false", "--num-cpus=1", f"--autoscaling-config={config}"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if _started(head, 90):
+            break
+        _stop_head(head, temp)
+    else:
+        pytest.fail("the fake cluster's head did not start on any of three ports")
     os.environ["RAY_AUTH_MODE"] = "disabled"  # the head has none: see shared research
     try:
         ray.init(address=f"{ip}:{port}", log_to_driver=False)
         yield
     finally:
         ray.shutdown()
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(20)
-        except subprocess.TimeoutExpired:
-            head.kill()
-        for pid in _processes_under(temp):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _stop_head(head, temp)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _started(head: subprocess.Popen, timeout_s: float) -> bool:
+    """Whether `ray start --block` said the runtime started (it exits when its GCS
+    cannot bind the port) within timeout_s; its output is read to the end meanwhile."""
+    started = threading.Event()
+
+    def read() -> None:
+        for line in head.stdout:
+            if "Ray runtime started" in line:
+                started.set()
+    threading.Thread(target=read, daemon=True).start()
+    return started.wait(timeout_s) and head.poll() is None
+
+
+def _stop_head(head: subprocess.Popen, temp: str) -> None:
+    head.send_signal(signal.SIGTERM)
+    try:
+        head.wait(20)
+    except subprocess.TimeoutExpired:
+        head.kill()
+    for pid in _processes_under(temp):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _alive_nodes() -> int:

@@ -14,10 +14,17 @@ import torch
 from pdserve import LLM
 from pdserve.engine.attention import resolve
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from pdserve.engine.step_buffers import StepBuffers
 from pdserve.engine.torch_attention import TorchAttention
 from tests.engine.test_hf_oracle import MAX_TOKENS, Oracle, assert_matches_hf, run
-from tests.engine.test_spec_decode import assert_drafts, generate, prompts, proposers  # noqa: F401
+from tests.engine.test_spec_decode import (  # noqa: F401
+    assert_drafts,
+    generate,
+    greedy,
+    prompts,
+    proposers,
+)
 
 # The engine on the Triton backend: in the interpreter on CPU (tests/conftest.py sets it
 # where there is no GPU), compiled on a GPU (scripts/gpu_check.sh), float32 on both.
@@ -105,3 +112,36 @@ def test_the_triton_backend_verifies_a_draft_model_s_tokens_exactly(llama_dir, o
     assert_matches_hf(llm, oracle, batch, generate(llm, batch))
     assert_drafts(llm)
     assert len(batch) == len(MAX_TOKENS)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_steps_padded_as_graphs_replay_them_are_exact(llama_dir, oracle, backend):
+    """The padded static-buffer path CUDA graphs replay, run eagerly here: decode-only
+    steps padded to a capture size (padding rows in the scratch block) equal HF."""
+    llm = LLM(str(llama_dir), attention_backend=backend, kv_cache_memory_bytes=64 << 20,
+              **DEVICE)
+    runner = llm.engine.runner
+    assert runner.scratch_block == llm.engine.block_manager.num_blocks  # handed to no one
+    assert runner.kv_caches[0].shape[1] == runner.scratch_block + 1
+    if runner.graphs is None:  # no CUDA: the same path, not captured
+        runner.graphs = DecodeGraphs(capture_sizes(256), capture=False)
+    padded = []
+    replay = runner.graphs.run
+
+    def counted(size, forward):
+        padded.append(size)
+        return replay(size, forward)
+    runner.graphs.run = counted
+    batch = prompts(llm.engine.model_config.vocab_size, seed=6)[:6 if backend == "triton" else 9]
+    outputs = llm.generate(batch, [greedy(n) for n in MAX_TOKENS[:len(batch)]])
+    assert_matches_hf(llm, oracle, batch, [o.token_ids for o in outputs])
+    # decode steps of 1-9 sequences ran at sizes 1, 2, 4, 8, 16: padding rows in most
+    assert set(padded) <= {1, 2, 4, 8, 16} and len(set(padded)) >= 2
+
+
+def test_capture_sizes_are_vllm_s():
+    assert capture_sizes(256) == [1, 2, 4, *range(8, 257, 8)]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(3) == [1, 2, 3] and capture_sizes(0)[-1] == 512
+    graphs = DecodeGraphs(capture_sizes(20), capture=False)
+    assert [graphs.size_for(n) for n in (1, 3, 5, 17, 20, 21)] == [1, 4, 8, 20, 20, None]

@@ -3,7 +3,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, race_noise, unit
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +251,19 @@ def test_rows_sampled_together_draw_what_each_draws_alone():
     sampler, hot = Sampler(seed=0), Request("t", [1], SamplingParams(temperature=5.0, top_k=5), 0.0)
     draws = {sampler.sample(logits[1:2], [hot])[0][0] for _ in range(40)}
     assert draws <= best5 and len(draws) > 1
+
+
+def test_the_race_draws_each_token_with_its_probability():
+    """The batched draw (an exponential race over noise hashed from each row's seed)
+    samples the distribution: 4,000 unseeded rows, each its own seed, in one batch."""
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0, 0.0, 0.0])
+    n = 4000
+    rows = [Request(f"r{i}", [1], SamplingParams(temperature=1.0), 0.0) for i in range(n)]
+    tokens = Sampler(seed=0).sample(probs.log().expand(n, -1).contiguous(), rows)[0]
+    freq = torch.bincount(torch.tensor(tokens), minlength=8).double() / n
+    assert (freq - probs.double()).abs().max() < 0.03 and freq[5:].sum() == 0
+    noise = race_noise(torch.tensor([1, 2, 1]), 50)
+    assert torch.equal(noise[0], noise[2]) and not torch.equal(noise[0], noise[1])
+    assert noise.min() > 0 and 0.9 < noise.mean() < 1.1  # Exp(1)
+    extremes = unit(torch.tensor([-1, 0, (1 << 41) - 1, 1 << 62]))  # all bits, none
+    assert extremes.min() > 0 and extremes.max() < 1
