@@ -21,9 +21,16 @@ offline LLM and the capacity simulator. It imports no Ray, gRPC or HTTP.
                          the simulator's n decode steps at once (steps_ahead, advance)
     scheduler_output.py  what the scheduler decides per step, what the runner returns
     kv_cache.py          per-layer KV tensors [2, num_blocks, block_size, Hkv, D]
-    attention.py         attention metadata and the torch backend: length-grouped
-                         decodes and causal prefill chunks over paged KV
+    attention.py         the attention seam: StepMetadata, the backend base, resolve
+    torch_attention.py   SDPA over gathered blocks: length-grouped decodes, causal
+                         prefill chunks (any device; the CPU default)
+    triton_attention.py  a paged kernel reading blocks in place (the CUDA default)
+    step_buffers.py      a step's inputs (StepInputs) in persistent buffers
+    cuda_graphs.py       decode steps replayed from graphs captured per batch size
     model/               the Llama-family model: decoder, matmuls, RoPE, weight loading
+                         (a tensor-parallel rank's slices only)
+    parallel/            tensor parallelism: the sharding, the ranks' group, what rank 0
+                         broadcasts per step, the other ranks' loop
     model_runner.py      one step on the device: flat inputs, forward, sampling, draft
                          verification; a sampling row that fails ends only its request
     sampler.py           vLLM's order of penalties and truncations, logprobs; a seeded

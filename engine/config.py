@@ -36,7 +36,8 @@ class CacheConfig:
     block_size: int = option(16, "tokens per KV block")
     enable_prefix_caching: bool = option(True, "reuse the KV of full blocks that share a "
                                          "prefix (chained block hashes)")
-    kv_cache_memory_bytes: int | None = option(None, "KV cache budget in bytes; unset: a "
+    kv_cache_memory_bytes: int | None = option(None, "KV cache budget in bytes, per device "
+                                               "(each tensor-parallel rank); unset: a "
                                                "share of free memory")
     num_kv_blocks: int | None = option(None, "KV blocks, overriding the memory budget")
 
@@ -57,6 +58,9 @@ class EngineConfig:
     max_model_len: int | None = option(None, "context length; unset: the model's "
                                        "max_position_embeddings")
     seed: int = option(0, "seeds unseeded sampling")
+    tensor_parallel_size: int = option(
+        1, "ranks (devices) one worker's model is split across, Megatron-style: Ray actors "
+        "in one placement group, one torch.distributed group", ge=1)
     num_threads: int | None = option(None, "torch intra-op threads on cpu; unset: torch's "
                                      "default")
     gpu_memory_utilization: float = option(0.9, "share of GPU memory the worker may use")
@@ -79,6 +83,7 @@ class EngineConfig:
                "must be float32, bfloat16 or float16")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
                "must be >= 1")
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                "must be in (0, 1]")
         _check(self.attention_backend in (None, *ATTENTION_BACKENDS), "attention_backend",

@@ -28,6 +28,7 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_path import resolve_model_path
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import Outputs, RequestMetrics, RequestOutput
+from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -51,7 +52,13 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp_group: TensorParallelGroup | None = None):
+        """tp_group: at tensor_parallel_size > 1, the group whose rank 0 this engine is
+        (its other ranks serve the steps it broadcasts: engine/parallel/)."""
+        if config.tensor_parallel_size != (tp_group.size if tp_group else 1):
+            raise ValueError(
+                f"tensor_parallel_size {config.tensor_parallel_size} needs a group of as "
+                "many ranks: start the engine through LLM(...) or a worker, which start them")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu":
@@ -60,16 +67,16 @@ class LLMEngine:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer(config.model)
-        self.max_model_len = _max_model_len(config, self.model_config)
+        self.max_model_len = max_model_len_of(config, self.model_config)
         self.eos_token_ids = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, tp_group)
         # Speculative decoding's proposer (a draft model loads here, before the KV
         # cache is sized: its weights and its KV per block count against the budget).
         self.proposer = build_proposer(config, self.model_config, self.max_model_len)
         cache = config.cache
         num_blocks = cache.num_kv_blocks or num_blocks_for_budget(
-            self.model_config, cache.block_size, self.runner.dtype,
+            self.runner.model_config, cache.block_size, self.runner.dtype,  # this rank's
             cache.kv_cache_memory_bytes or default_budget_bytes(config, self.model_config),
             extra_bytes_per_block=self.proposer.bytes_per_block() if self.proposer else 0)
         self.runner.init_kv_cache(num_blocks)
@@ -169,6 +176,10 @@ class LLMEngine:
     @property
     def stats(self):
         return self.scheduler.stats
+
+    def close(self) -> None:
+        """Ends the other ranks of a tensor-parallel engine (nothing to end otherwise)."""
+        self.runner.close()
 
     # ---- the loop -------------------------------------------------------------
 
@@ -318,7 +329,7 @@ class LLMEngine:
         return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
 
 
-def _max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+def max_model_len_of(config: EngineConfig, model: ModelConfig) -> int:
     if config.max_model_len is None:
         return model.max_position_embeddings
     if config.max_model_len > model.max_position_embeddings:

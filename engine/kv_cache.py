@@ -32,10 +32,11 @@ def num_blocks_for_budget(model: ModelConfig, block_size: int, dtype: torch.dtyp
 
 
 def default_budget_bytes(config: EngineConfig, model: ModelConfig) -> int:
-    """KV budget when none is given. CUDA: the share of the device that
-    gpu_memory_utilization allows, less what is already allocated (weights) and a
-    reserve for one step's activations. CPU: a fixed default, at most a quarter of
-    available memory."""
+    """One rank's KV budget when none is given (kv_cache_memory_bytes, like vLLM's,
+    is per device). CUDA: the share of the device that gpu_memory_utilization allows,
+    less what is already allocated (weights) and a reserve for one step's
+    activations. CPU: a fixed default, at most a quarter of available memory, split
+    among the ranks of a tensor-parallel worker (they share the host)."""
     device = torch.device(config.device)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -46,7 +47,8 @@ def default_budget_bytes(config: EngineConfig, model: ModelConfig) -> int:
                              "max_num_batched_tokens or raise gpu_memory_utilization")
         return int(budget)
     available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return min(CPU_DEFAULT_BYTES, available // 4)
+    # A tensor-parallel worker's ranks share the host: each takes its share.
+    return min(CPU_DEFAULT_BYTES, available // 4) // config.tensor_parallel_size
 
 
 def _activation_reserve(config: EngineConfig, model: ModelConfig) -> int:

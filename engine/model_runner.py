@@ -2,7 +2,11 @@
 
 A sampling batch that raises is sampled again row by row, so the requests whose own
 rows fail are the only ones to fail (ModelRunnerOutput.failed). An error no single
-row reproduces, or one in the forward pass, belongs to the step: it propagates."""
+row reproduces, or one in the forward pass, belongs to the step: it propagates.
+
+Under tensor parallelism every rank has a runner over its shard; rank 0's (the
+engine's) describes each step once (StepInputs) and broadcasts it before computing it
+itself, and only rank 0 samples (engine/parallel/)."""
 from __future__ import annotations
 
 import logging
@@ -17,10 +21,13 @@ from pdserve.engine.model.llama import LayerHook
 from pdserve.engine.model.loader import load_model
 from pdserve.engine.model.rope import RotaryEmbedding
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.parallel.group import TensorParallelGroup
+from pdserve.engine.parallel.messages import Forward, InitKVCache, Shutdown
+from pdserve.engine.parallel.sharding import Shard
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, Verified
-from pdserve.engine.step_buffers import StepBuffers
+from pdserve.engine.step_buffers import StepBuffers, StepInputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # forward_tokens: chunks up to this long are the step's few-token sequences (a draft
@@ -30,21 +37,28 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 group: TensorParallelGroup | None = None):
+        """group: this rank's tensor-parallel group (None: the whole model, here)."""
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.resolved_dtype]
-        self.model_config = model_config
-        self.model = load_model(config.model, model_config, self.device, self.dtype)
+        self.group = group
+        shard = Shard.of(model_config, group.size, group.rank) if group else Shard.of(model_config)
+        self.model_config = shard.local_config(model_config)  # this rank's heads
+        self.model = load_model(config.model, model_config, self.device, self.dtype,
+                                shard, group)
         self.rope = RotaryEmbedding(model_config, max_model_len, self.device, self.dtype)
         self.block_size = config.cache.block_size
         self.backend = make_backend(resolve(config.attention_backend, self.device),
-                                    model_config.num_heads, model_config.num_kv_heads,
+                                    shard.num_heads, shard.num_kv_heads,
                                     model_config.head_dim, self.block_size)
-        # Decode steps from CUDA graphs (cuda_graphs.py) where they can be captured.
+        # Decode steps from CUDA graphs (cuda_graphs.py) where they can be captured:
+        # not yet across a tensor-parallel group (every rank would capture and replay
+        # its collectives in step).
         sched = config.scheduler
         self.graphs = DecodeGraphs(capture_sizes(sched.max_num_seqs), capture=True) \
             if (self.device.type == "cuda" and self.backend.name == "triton"
-                and not config.enforce_eager) else None
+                and not config.enforce_eager and group is None) else None
         largest = self.graphs.max_size if self.graphs else 1
         # Sized for every step the scheduler makes, so they never move (captured graphs
         # read them): a table row holds a whole max_model_len context.
@@ -53,6 +67,7 @@ class ModelRunner:
                                    max_seqs=max(sched.max_num_seqs, largest),
                                    max_blocks=-(-max_model_len // self.block_size))
         self._captured = 0  # the buffers' generation the graphs were captured over
+        self._broken = False  # a step failed on this rank after its broadcast
         self.scratch_block = 0  # set with the cache: a block no request owns
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler(config.seed)
@@ -61,17 +76,37 @@ class ModelRunner:
         """After the weights are in place, so a device budget counts what is left. One
         block more than the block manager hands out: the scratch block, where padding
         rows of a padded decode step write and read (cuda_graphs.py). Then the decode
-        graphs are captured."""
+        graphs are captured. Rank 0 of a group tells the others first."""
+        if self._leads:
+            self.group.broadcast(InitKVCache(num_blocks=num_blocks))
         self.kv_caches = allocate_kv_cache(self.model_config, num_blocks + 1, self.block_size,
                                            self.device, self.dtype)
         self.scratch_block = num_blocks
         if self.graphs is not None:
             self._capture()
 
+    @property
+    def _leads(self) -> bool:
+        """Rank 0 of a tensor-parallel group: it describes the steps the others run."""
+        return self.group is not None and self.group.rank == 0
+
+    def close(self) -> None:
+        """Rank 0: the other ranks end; this rank's group closes (idempotent). After a
+        failed step the group is closed without a word: its ranks' collectives fail."""
+        group, self.group = self.group, None
+        if group is None:
+            return
+        try:
+            if group.rank == 0 and not self._broken:
+                group.broadcast(Shutdown())
+        finally:
+            group.close()
+
     def _capture(self) -> None:
         """Each capture size's forward over an all-padding step, captured."""
         def padding_only(size: int) -> tuple:
-            return self._prepare([], {}, pad_to=size)[:3]
+            ids, pos, meta, _ = self.buffers.fill_from(self._prepare([], {}, pad_to=size))
+            return ids, pos, self.backend.build(meta)
 
         def forward(filled: tuple) -> torch.Tensor:
             ids, pos, meta = filled
@@ -163,7 +198,26 @@ class ModelRunner:
         """Computes `batch` (decodes first); logits [len(samplers), vocab] float32, then
         every position of each request verifying `drafts` (rid -> its drafts)."""
         size = self._graph_size(batch, on_layer_done)
-        input_ids, positions, meta, logits_indices = self._prepare(batch, drafts or {}, size)
+        step = self._prepare(batch, drafts or {}, size)
+        if not self._leads:
+            return self.run_step(step, size, on_layer_done)
+        self.group.broadcast(Forward(step=step))
+        try:
+            return self.run_step(step, size, on_layer_done)
+        except BaseException:
+            # The other ranks may wait in a collective this rank will not reach: the
+            # group is closed (their collectives fail), never told to stop.
+            self._broken = True
+            self.close()
+            raise
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInputs, size: int | None = None,
+                 on_layer_done: LayerHook | None = None) -> torch.Tensor | None:
+        """The forward pass over `step` and its wanted rows' logits (None on a rank
+        other than 0 of a group). size: the graph size it runs at, or None (eager)."""
+        input_ids, positions, metadata, logits_indices = self.buffers.fill_from(step)
+        meta = self.backend.build(metadata)
         if size is None:
             hidden = self.model(input_ids, positions, self.rope, self.backend, self.kv_caches,
                                 meta, on_layer_done)
@@ -194,10 +248,10 @@ class ModelRunner:
         return batch, samplers, [r for r, _ in verifications]
 
     def _prepare(self, batch: list[tuple[Request, int]], drafts: dict[str, list[int]],
-                 pad_to: int | None = None):
-        """The step's inputs in the persistent buffers: token ids, positions, the
-        attention backend's metadata, the rows to sample (then the verified ones).
-        pad_to: a decode-only step padded to that many rows, each decoding token 0 at
+                 pad_to: int | None = None) -> StepInputs:
+        """The step's inputs: token ids, positions, the slots and block tables the
+        attention backend's metadata is built from, the rows to sample (then the
+        verified ones). pad_to: a decode-only step padded to that many rows, each decoding token 0 at
         position 0 in the scratch block."""
         bs = self.block_size
         input_ids: list[int] = []
@@ -220,7 +274,7 @@ class ModelRunner:
                 logits_indices.append(num_decodes)
             num_decodes += 1
             seq_lens.append(pos + 1)
-            tables.append(blocks)
+            tables.append(blocks[:pos // bs + 1])
         query_lens += [1] * num_decodes
         verifying = [(r, n) for r, n in batch[num_decodes:] if r.request_id in drafts]
         for request, n in verifying:  # its last known token, then the drafts
@@ -232,7 +286,7 @@ class ModelRunner:
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(blocks)
+            tables.append(blocks[:-(-(start + n) // bs)])
         verify_indices = list(range(num_decodes, len(input_ids)))  # logits at every position
         if pad_to:
             pad, scratch = pad_to - len(query_lens), self.scratch_block
@@ -255,11 +309,11 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(blocks)
-        ids, pos, step, rows = self.buffers.fill(
-            input_ids, positions, slots, logits_indices + verify_indices, query_lens,
-            seq_lens, tables, num_grouped, num_decode_tokens)
-        return ids, pos, self.backend.build(step), rows
+            tables.append(blocks[:-(-(start + n) // bs)])
+        return StepInputs(input_ids=input_ids, positions=positions, slots=slots,
+                          logits_indices=logits_indices + verify_indices,
+                          query_lens=query_lens, seq_lens=seq_lens, block_ids=tables,
+                          num_decodes=num_grouped, num_decode_tokens=num_decode_tokens)
 
     @torch.inference_mode()
     def forward_tokens(self, chunks: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
@@ -293,9 +347,8 @@ class ModelRunner:
             if n <= GROUPED_CHUNK:
                 num_grouped += 1
                 num_grouped_tokens += n
-        ids, pos, step, rows = self.buffers.fill(input_ids, positions, slots, last, query_lens,
-                                                 seq_lens, tables, num_grouped,
-                                                 num_grouped_tokens)
-        hidden = self.model(ids, pos, self.rope, self.backend, self.kv_caches,
-                            self.backend.build(step))
-        return self.model.compute_logits(hidden[rows])
+        assert self.group is None, "a draft model runs whole, on rank 0"
+        return self.run_step(StepInputs(
+            input_ids=input_ids, positions=positions, slots=slots, logits_indices=last,
+            query_lens=query_lens, seq_lens=seq_lens, block_ids=tables,
+            num_decodes=num_grouped, num_decode_tokens=num_grouped_tokens))

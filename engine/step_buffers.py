@@ -9,10 +9,27 @@ addresses). On CPU the staging is the buffer. A step larger than the buffers gro
 them (to the next power of two), once."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from pdserve.engine.attention import StepMetadata
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's host lists, as `StepBuffers.fill` takes them (the runner builds
+    them; under tensor parallelism rank 0 broadcasts them to the other ranks)."""
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    logits_indices: list[int]  # the flat rows whose logits are wanted
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_ids: list[list[int]]  # sequence b's blocks, at least its seq_lens[b] tokens'
+    num_decodes: int  # the leading sequences attended in groups (decode-shaped)
+    num_decode_tokens: int
 
 
 class _Buffer:
@@ -69,6 +86,12 @@ class StepBuffers:
         want = (_grown(tokens, have[0]), _grown(seqs, have[1]), _grown(blocks, have[2]))
         if want != have:
             self._alloc(*want)
+
+    def fill_from(self, step: StepInputs
+                  ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, torch.Tensor]:
+        return self.fill(step.input_ids, step.positions, step.slots, step.logits_indices,
+                         step.query_lens, step.seq_lens, step.block_ids, step.num_decodes,
+                         step.num_decode_tokens)
 
     def fill(self, input_ids: list[int], positions: list[int], slots: list[int],
              logits_indices: list[int], query_lens: list[int], seq_lens: list[int],

@@ -35,6 +35,7 @@ class TinySpec:
     rope_theta: float = 10000.0
     init_std: float = 0.02
     seed: int = 0
+    bias: bool = False  # llama: attention_bias and mlp_bias (every projection a bias)
 
 
 TINY = TinySpec()
@@ -126,7 +127,8 @@ def _hf_config(spec: TinySpec, vocab: int, bos: int, eos: int) -> dict:
         "rms_norm_eps": 1e-6,
         "rope_theta": spec.rope_theta,
         "tie_word_embeddings": spec.tie_word_embeddings,
-        "attention_bias": False,
+        "attention_bias": spec.bias,
+        "mlp_bias": spec.bias,
         "bos_token_id": bos,
         "eos_token_id": eos,
         "torch_dtype": "float32",
@@ -156,10 +158,13 @@ def _random_weights(spec: TinySpec, vocab: int) -> dict[str, torch.Tensor]:
             p + "mlp.up_proj.weight": normal(i, h),
             p + "mlp.down_proj.weight": normal(h, i),
         })
-        if spec.arch == "qwen2":
+        if spec.arch == "qwen2" or spec.bias:
             w.update({p + "self_attn.q_proj.bias": normal(spec.num_heads * d),
                       p + "self_attn.k_proj.bias": normal(kv),
                       p + "self_attn.v_proj.bias": normal(kv)})
+        if spec.bias:
+            w.update({p + "self_attn.o_proj.bias": normal(h), p + "mlp.gate_proj.bias": normal(i),
+                      p + "mlp.up_proj.bias": normal(i), p + "mlp.down_proj.bias": normal(h)})
     if not spec.tie_word_embeddings:
         w["lm_head.weight"] = normal(vocab, h)
     return {k: v.contiguous() for k, v in w.items()}

@@ -22,6 +22,7 @@ from pdserve.router.config import (
     RouterConfig,
     RoutingSpec,
     SharedStateSpec,
+    check_served_tensor_parallel,
 )
 from pdserve.sim.cli import add_sim_parser
 from pdserve.sim.measure import add_profile_parser
@@ -94,6 +95,7 @@ def cluster_specs(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
     with what is wrong, before anything starts."""
     try:
         pools = PoolSpec(**cli_flags.values(args, PoolSpec))
+        check_served_tensor_parallel(getattr(args, "tensor_parallel_size", 1))
     except ValueError as err:
         raise SystemExit(f"pdserve {args.command}: {err}") from None
     return pools, router_config(args)

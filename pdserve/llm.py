@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -13,8 +14,16 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str = "tiny", **engine_args):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+        """tensor_parallel_size > 1: the other ranks start as Ray actors in a placement
+        group on this node (Ray is started here if it is not); shutdown() ends them."""
+        self.engine, self._ranks = start_engine(EngineConfig.from_kwargs(model, **engine_args))
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Ends the other tensor-parallel ranks and their placement group (idempotent)."""
+        engine, ranks, self._ranks = self.engine, self._ranks, None
+        if ranks is not None:
+            stop_engine(engine, ranks)
 
     @property
     def tokenizer(self):
@@ -53,6 +62,35 @@ class LLM:
         if progress:
             progress.close()
         return [done[rid] for rid in ids]
+
+
+def start_engine(config: EngineConfig):
+    """An engine and, at tensor_parallel_size > 1, its other ranks (worker/ranks.py:
+    Ray actors in a placement group; Ray is started here if it is not), or None."""
+    if config.tensor_parallel_size == 1:
+        return LLMEngine(config), None
+    import ray
+
+    from pdserve.worker.ranks import start_ranks
+    if not ray.is_initialized():
+        ray.init()
+    ranks = start_ranks(config)
+    try:
+        return LLMEngine(replace(config, device=ranks.device), ranks.group), ranks
+    except BaseException:
+        ranks.shutdown()
+        raise
+
+
+def stop_engine(engine: LLMEngine | None, ranks) -> None:
+    """Ends an engine's other ranks and their placement group, even if its close
+    fails."""
+    try:
+        if engine is not None:
+            engine.close()
+    finally:
+        if ranks is not None:
+            ranks.shutdown()
 
 
 def _progress(total: int):

@@ -334,6 +334,16 @@ class PoolSpec:
         return self.prefill_workers + self.decode_workers
 
 
+def check_served_tensor_parallel(size: int) -> None:
+    """A served worker's KV would travel as rank 0's heads alone (the P -> D hand-off,
+    live migration): more than one rank is refused until the transfer carries every
+    rank's (docs/tensor_parallel.md)."""
+    if size > 1:
+        raise ValueError(
+            f"tensor_parallel_size {size}: served workers take 1 so far (their KV "
+            "transfer does not yet carry every rank's heads); the offline LLM takes more")
+
+
 @dataclass(frozen=True)
 class TLSConfig:
     """The front ends serve HTTPS and gRPC over TLS from these PEM files."""

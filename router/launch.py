@@ -24,7 +24,12 @@ from pdserve.engine.model_path import resolve_model_path
 from pdserve.engine.model_runner import DTYPES
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import TransferConfig
-from pdserve.router.config import PoolSpec, RouterConfig, SharedStateSpec
+from pdserve.router.config import (
+    PoolSpec,
+    RouterConfig,
+    SharedStateSpec,
+    check_served_tensor_parallel,
+)
 from pdserve.router.model_info import ModelInfo
 from pdserve.router.pool.placement import (
     PlacementError,
@@ -216,6 +221,7 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     `wait_for_nodes_s`: how long nodes that could hold the workers may take to join
     (a cluster being brought up, or scaled by Ray's autoscaler, which is asked for
     them); 0: the nodes there now must hold them."""
+    check_served_tensor_parallel(engine_config.tensor_parallel_size)
     served = served_model_name or engine_config.model
     # One secret per cluster keys its KV rendezvous (kv_transfer/rendezvous.py).
     transfer = replace(transfer, secret=transfer.secret or secrets.token_hex(16))

@@ -9,6 +9,8 @@
     core.py       what every worker keeps alike, the Ray one and the simulator's: role
                   gating, each request's owner (subscriber), abort tombstones, the
                   start handshake's rule; pure, on a clock passed in
+    ranks.py      a tensor-parallel worker's other ranks: Ray actors in one placement
+                  group (a bundle per rank, STRICT_PACK), joined to rank 0's group
     streams.py    the subscribers' step streams (each router's own deltas, everyone's
                   telemetry, merged when a subscriber falls behind), for both workers
     messages.py   typed router <-> worker messages, plain data: Reservation, PrefillJob,

@@ -3,6 +3,11 @@
 Weights follow HF names, with q/k/v fused into `qkv_proj` at load time (one matmul
 instead of three). gate/up stay apart: the halves of a fused output are strided, and
 the elementwise SwiGLU over strided halves costs more on CPU than the fusion saves.
+
+Under tensor parallelism (engine/parallel/) the model is built from a rank's local
+config (its heads, KV heads and intermediate size) and its Shard: o_proj and down_proj
+sum their partial products over the group, the embedding and the logits are split by
+vocabulary. A whole model (a Shard of size 1, no group) calls no collective.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from pdserve.engine.attention import AttentionBackend
 from pdserve.engine.model.linear import Linear, linear, pack
 from pdserve.engine.model.rope import RotaryEmbedding, RotaryTables
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.parallel.group import TensorParallelGroup
+from pdserve.engine.parallel.sharding import Shard
 
 LayerHook = Callable[[int], None]  # called with the layer index once its KV is written
 
@@ -32,13 +39,46 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+class RowParallel(Linear):
+    """A Linear whose input is split over the group: partial products summed, the
+    bias (rank 0's only) added before the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 group: TensorParallelGroup | None):
+        super().__init__(in_features, out_features,
+                         bias=bias and (group is None or group.rank == 0))
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y if self.group is None else self.group.all_reduce_(y)
+
+
+class VocabEmbedding(nn.Embedding):
+    """The embedding table's rows [first, first + rows) of the vocabulary: ids outside
+    them look up zeros, and the group sums the ranks' lookups (exact: one term each)."""
+
+    def __init__(self, shard: Shard, hidden_size: int, group: TensorParallelGroup | None):
+        super().__init__(shard.vocab_rows, hidden_size)
+        self.first = shard.first_vocab
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return super().forward(input_ids)
+        local = input_ids - self.first
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = super().forward(local.masked_fill(outside, 0)).masked_fill_(outside[:, None], 0)
+        return self.group.all_reduce_(x)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, group: TensorParallelGroup | None = None):
         super().__init__()
         self.config = config
         self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size,
                                bias=config.qkv_bias)
-        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = RowParallel(config.q_size, config.hidden_size, config.o_bias, group)
 
     def forward(self, x, rotary: RotaryTables, backend: AttentionBackend,
                 kv_cache: torch.Tensor, meta: object) -> torch.Tensor:
@@ -53,12 +93,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, group: TensorParallelGroup | None = None):
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = Linear(h, i, bias=bias)
         self.up_proj = Linear(h, i, bias=bias)
-        self.down_proj = Linear(i, h, bias=bias)
+        self.down_proj = RowParallel(i, h, bias, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # HF's act_fn(gate) * up, in place on the gate's output: two passes over it and
@@ -67,12 +107,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, group: TensorParallelGroup | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, group)
 
     def forward(self, x, rotary, backend, kv_cache, meta):
         # The residual added into each block's fresh output (x + y == y + x, bit for
@@ -82,14 +122,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: Shard | None = None,
+                 group: TensorParallelGroup | None = None):
+        """config: the model as this rank holds it (Shard.local_config at TP > 1)."""
         super().__init__()
+        shard = shard or Shard.of(config)
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.group = group
+        self.embed_tokens = VocabEmbedding(shard, config.hidden_size, group)
+        self.layers = nn.ModuleList(DecoderLayer(config, group)
+                                    for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, bias=False))
+                        else Linear(config.hidden_size, shard.vocab_rows, bias=False))
         self.tied_packed: torch.Tensor | None = None  # the embedding's, for the logits
 
     def pack(self) -> None:
@@ -114,8 +159,18 @@ class LlamaForCausalLM(nn.Module):
                 on_layer_done(i)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] -> float32 logits [N, vocab]
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        # hidden: [N, hidden] -> float32 logits [N, vocab] (under tensor parallelism
+        # rank 0's, gathered from each rank's vocabulary rows; None on the others)
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return linear(hidden, self.embed_tokens.weight, None, self.tied_packed).float()
+            logits = self.lm_head(hidden)
+        else:
+            logits = linear(hidden, self.embed_tokens.weight, None, self.tied_packed)
+        if self.group is not None:
+            if not hidden.shape[0]:  # no row wanted (every rank knows): nothing to gather
+                return logits.new_empty(0, self.config.vocab_size).float() \
+                    if self.group.rank == 0 else None
+            logits = self.group.gather_columns(logits, self.config.vocab_size)
+            if logits is None:
+                return None
+        return logits.float()

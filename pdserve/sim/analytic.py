@@ -13,13 +13,22 @@ cluster fits from telemetry.
 
 Transfers stream layer by layer during the forward pass (kv_transfer): what stays
 exposed after the last layer is that layer's share of the bytes at the link's
-bandwidth, plus a handshake latency."""
+bandwidth, plus a handshake latency.
+
+A worker of tensor_parallel_size N (Megatron's split, engine/parallel/) divides the
+FLOPs, the weights and the KV (by KV heads: replicated ones are read on each rank) N
+ways, and adds its collectives after the roofline: 2 all-reduces a layer and one for
+the embedding, each of [tokens, hidden] over the node's link between devices (NVLink
+or PCIe: Accelerator.tp_link), as a ring (2 (N - 1) / N of the bytes from each device)
+plus a fixed latency each, and the logits' gather to rank 0. Each rank sends its own
+KV heads over its own NIC."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pdserve.engine.latency_model import StepModel, TransferCost
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.parallel.sharding import check_tensor_parallel
 from pdserve.engine.step_shape import StepShape, StepTiming
 from pdserve.sim.profile import Profile
 
@@ -32,15 +41,25 @@ class Accelerator:
     memory_bytes: float
     link_bytes_per_s: float  # between two workers' GPUs (the KV transfer's link)
     link_latency_s: float
+    tp_link: str  # what joins a node's devices: a tensor-parallel worker's collectives
+    tp_link_bytes_per_s: float  # per device, one direction
+    tp_link_latency_s: float  # one collective's fixed cost
 
 
 # Vendor datasheet figures (dense bf16; SXM parts). The link is one 400 Gb/s NIC
 # per GPU (InfiniBand NDR / RoCE), as between nodes of a disaggregated cluster.
+# Between a node's devices: NVLink 4 (H100/H200 SXM) is 900 GB/s a GPU in both
+# directions, NVLink 3 (A100 SXM) 600 GB/s; the L40S has no NVLink: PCIe 4.0 x16,
+# 64 GB/s both ways. A collective's fixed cost is of NCCL's small-message order.
 ACCELERATORS = {
-    "h100": Accelerator("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 80e9, 50e9, 1e-3),
-    "h200": Accelerator("NVIDIA H200 SXM 141GB", 989e12, 4.8e12, 141e9, 50e9, 1e-3),
-    "a100": Accelerator("NVIDIA A100 SXM 80GB", 312e12, 2.04e12, 80e9, 25e9, 1e-3),
-    "l40s": Accelerator("NVIDIA L40S 48GB", 362e12, 0.864e12, 48e9, 25e9, 1e-3),
+    "h100": Accelerator("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 80e9, 50e9, 1e-3,
+                        "NVLink 4", 450e9, 10e-6),
+    "h200": Accelerator("NVIDIA H200 SXM 141GB", 989e12, 4.8e12, 141e9, 50e9, 1e-3,
+                        "NVLink 4", 450e9, 10e-6),
+    "a100": Accelerator("NVIDIA A100 SXM 80GB", 312e12, 2.04e12, 80e9, 25e9, 1e-3,
+                        "NVLink 3", 300e9, 10e-6),
+    "l40s": Accelerator("NVIDIA L40S 48GB", 362e12, 0.864e12, 48e9, 25e9, 1e-3,
+                        "PCIe 4.0 x16", 32e9, 20e-6),
 }
 
 
@@ -68,6 +87,12 @@ NAMED_CONFIGS = {
         "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
         "max_position_embeddings": 8192, "tie_word_embeddings": False,
         "bos_token_id": 128000, "eos_token_id": 128001},
+    "llama-3-70b": {  # meta-llama/Meta-Llama-3-70B
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": 128001},
     "qwen2-7b": {  # Qwen/Qwen2-7B
         "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
         "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
@@ -81,10 +106,12 @@ BYTES_PER_PARAM = 2  # bf16 weights and KV
 
 @dataclass(frozen=True)
 class Roofline:
-    """Seconds of one step of a shape on the accelerator, by the analytic model."""
+    """Seconds of one step of a shape on a worker of `tp` accelerators, by the
+    analytic model."""
     model: ModelConfig
     accel: Accelerator
     eff: Efficiency
+    tp: int = 1
 
     @property
     def layer_params(self) -> int:
@@ -94,26 +121,47 @@ class Roofline:
 
     @property
     def weight_bytes(self) -> float:
+        """The whole model's (a rank holds 1/tp of it)."""
         m = self.model
         embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
         return (self.layer_params + embeddings) * BYTES_PER_PARAM
 
     @property
     def kv_bytes_per_token(self) -> int:
+        """The whole worker's distinct KV of a token (what a transfer moves)."""
         return 2 * self.model.num_layers * self.model.kv_size * BYTES_PER_PARAM
 
+    @property
+    def rank_kv_bytes_per_token(self) -> int:
+        """One rank's: its KV heads (at least one: replicated past Hkv ranks)."""
+        m = self.model
+        heads = max(m.num_kv_heads // self.tp, 1)
+        return 2 * m.num_layers * heads * m.head_dim * BYTES_PER_PARAM
+
     def seconds(self, shape: StepShape) -> float:
-        m, a, e = self.model, self.accel, self.eff
+        m, a, e, n = self.model, self.accel, self.eff, self.tp
         tokens = shape.prefill_tokens + shape.decode_seqs
         sampled = shape.decode_seqs + (1 if shape.prefill_tokens else 0)
-        matmul = 2 * (self.layer_params * tokens + m.vocab_size * m.hidden_size * sampled)
+        matmul = 2 * (self.layer_params * tokens + m.vocab_size * m.hidden_size * sampled) / n
         pairs = shape.prefill_pairs + shape.decode_context
-        attention = 4 * m.num_layers * m.q_size * pairs
+        attention = 4 * m.num_layers * m.q_size * pairs / n
         compute = matmul / (a.peak_flops * e.matmul) + attention / (a.peak_flops * e.attention)
-        traffic = self.weight_bytes + self.kv_bytes_per_token * (
+        traffic = self.weight_bytes / n + self.rank_kv_bytes_per_token * (
             shape.decode_context + 2 * shape.prefill_tokens)
         memory = traffic / (a.memory_bytes_per_s * e.memory)
-        return e.step_overhead_s + max(compute, memory)
+        return e.step_overhead_s + max(compute, memory) + self.collectives_s(tokens, sampled)
+
+    def collectives_s(self, tokens: int, sampled: int) -> float:
+        """A step's all-reduces (ring) and logits gather between the worker's ranks."""
+        m, a, n = self.model, self.accel, self.tp
+        if n == 1:
+            return 0.0
+        link = a.tp_link_bytes_per_s * self.eff.link
+        all_reduce = a.tp_link_latency_s + 2 * (n - 1) / n * tokens * m.hidden_size \
+            * BYTES_PER_PARAM / link
+        gather = a.tp_link_latency_s + (n - 1) * sampled * -(-m.vocab_size // n) \
+            * BYTES_PER_PARAM / link
+        return (2 * m.num_layers + 1) * all_reduce + gather
 
 
 def serving_shapes(max_model_len: int) -> list[StepShape]:
@@ -135,41 +183,55 @@ def serving_shapes(max_model_len: int) -> list[StepShape]:
 
 
 def analytic_profile(model_name: str, config: dict, accelerator: str,
-                     block_size: int = 16, eff: Efficiency = Efficiency()) -> Profile:
-    """config: a config.json's contents (NAMED_CONFIGS, or a local file's)."""
+                     block_size: int = 16, eff: Efficiency = Efficiency(),
+                     tensor_parallel_size: int = 1) -> Profile:
+    """config: a config.json's contents (NAMED_CONFIGS, or a local file's); a worker
+    of tensor_parallel_size accelerators."""
     if accelerator not in ACCELERATORS:
         raise ValueError(f"unknown accelerator {accelerator!r}: one of {sorted(ACCELERATORS)}")
     model = ModelConfig.from_hf_dict(config)
-    accel = ACCELERATORS[accelerator]
-    roof = Roofline(model, accel, eff)
+    check_tensor_parallel(model, tensor_parallel_size)
+    accel, n = ACCELERATORS[accelerator], tensor_parallel_size
+    roof = Roofline(model, accel, eff, n)
     fit = StepModel()
     fit.observe([StepTiming(shape=s, duration_s=roof.seconds(s), end_time=0.0)
                  for s in serving_shapes(model.max_position_embeddings)])
     kv_bytes_per_block = roof.kv_bytes_per_token * block_size
-    kv_room = (accel.memory_bytes * eff.gpu_memory_utilization - roof.weight_bytes
-               - eff.activation_reserve_bytes)
-    if kv_room < kv_bytes_per_block:
-        raise ValueError(f"{model_name} does not fit one {accel.name} with room for KV")
+    kv_room = (accel.memory_bytes * eff.gpu_memory_utilization - roof.weight_bytes / n
+               - eff.activation_reserve_bytes)  # on each rank
+    rank_block = roof.rank_kv_bytes_per_token * block_size
+    if kv_room < rank_block:
+        raise ValueError(f"{model_name} does not fit {n} x {accel.name} with room for KV "
+                         f"(tensor_parallel_size {n})")
+    # Each rank sends its own KV heads over its own NIC (replicas once).
+    nics = min(n, model.num_kv_heads)
     transfer = TransferCost(
         latency_s=accel.link_latency_s,
-        per_byte_s=1.0 / (accel.link_bytes_per_s * eff.link * model.num_layers))
+        per_byte_s=1.0 / (accel.link_bytes_per_s * eff.link * model.num_layers * nics))
+    devices = accel.name if n == 1 else f"{n} x {accel.name}"
+    parallel = () if n == 1 else (
+        f"tensor_parallel_size {n}: FLOPs, weights and KV heads split {n} ways; "
+        f"{2 * model.num_layers + 1} all-reduces and a logits gather a step over "
+        f"{accel.tp_link} at {accel.tp_link_bytes_per_s / 1e9:g} GB/s a device each way "
+        f"(ring), {accel.tp_link_latency_s * 1e6:g} us each; KV sent over {nics} NICs",)
     return Profile(
-        name=f"{model_name} on {accel.name} (analytic)", source="analytic",
+        name=f"{model_name} on {devices} (analytic)", source="analytic",
         step_cost=fit.cost(), transfer_cost=transfer,
-        num_kv_blocks=int(kv_room // kv_bytes_per_block), block_size=block_size,
+        num_kv_blocks=int(kv_room // rank_block), block_size=block_size,
         kv_bytes_per_block=kv_bytes_per_block, max_model_len=model.max_position_embeddings,
-        vocab_size=model.vocab_size,
-        startup_s=eff.startup_fixed_s + roof.weight_bytes / eff.weight_load_bytes_per_s,
+        vocab_size=model.vocab_size, tensor_parallel_size=n,
+        startup_s=eff.startup_fixed_s + roof.weight_bytes / n / eff.weight_load_bytes_per_s,
         notes=(f"a model, not a measurement: {accel.name} at {accel.peak_flops / 1e12:g} "
                f"TFLOPS bf16, {accel.memory_bytes_per_s / 1e12:g} TB/s, "
                f"{accel.memory_bytes / 1e9:g} GB",
                f"efficiencies: matmul {eff.matmul}, attention {eff.attention}, memory "
                f"{eff.memory}, link {eff.link}; {eff.step_overhead_s * 1e3:g} ms overhead "
                "per step",
-               "step = overhead + max(compute, memory traffic), fitted linearly over the "
-               "shapes serving sees (latency_model.StepModel)",
+               "step = overhead + max(compute, memory traffic) + collectives, fitted "
+               "linearly over the shapes serving sees (latency_model.StepModel)",
                f"KV transfer over {accel.link_bytes_per_s * 8 / 1e9:g} Gb/s, layer by layer: "
                "the last layer's share exposed, plus the handshake",
                f"{roof.layer_params / 1e9:.2f}B layer parameters, bf16 weights and KV",
+               *parallel,
                f"a new worker starts in {eff.startup_fixed_s:g} s of set-up plus its "
                f"weights read at {eff.weight_load_bytes_per_s / 1e9:g} GB/s"))

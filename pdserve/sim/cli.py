@@ -38,7 +38,13 @@ def add_sim_parser(sub) -> None:
         "colocated and adaptive, each searched (rate doubled, then bisected; a shape next "
         "to one searched starts from its rate) for the highest request rate with >= 90% "
         "SLO attainment. Each shape's row as it ends, then the table, best first.")
-    plan.add_argument("--budget", type=int, default=16, help="workers (default: %(default)s)")
+    plan.add_argument("--budget", type=int, default=16,
+                      help="devices (workers, at a tensor_parallel_size of 1) "
+                      "(default: %(default)s)")
+    plan.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=None,
+                      metavar="N", help="the tensor_parallel_size of each pool searched among "
+                      "these, prefill and decode apart (analytic profiles; sizes the model "
+                      "does not fit are left out) (default: --tensor-parallel-size)")
     plan.add_argument("--first-rate", type=float, default=1.0,
                       help="the first request rate of a shape searched with no neighbour's "
                       "rate to start from, req/s (default: %(default)s)")
@@ -71,6 +77,10 @@ def add_cluster_flags(p: argparse.ArgumentParser, pools: bool = True) -> None:
                    help="how long steps and transfers take: a JSON file from `pdserve "
                    "profile`, or analytic:<h100|h200|a100|l40s> (a model of the "
                    "accelerator, not a measurement) (default: %(default)s)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="devices per worker: with an analytic profile, the model split that "
+                   "many ways with its collectives over the node's link; a profile file "
+                   "carries its own (unset: 1, or the file's)")
     if pools:
         cli_flags.add_flags(p.add_argument_group("pools"), PoolSpec)
     cli_flags.add_flags(p.add_argument_group("routing"), RoutingSpec)
@@ -82,12 +92,14 @@ def add_cluster_flags(p: argparse.ArgumentParser, pools: bool = True) -> None:
         cli_flags.add_flags(engine, cls)
 
 
-def profile_of(args: argparse.Namespace):
-    """The profile --profile names, sized by the engine flags."""
+def profile_of(args: argparse.Namespace, tensor_parallel_size: int | None = None):
+    """The profile --profile names, sized by the engine flags, for workers of
+    tensor_parallel_size devices (default: --tensor-parallel-size)."""
     from pdserve.sim.analytic import NAMED_CONFIGS, analytic_profile
     from pdserve.sim.profile import Profile
 
     spec, block_size = args.profile, args.block_size
+    size = tensor_parallel_size or args.tensor_parallel_size
     if spec.startswith("analytic:"):
         config = NAMED_CONFIGS.get(args.model)
         if config is None:
@@ -99,7 +111,8 @@ def profile_of(args: argparse.Namespace):
             import json
             config = json.loads(path.read_text())
         try:
-            profile = analytic_profile(args.model, config, spec.split(":", 1)[1], block_size)
+            profile = analytic_profile(args.model, config, spec.split(":", 1)[1], block_size,
+                                       tensor_parallel_size=size or 1)
         except ValueError as err:
             raise SystemExit(f"pdserve sim: {err}") from None
     else:
@@ -110,16 +123,21 @@ def profile_of(args: argparse.Namespace):
         if profile.block_size != block_size:
             raise SystemExit(f"pdserve sim: the profile's blocks hold {profile.block_size} "
                              f"tokens, --block-size says {block_size}")
+        if size and size != profile.tensor_parallel_size:
+            raise SystemExit(f"pdserve sim: the profile's workers have tensor_parallel_size "
+                             f"{profile.tensor_parallel_size}, not {size}: measure one "
+                             f"with `pdserve profile --tensor-parallel-size {size}`")
     if args.num_kv_blocks:
         profile = replace(profile, num_kv_blocks=args.num_kv_blocks)
     return profile
 
 
-def setup_of(args: argparse.Namespace, pools: PoolSpec | None = None):
+def setup_of(args: argparse.Namespace, pools: PoolSpec | None = None, profile=None):
+    """The simulated cluster the flags describe (`profile`: in place of --profile's)."""
     from pdserve.sim.run import Setup
 
     try:
-        return Setup(profile=profile_of(args),
+        return Setup(profile=profile or profile_of(args),
                      pools=pools or PoolSpec(**cli_flags.values(args, PoolSpec)),
                      router=RouterConfig(
                          routing=RoutingSpec(**cli_flags.values(args, RoutingSpec)),
@@ -184,8 +202,9 @@ def _plan(args: argparse.Namespace) -> int:
         raise SystemExit("pdserve sim plan: give the SLOs (--goodput ttft:MS tpot:MS)")
     if args.jobs is not None and args.jobs < 1:
         raise SystemExit("pdserve sim plan: --jobs must be >= 1")
+    profiles = _plan_profiles(args)
     setup = setup_of(args, PoolSpec(prefill_workers=args.budget, decode_workers=0,
-                                    mode="colocated"))
+                                    mode="colocated"), profile=profiles[0][1])
     args.request_rate, args.max_concurrency = float("inf"), 0
     load = load_of(args)
     if args.min_duration is None:
@@ -196,9 +215,12 @@ def _plan(args: argparse.Namespace) -> int:
                 functools.partial(_plan_trace, args, vocab))
     search = Search(setup=setup, workload=workload, load=load, first_rate=args.first_rate,
                     iterations=args.iterations, min_requests=args.num_prompts,
-                    min_duration_s=args.min_duration)
+                    min_duration_s=args.min_duration,
+                    profiles=profiles if len(profiles) > 1 else ())
     jobs = args.jobs or os.cpu_count() or 1
-    print(f"{setup.profile.name}, {args.budget} workers, {args.workload} (each probe at "
+    sizes = "" if len(profiles) == 1 else \
+        f" of tensor_parallel_size {', '.join(str(n) for n, _ in profiles)}"
+    print(f"{setup.profile.name}, {args.budget} devices{sizes}, {args.workload} (each probe at "
           f"least {args.min_duration:.3g} s and {args.num_prompts} requests; rates within "
           f"2^-{args.iterations}), SLOs "
           f"{' '.join(args.goodput)}, routing {args.routing_policy}/{args.admission}; "
@@ -206,12 +228,36 @@ def _plan(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     found = _search_shapes(args, search, jobs)
     elapsed = time.perf_counter() - began
-    print(f"best: {found[0].name}, {found[0].goodput_per_worker:.3f} req/s per worker; "
+    print(f"best: {found[0].name}, {found[0].goodput_per_device:.3f} req/s per device; "
           f"{len(found)} shapes, {sum(len(s.probes) for s in found)} probes in "
           f"{elapsed:.0f} s")
     print(f"wrote {Path(args.out_dir) / (args.name + '.md')}, "
           f"{Path(args.out_dir) / (args.name + '.json')}")
     return 0
+
+
+def _plan_profiles(args: argparse.Namespace) -> list:
+    """(tensor_parallel_size, profile) for each size the plan searches: the sizes asked
+    for that the model fits (an analytic profile), or the profile file's own."""
+    sizes = args.tensor_parallel_sizes
+    if not sizes or not args.profile.startswith("analytic:"):
+        profile = profile_of(args)
+    if not sizes:
+        return [(profile.tensor_parallel_size, profile)]
+    if not args.profile.startswith("analytic:") and set(sizes) != {
+            profile.tensor_parallel_size}:
+        raise SystemExit("pdserve sim plan: --tensor-parallel-sizes needs an analytic "
+                         f"profile; {args.profile} is measured at tensor_parallel_size "
+                         f"{profile.tensor_parallel_size}")
+    found = []
+    for n in sorted(set(sizes)):
+        try:
+            found.append((n, profile_of(args, n)))
+        except SystemExit as why:
+            print(f"tensor_parallel_size {n} left out: {why}", flush=True)
+    if not found:
+        raise SystemExit("pdserve sim plan: the model fits none of --tensor-parallel-sizes")
+    return found
 
 
 def _plan_trace(args: argparse.Namespace, vocab: int, n: int):
@@ -231,7 +277,6 @@ def _search_shapes(args: argparse.Namespace, search, jobs: int) -> list:
     from pdserve.progress import bar
     from pdserve.sim.plan import (
         best_first,
-        name_of,
         plan,
         shapes,
         table,
@@ -240,14 +285,15 @@ def _search_shapes(args: argparse.Namespace, search, jobs: int) -> list:
     )
 
     found: list = []
-    with bar(len(shapes(args.budget)), "shapes", "shape", args.quiet) as progress:
-        def on_probe(pools, p) -> None:
+    with bar(len(shapes(args.budget, search.tp_sizes)), "shapes", "shape",
+             args.quiet) as progress:
+        def on_probe(shape, p) -> None:
             verdict = "holds" if p.holds else "fails"
             share = (f"attainment {p.attainment:.3f}" if p.attainment is not None else
                      f"certain after {p.ended}/{p.requests} requests")
-            line = (f"  {name_of(pools)}: {p.rate:.2f} req/s {verdict} ({share}; "
+            line = (f"  {shape.name}: {p.rate:.2f} req/s {verdict} ({share}; "
                     f"{p.wall_s:.1f} s)")
-            progress.set_postfix_str(f"{name_of(pools)} {p.rate:.1f} req/s {verdict}")
+            progress.set_postfix_str(f"{shape.name} {p.rate:.1f} req/s {verdict}")
             if not progress.disable:
                 progress.write(line)
 
@@ -277,8 +323,11 @@ def _write_plan(args: argparse.Namespace, search, found: list, complete: bool) -
         "admission": args.admission, "min_duration_s": args.min_duration,
         "iterations": args.iterations, "shapes": [
             {"pools": s.name, "mode": s.pools.mode, "prefill_workers": s.pools.prefill_workers,
-             "decode_workers": s.pools.decode_workers, "max_rate": s.max_rate,
-             "goodput_per_worker": s.goodput_per_worker,
+             "decode_workers": s.pools.decode_workers, "devices": s.devices,
+             "prefill_tensor_parallel_size": s.shape.prefill_tp if s.shape else 1,
+             "decode_tensor_parallel_size": s.shape.decode_tp if s.shape else 1,
+             "max_rate": s.max_rate, "goodput_per_worker": s.goodput_per_worker,
+             "goodput_per_device": s.goodput_per_device,
              "probes": [{"rate": p.rate, "holds": p.holds, "attainment": p.attainment,
                          "ended": p.ended, "requests": p.requests, "wall_s": p.wall_s}
                         for p in s.probes]} for s in found]}, indent=2))

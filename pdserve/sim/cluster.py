@@ -35,13 +35,22 @@ class SimCluster:
                  seed: int = 0, tokens: Callable[[str], TokenSource] | None = None,
                  tokenizer: Tokenizer | None = None, eos_token_ids: tuple[int, ...] = (),
                  model_name: str | None = None, router_id: str = ROUTER_ID,
-                 registry: PoolRegistry | None = None):
+                 registry: PoolRegistry | None = None, prefill_profile: Profile | None = None):
         """tokens(worker_id): each worker's token source (default: synthetic);
         tokenizer: the router's (default: none, token ids only); registry: the
         router's (default: what router_config.shared asks for; a pool of simulated
-        workers lives in one process: other replicas cannot attach to it)."""
+        workers lives in one process: other replicas cannot attach to it);
+        prefill_profile: the workers started as prefill workers' (another
+        tensor_parallel_size), where it differs from `profile`."""
+        if prefill_profile is not None and (
+                prefill_profile.kv_bytes_per_block, prefill_profile.block_size,
+                prefill_profile.max_model_len, prefill_profile.vocab_size) != (
+                profile.kv_bytes_per_block, profile.block_size, profile.max_model_len,
+                profile.vocab_size):
+            raise ValueError("the prefill profile must be of the same model and blocks")
         self.router_id, self.registry = router_id, registry
         self.profile, self.pools, self.scheduler = profile, pools, scheduler
+        self.prefill_profile = prefill_profile
         self.router_config = replace(router_config, adaptive=pools.mode == "adaptive")
         self.prefix_caching, self.seed, self.tokens = prefix_caching, seed, tokens
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
@@ -94,7 +103,10 @@ class SimCluster:
     def _create(self, role: str) -> SimWorker:
         worker_id = f"{role}-{next(self._numbers[role])}"
         # self.workers is every worker's peers too: a transfer finds its target there
-        worker = SimWorker(worker_id, role, self.profile, self.scheduler, self.workers,
+        # A worker keeps the profile it started with (its devices) through role flips.
+        profile = self.prefill_profile if role == "prefill" and self.prefill_profile \
+            else self.profile
+        worker = SimWorker(worker_id, role, profile, self.scheduler, self.workers,
                            seed=zlib.crc32(f"{self.seed}:{worker_id}".encode()),
                            tokens=self.tokens(worker_id) if self.tokens else None,
                            prefix_caching=self.prefix_caching,

@@ -275,25 +275,36 @@ def refit(profile: Profile, steps: Sequence[StepTiming], transfers: Sequence[Tra
 def measure(config: EngineConfig, *, transfer: bool = True, repeats: int = 3) -> Profile:
     import torch
 
-    from pdserve.engine.engine import LLMEngine
+    from pdserve.llm import start_engine, stop_engine
 
     began = time.perf_counter()
-    engine = LLMEngine(config)
-    startup_s = time.perf_counter() - began  # weights read, device set up, KV allocated
-    rounds = engine_rounds(engine)
-    steps = fit_steps(measure_steps(engine, repeats=repeats))
-    cache = _cache_fields(engine)
-    model_name = Path(engine.config.model).name
+    engine, ranks = start_engine(config)  # at tensor_parallel_size > 1, its ranks on Ray
+    try:
+        startup_s = time.perf_counter() - began  # weights read, device set up, KV allocated
+        rounds = engine_rounds(engine)
+        steps = fit_steps(measure_steps(engine, repeats=repeats))
+        cache = _cache_fields(engine)
+        model_name = Path(engine.config.model).name
+    finally:
+        stop_engine(engine, ranks)
     del engine  # the pair below needs its device memory
     gc.collect()
     if config.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    transfer_cost, transfer_note = (
-        _measured_transfer(config, cache["max_model_len"], repeats) if transfer
-        else (DEFAULT_TRANSFER_COST, "KV transfer not measured: latency_model's default cost"))
+    tp = config.tensor_parallel_size
+    if transfer and tp > 1:
+        transfer_cost, transfer_note = DEFAULT_TRANSFER_COST, (
+            f"KV transfer not measured: served workers do not take tensor_parallel_size "
+            f"{tp} yet; latency_model's default cost")
+    else:
+        transfer_cost, transfer_note = (
+            _measured_transfer(config, cache["max_model_len"], repeats) if transfer
+            else (DEFAULT_TRANSFER_COST,
+                  "KV transfer not measured: latency_model's default cost"))
     machine = machine_name(config.device)
     return Profile(
-        name=f"{model_name} on {config.device} ({machine})", source="measured",
+        name=f"{model_name} on {config.device if tp == 1 else f'{tp} x {config.device}'} "
+             f"({machine})", source="measured", tensor_parallel_size=tp,
         step_cost=steps.cost, transfer_cost=transfer_cost, step_noise=steps.noise,
         startup_s=startup_s,
         notes=(f"machine: {machine}, {os.cpu_count()} CPUs, {platform.platform()}",
@@ -312,6 +323,7 @@ def _cache_fields(engine: LLMEngine) -> dict:
     from pdserve.engine.kv_cache import bytes_per_block
 
     blocks, model = engine.block_manager, engine.model_config
+    # The whole worker's bytes of a block (every rank's heads): what a transfer moves.
     return dict(num_kv_blocks=blocks.num_blocks, block_size=blocks.block_size,
                 kv_bytes_per_block=bytes_per_block(model, blocks.block_size,
                                                    engine.runner.dtype),

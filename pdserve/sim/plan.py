@@ -1,6 +1,8 @@
-"""`pdserve sim plan`: for a profile, a workload, SLOs and a worker budget, which pool
-shape serves the most goodput per worker? Every P:D split of the budget, colocated
-and adaptive, each searched as DistServe searches a placement: the highest request
+"""`pdserve sim plan`: for a profile, a workload, SLOs and a device budget, which pool
+shape serves the most goodput per device? Every P:D split of the budget, colocated
+and adaptive, for each tensor_parallel_size of prefill and of decode workers searched
+(DistServe's method: each phase's parallelism chosen apart), each searched as
+DistServe searches a placement: the highest request
 rate whose SLO attainment is at least the target. A probe sends requests for at least
 `min_duration_s` at its rate (so a high rate is held long enough to show whether it
 holds), drawn from the same seeded workload, through a fresh simulated cluster.
@@ -36,6 +38,7 @@ from pdserve.bench.workloads import BenchRequest
 from pdserve.router.config import PoolSpec
 from pdserve.sim import virtual_time
 from pdserve.sim.driver import Load
+from pdserve.sim.profile import Profile
 from pdserve.sim.run import Setup, run_requests
 
 _MIN_DURATION_S = 5.0
@@ -55,18 +58,52 @@ class Probe:
 
 
 @dataclass(frozen=True)
+class Shape:
+    """A pool shape a plan searches: the pools, and each pool's tensor_parallel_size
+    (the devices one of its workers takes)."""
+    pools: PoolSpec
+    prefill_tp: int = 1  # disaggregated: each prefill worker's
+    decode_tp: int = 1  # each decode worker's; colocated and adaptive: every worker's
+
+    @property
+    def devices(self) -> int:
+        p = self.pools
+        if p.mode == "disaggregated":
+            return p.prefill_workers * self.prefill_tp + p.decode_workers * self.decode_tp
+        return p.num_engine * self.decode_tp
+
+    @property
+    def name(self) -> str:
+        base = name_of(self.pools)
+        if self.prefill_tp == self.decode_tp == 1:
+            return base
+        if self.pools.mode == "disaggregated":
+            return f"{base} TP {self.prefill_tp}:{self.decode_tp}"
+        return f"{base} TP {self.decode_tp}"
+
+
+@dataclass(frozen=True)
 class Searched:
     pools: PoolSpec
     max_rate: float  # the highest rate probed that held (0: none)
     probes: tuple[Probe, ...]
+    shape: Shape | None = None  # what was searched (its pools are `pools`)
 
     @property
     def name(self) -> str:
-        return name_of(self.pools)
+        return self.shape.name if self.shape else name_of(self.pools)
+
+    @property
+    def devices(self) -> int:
+        return self.shape.devices if self.shape else len(self.pools.roles)
 
     @property
     def goodput_per_worker(self) -> float:
         return self.max_rate / len(self.pools.roles)
+
+    @property
+    def goodput_per_device(self) -> float:
+        return self.max_rate / self.devices
 
 
 def name_of(pools: PoolSpec) -> str:
@@ -74,31 +111,64 @@ def name_of(pools: PoolSpec) -> str:
             if pools.mode == "disaggregated" else f"{pools.mode} x{pools.num_engine}")
 
 
-def shapes(budget: int) -> list[PoolSpec]:
-    """Every way to spend `budget` workers: each P:D split, all colocated, all adaptive."""
-    if budget < 2:
-        raise ValueError("a plan needs a budget of at least 2 workers")
-    return ([PoolSpec(prefill_workers=p, decode_workers=budget - p) for p in range(1, budget)]
-            + [PoolSpec(prefill_workers=0, decode_workers=budget, mode=mode)
-               for mode in ("colocated", "adaptive")])
+def shapes(budget: int, tp_sizes: tuple[int, ...] = (1,)) -> list[Shape]:
+    """Every way to spend `budget` devices with workers of the given sizes: for each
+    (prefill, decode) tensor_parallel_size pair, each P:D split that leaves fewer
+    devices than a decode worker takes unused; then for each size, all colocated and
+    all adaptive (DistServe's search over each phase's parallelism)."""
+    smallest = min(tp_sizes)
+    if budget < 2 * smallest:
+        raise ValueError(f"a plan needs a budget of at least {2 * smallest} devices")
+    found = []
+    for prefill_tp in tp_sizes:
+        for decode_tp in tp_sizes:
+            for p in range(1, budget):
+                d = (budget - p * prefill_tp) // decode_tp
+                if d < 1:
+                    break
+                found.append(Shape(PoolSpec(prefill_workers=p, decode_workers=d),
+                                   prefill_tp, decode_tp))
+    for tp in tp_sizes:
+        n = budget // tp
+        for mode in ("colocated", "adaptive"):
+            if n >= (1 if mode == "colocated" else 2):
+                found.append(Shape(PoolSpec(prefill_workers=0, decode_workers=n, mode=mode),
+                                   tp, tp))
+    return found
 
 
-def neighbours(budget: int) -> list[int | None]:
-    """For each of shapes(budget), the index of the shape it starts from, or None for
-    a search from the first rate: the even split and colocated. A split d workers from
-    the even one starts from the split two nearer (one, next to it), adaptive from
-    colocated. A chain of splits is searched one after another; stepping by two makes
-    two chains on each side of the even split, each half as long as a chain of every
-    split: with 16 workers the high-rate splits were a chain of 8 searches (7 now 4),
-    most of the plan's wall time with two jobs."""
-    even = budget // 2
-
-    def after(p: int) -> int | None:
-        if p == even:
-            return None
-        toward = 2 if abs(p - even) >= 2 else 1
-        return p + (toward if p < even else -toward) - 1  # shapes()[i]: i + 1 prefill
-    return [after(p) for p in range(1, budget)] + [None, budget - 1]
+def neighbours(all_shapes: list[Shape]) -> list[int | None]:
+    """For each shape, the index of the shape it starts from, or None for a search
+    from the first rate: each family's even split (prefill and decode devices nearest
+    equal) and colocated. A split k splits from its family's even one starts from the
+    split two nearer (one, next to it), adaptive from colocated of its size. A chain
+    of splits is searched one after another; stepping by two makes two chains on each
+    side of the even split, each half as long as a chain of every split: with 16
+    workers the high-rate splits were a chain of 8 searches (7 now 4), most of the
+    plan's wall time with two jobs."""
+    after: list[int | None] = [None] * len(all_shapes)
+    families: dict[tuple[int, int], list[int]] = {}
+    colocated: dict[int, int] = {}
+    for i, s in enumerate(all_shapes):
+        if s.pools.mode == "disaggregated":
+            families.setdefault((s.prefill_tp, s.decode_tp), []).append(i)
+        elif s.pools.mode == "colocated":
+            colocated[s.decode_tp] = i
+    for members in families.values():
+        def imbalance(i: int) -> tuple[int, int]:
+            s = all_shapes[i]
+            p = s.pools
+            return abs(p.prefill_workers * s.prefill_tp - p.decode_workers * s.decode_tp), \
+                p.prefill_workers
+        even = members.index(min(members, key=imbalance))
+        for j, i in enumerate(members):
+            if j != even:
+                toward = 2 if abs(j - even) >= 2 else 1
+                after[i] = members[j + toward if j < even else j - toward]
+    for i, s in enumerate(all_shapes):
+        if s.pools.mode == "adaptive":
+            after[i] = colocated.get(s.decode_tp)
+    return after
 
 
 def min_duration_s(slo: SLO, iterations: int, target: float = TARGET_ATTAINMENT) -> float:
@@ -250,25 +320,39 @@ class Search:
     iterations: int = 5
     min_requests: int = 100
     min_duration_s: float = 20.0
+    # (tensor_parallel_size, its workers' profile) for each size searched; empty:
+    # setup.profile for every worker, a size of 1.
+    profiles: tuple[tuple[int, Profile], ...] = ()
 
-    def run(self, pools: PoolSpec, start: float | None,
+    @property
+    def tp_sizes(self) -> tuple[int, ...]:
+        return tuple(n for n, _ in self.profiles) or (1,)
+
+    def run(self, shape: Shape, start: float | None,
             on_probe: Callable[[Probe], None] | None = None) -> Searched:
         """One shape's search, from a neighbour's rate (`start`) or the first rate."""
         near = start is not None and start > 0
-        return max_rate(replace(self.setup, pools=pools), self.workload, self.load,
-                        start if near else self.first_rate, self.iterations,
-                        self.min_requests, self.min_duration_s,
-                        growth=NEIGHBOUR_GROWTH if near else 2.0, on_probe=on_probe)
+        setup = replace(self.setup, pools=shape.pools)
+        if self.profiles:
+            by_size = dict(self.profiles)
+            setup = replace(setup, profile=by_size[shape.decode_tp], prefill_profile=(
+                by_size[shape.prefill_tp] if shape.prefill_tp != shape.decode_tp else None))
+        found = max_rate(setup, self.workload, self.load,
+                         start if near else self.first_rate, self.iterations,
+                         self.min_requests, self.min_duration_s,
+                         growth=NEIGHBOUR_GROWTH if near else 2.0, on_probe=on_probe)
+        return replace(found, shape=shape)
 
 
 def plan(search: Search, budget: int, jobs: int = 1,
-         on_probe: Callable[[PoolSpec, Probe], None] | None = None) -> Iterator[Searched]:
-    """Each shape's search, yielded as it ends: one after another in this process, or
-    (jobs > 1) `jobs` at once, each in a process of its own. on_probe(pools, probe):
-    each probe as it ends."""
+         on_probe: Callable[[Shape, Probe], None] | None = None) -> Iterator[Searched]:
+    """Each shape's search (shapes(budget, search.tp_sizes)), yielded as it ends: one
+    after another in this process, or (jobs > 1) `jobs` at once, each in a process of
+    its own. on_probe(shape, probe): each probe as it ends."""
     if jobs < 1:
         raise ValueError("jobs must be >= 1")
-    all_shapes, after = shapes(budget), neighbours(budget)
+    all_shapes = shapes(budget, search.tp_sizes)
+    after = neighbours(all_shapes)
     results: dict[int, Searched] = {}
 
     def ready() -> list[int]:
@@ -285,9 +369,9 @@ def plan(search: Search, budget: int, jobs: int = 1,
     if jobs == 1:
         while len(results) < len(all_shapes):
             i = ready()[0]
-            pools = all_shapes[i]
-            results[i] = search.run(pools, start_of(i),
-                                    on_probe and (lambda p, pools=pools: on_probe(pools, p)))
+            shape = all_shapes[i]
+            results[i] = search.run(shape, start_of(i),
+                                    on_probe and (lambda p, shape=shape: on_probe(shape, p)))
             yield results[i]
         return
     context = multiprocessing.get_context("spawn")
@@ -307,8 +391,8 @@ def plan(search: Search, budget: int, jobs: int = 1,
                 yield results[i]
 
 
-def _run_in_child(search: Search, pools: PoolSpec, start: float | None, events) -> Searched:
-    return search.run(pools, start, lambda p: events.put((pools, p)))
+def _run_in_child(search: Search, shape: Shape, start: float | None, events) -> Searched:
+    return search.run(shape, start, lambda p: events.put((shape, p)))
 
 
 def _drain(events, on_probe, wait_s: float) -> None:
@@ -316,25 +400,26 @@ def _drain(events, on_probe, wait_s: float) -> None:
     timeout: float | None = wait_s
     while True:
         try:
-            pools, p = events.get(timeout=timeout) if timeout else events.get_nowait()
+            shape, p = events.get(timeout=timeout) if timeout else events.get_nowait()
         except queue.Empty:
             return
         timeout = None
         if on_probe is not None:
-            on_probe(pools, p)
+            on_probe(shape, p)
 
 
 def best_first(found: list[Searched]) -> list[Searched]:
-    return sorted(found, key=lambda s: (-s.goodput_per_worker, s.name))
+    return sorted(found, key=lambda s: (-s.goodput_per_device, s.name))
 
 
 def table_header(target: float = TARGET_ATTAINMENT) -> str:
-    return (f"| pools | highest rate with >= {target:.0%} attainment (req/s) | goodput per "
-            "worker (req/s) | probes |\n|---|---|---|---|\n")
+    return (f"| pools | devices | highest rate with >= {target:.0%} attainment (req/s) | "
+            "goodput per device (req/s) | probes |\n|---|---|---|---|---|\n")
 
 
 def table_row(s: Searched) -> str:
-    return f"| {s.name} | {s.max_rate:.2f} | {s.goodput_per_worker:.3f} | {len(s.probes)} |\n"
+    return (f"| {s.name} | {s.devices} | {s.max_rate:.2f} | {s.goodput_per_device:.3f} | "
+            f"{len(s.probes)} |\n")
 
 
 def table(found: list[Searched], target: float = TARGET_ATTAINMENT) -> str:

@@ -12,7 +12,10 @@ On disk it is JSON (docs/simulator.md):
                    "decode_context_s"},
      "transfer_cost": {"latency_s", "per_byte_s"},
      "num_kv_blocks", "block_size", "kv_bytes_per_block", "max_model_len",
-     "vocab_size", "step_noise", "startup_s", "notes": [...]}"""
+     "vocab_size", "tensor_parallel_size", "step_noise", "startup_s", "notes": [...]}
+
+A worker of tensor_parallel_size N takes N devices; its num_kv_blocks and
+kv_bytes_per_block are the worker's (each block's bytes over all its ranks)."""
 from __future__ import annotations
 
 import json
@@ -36,6 +39,7 @@ class Profile:
     kv_bytes_per_block: int  # one block's KV, all layers (what a transfer moves)
     max_model_len: int
     vocab_size: int
+    tensor_parallel_size: int = 1  # devices a worker takes (its ranks)
     # Relative spread of a step's duration around its cost (the measured fit's
     # residuals, as a standard deviation): the simulator draws each step's from it.
     step_noise: float = 0.0
@@ -47,7 +51,8 @@ class Profile:
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, not {self.source!r}")
-        for name in ("num_kv_blocks", "block_size", "max_model_len", "vocab_size"):
+        for name in ("num_kv_blocks", "block_size", "max_model_len", "vocab_size",
+                     "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.kv_bytes_per_block < 0 or not 0 <= self.step_noise < 1:

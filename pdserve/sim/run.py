@@ -27,10 +27,22 @@ class Setup:
     scheduler: SchedulerConfig = SchedulerConfig()
     prefix_caching: bool = True
     seed: int = 0  # the workers' step noise
+    # The prefill pool's workers where they differ from the others (another
+    # tensor_parallel_size); None: `profile` for every worker.
+    prefill_profile: Profile | None = None
 
     @property
     def num_workers(self) -> int:
         return len(self.pools.roles)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(self.profile_of(role).tensor_parallel_size for role in self.pools.roles)
+
+    def profile_of(self, role: str) -> Profile:
+        """The profile of a worker that starts in `role`."""
+        return self.prefill_profile if role == "prefill" and self.prefill_profile else \
+            self.profile
 
 
 def simulate(setup: Setup, requests: Iterable[BenchRequest], load: Load,
@@ -54,7 +66,8 @@ def run_requests(setup: Setup, requests: Iterable[BenchRequest], load: Load,
     """The workload through a fresh simulated cluster: the records (of those that ended,
     when `until` stopped it: drive's), the virtual seconds it ran, and the cluster."""
     cluster = SimCluster(setup.profile, setup.pools, setup.router, setup.scheduler,
-                         prefix_caching=setup.prefix_caching, seed=setup.seed)
+                         prefix_caching=setup.prefix_caching, seed=setup.seed,
+                         prefill_profile=setup.prefill_profile)
 
     async def run() -> tuple[list, float]:
         router = await cluster.start()

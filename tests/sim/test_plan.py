@@ -24,6 +24,7 @@ from pdserve.sim.driver import Load
 from pdserve.sim.plan import (
     Draws,
     Search,
+    Shape,
     max_rate,
     min_duration_s,
     neighbours,
@@ -38,9 +39,32 @@ SLO_ = SLO(ttft_ms=300, tpot_ms=30)
 
 
 def test_a_budget_s_shapes_are_every_split_colocated_and_adaptive():
-    found = [(p.mode, p.prefill_workers, p.decode_workers) for p in shapes(4)]
-    assert found == [("disaggregated", 1, 3), ("disaggregated", 2, 2),
-                     ("disaggregated", 3, 1), ("colocated", 0, 4), ("adaptive", 0, 4)]
+    found = [(s.pools.mode, s.pools.prefill_workers, s.pools.decode_workers, s.devices)
+             for s in shapes(4)]
+    assert found == [("disaggregated", 1, 3, 4), ("disaggregated", 2, 2, 4),
+                     ("disaggregated", 3, 1, 4), ("colocated", 0, 4, 4), ("adaptive", 0, 4, 4)]
+
+
+def test_each_pool_s_tensor_parallel_size_is_searched_within_the_device_budget():
+    """DistServe's search: the parallelism of each phase chosen apart. 16 devices in
+    workers of 4 or 8: every split that leaves less than a decode worker unused."""
+    found = {s.name: s.devices for s in shapes(16, (4, 8))}
+    assert found == {
+        "1P:3D TP 4:4": 16, "2P:2D TP 4:4": 16, "3P:1D TP 4:4": 16,
+        "1P:1D TP 4:8": 12, "2P:1D TP 4:8": 16, "1P:2D TP 8:4": 16, "1P:1D TP 8:8": 16,
+        "colocated x4 TP 4": 16, "adaptive x4 TP 4": 16, "colocated x2 TP 8": 16,
+        "adaptive x2 TP 8": 16}
+    with pytest.raises(ValueError, match="at least 16 devices"):
+        shapes(12, (8,))
+    all_ = shapes(16, (4, 8))
+    after = dict(zip((s.name for s in all_), (None if a is None else all_[a].name
+                                              for a in neighbours(all_))))
+    assert after == {
+        "1P:3D TP 4:4": "2P:2D TP 4:4", "2P:2D TP 4:4": None, "3P:1D TP 4:4": "2P:2D TP 4:4",
+        "1P:1D TP 4:8": "2P:1D TP 4:8", "2P:1D TP 4:8": None, "1P:2D TP 8:4": None,
+        "1P:1D TP 8:8": None, "colocated x4 TP 4": None,
+        "adaptive x4 TP 4": "colocated x4 TP 4", "colocated x2 TP 8": None,
+        "adaptive x2 TP 8": "colocated x2 TP 8"}
 
 
 def test_the_search_brackets_the_highest_rate_that_holds():
@@ -116,12 +140,13 @@ def test_a_probe_lasts_long_enough_for_a_rate_one_bracket_too_high_to_fail():
 
 
 def test_each_split_starts_from_the_split_two_nearer_the_even_one():
-    named = dict(zip((f"{p.prefill_workers}:{p.mode}" for p in shapes(6)), neighbours(6)))
+    named = dict(zip((f"{s.pools.prefill_workers}:{s.pools.mode}" for s in shapes(6)),
+                     neighbours(shapes(6))))
     assert named == {"1:disaggregated": 2, "2:disaggregated": 2, "3:disaggregated": None,
                      "4:disaggregated": 2, "5:disaggregated": 2, "0:colocated": None,
                      "0:adaptive": 5}
     # 16 workers: two chains each side of 8 prefill workers, none longer than 4
-    after = neighbours(16)
+    after = neighbours(shapes(16))
 
     def chain(i: int) -> int:
         return 0 if after[i] is None else 1 + chain(after[i])
@@ -142,9 +167,9 @@ def small_search() -> Search:
 
 def test_a_neighbour_s_start_needs_fewer_probes_and_finds_the_rate_within_precision():
     search = small_search()
-    cold = search.run(PoolSpec(0, 2, mode="adaptive"), None)
-    colocated = search.run(PoolSpec(0, 2, mode="colocated"), None)
-    warm = search.run(PoolSpec(0, 2, mode="adaptive"), colocated.max_rate)
+    cold = search.run(Shape(PoolSpec(0, 2, mode="adaptive")), None)
+    colocated = search.run(Shape(PoolSpec(0, 2, mode="colocated")), None)
+    warm = search.run(Shape(PoolSpec(0, 2, mode="adaptive")), colocated.max_rate)
     assert warm.probes[0].rate == colocated.max_rate
     assert len(warm.probes) < len(cold.probes)
     assert warm.max_rate == pytest.approx(cold.max_rate, rel=2 * 2 ** -search.iterations)
@@ -188,3 +213,53 @@ def test_a_stopped_plan_keeps_the_shapes_it_found(tmp_path):
     assert not written["complete"] and [s["pools"] for s in written["shapes"]] == [first]
     assert f"{written['shapes'][0]['max_rate']:.2f}" in row
     assert "req/s holds" not in err and "shapes" not in err  # quiet off a terminal
+
+
+def test_a_shape_s_pools_run_on_their_own_tensor_parallel_size_s_profile():
+    """A prefill pool of TP-2 workers beside TP-1 decode workers: each worker's steps
+    take its own profile's time, and the goodput is per device (3 here)."""
+    from dataclasses import replace
+
+    from pdserve.sim import virtual_time
+    from pdserve.sim.cluster import SimCluster
+    one = small_profile()
+    two = replace(one, tensor_parallel_size=2, step_cost=replace(
+        one.step_cost, prefill_token_s=one.step_cost.prefill_token_s / 2))
+    setup = Setup(profile=one, pools=PoolSpec(1, 1), prefill_profile=two)
+    assert setup.num_devices == 3
+
+    async def started() -> dict:
+        cluster = SimCluster(one, PoolSpec(1, 1), prefill_profile=two)
+        await cluster.start()
+        try:
+            return {w.role: w.profile.tensor_parallel_size for w in cluster.workers.values()}
+        finally:
+            await cluster.stop()
+    with virtual_time.sim_collector():
+        assert virtual_time.run(started()) == {"prefill": 2, "decode": 1}
+    search = replace(small_search(), profiles=((1, one), (2, two)))
+    found = search.run(Shape(PoolSpec(1, 1), prefill_tp=2, decode_tp=1), None)
+    assert found.name == "1P:1D TP 2:1" and found.devices == 3
+    assert found.max_rate > 0 and found.goodput_per_device == found.max_rate / 3
+    with pytest.raises(ValueError, match="same model and blocks"):
+        SimCluster(one, PoolSpec(1, 1), prefill_profile=replace(two, block_size=32))
+
+
+def test_the_command_searches_each_pool_s_tensor_parallel_size(tmp_path, capsys):
+    """An analytic 70B on 8 H100s: sizes it does not fit are left out, saying why; each
+    shape's row names its sizes and devices."""
+    assert main(["sim", "plan", "--budget", "8", "--model", "llama-3-70b", "--profile",
+                 "analytic:h100", "--tensor-parallel-sizes", "2", "4", "8",
+                 "--workload", "azure-code", "--scale", "0.1", "--num-prompts", "40",
+                 "--min-duration", "2", "--iterations", "2", "--first-rate", "2",
+                 "--goodput", "ttft:1000", "tpot:100", "--jobs", "1",
+                 "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tensor_parallel_size 2 left out: pdserve sim: llama-3-70b does not fit 2 x" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    found = {s["pools"]: (s["devices"], s["prefill_tensor_parallel_size"],
+                          s["decode_tensor_parallel_size"]) for s in plan["shapes"]}
+    assert found == {"1P:1D TP 4:4": (8, 4, 4), "colocated x2 TP 4": (8, 4, 4),
+                     "adaptive x2 TP 4": (8, 4, 4), "colocated x1 TP 8": (8, 8, 8)}
+    per_device = [s["goodput_per_device"] for s in plan["shapes"]]
+    assert per_device == sorted(per_device, reverse=True) and per_device[0] > 0

@@ -1,0 +1,158 @@
+"""The other ranks of a tensor-parallel worker: Ray actors in one placement group.
+
+    ranks = start_ranks(config)              # or start_ranks(config, pg): rank 0 is
+    engine = LLMEngine(config, ranks.group)  # already in bundle 0 of `pg`
+    ...
+    engine.close(); ranks.shutdown()
+
+A placement group of one bundle per rank (its device, and a CPU), STRICT_PACK: every
+rank on rank 0's node (the gloo and NCCL groups are node-local). Without one given,
+start_ranks makes one whose bundle 0 is pinned to this process's node and is its own
+to remove; on CUDA, rank 0 then computes on the GPU Ray gives bundle 0 (Ranks.device),
+so no other rank's bundle shares it. Rank 0 serves a rendezvous store on the node's address under a random key
+space, the others join it; the groups are formed before any weight loads."""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_path import resolve_model_path
+from pdserve.engine.parallel.group import TensorParallelGroup
+from pdserve.engine.parallel.sharding import check_tensor_parallel
+from pdserve.kv_transfer import rendezvous
+
+log = logging.getLogger(__name__)
+JOIN_TIMEOUT_S = 180.0  # rank actors start, import torch and join the store
+
+
+def bundle(config: EngineConfig) -> dict[str, float]:
+    """What one rank holds: its device, and a CPU to drive it."""
+    return {"CPU": 1.0, "GPU": 1.0} if config.device.startswith("cuda") else {"CPU": 1.0}
+
+
+@ray.remote
+class RankActor:
+    """Rank r > 0: joins the group, loads its shard, computes what rank 0 broadcasts."""
+
+    def __init__(self, config: EngineConfig, rank: int, size: int):
+        self.config, self.rank, self.size = config, rank, size
+
+    def serve(self, host: str, port: int, key: str) -> int:
+        """Returns the steps it computed once rank 0 says stop; raises if the group
+        broke (rank 0 lost, a step failed)."""
+        from pdserve.engine.parallel.follower import Follower
+        store = rendezvous.scoped(rendezvous.connect(host, port, JOIN_TIMEOUT_S), key)
+        group = TensorParallelGroup.join(store, self.rank, self.size,
+                                         ray.util.get_node_ip_address(),
+                                         torch.device(self.config.device))
+        return Follower(self.config, group).serve()
+
+
+class Ranks:
+    """Ranks 1..N-1 of the worker whose rank 0 is this process, and its group."""
+
+    def __init__(self, group: TensorParallelGroup, store, actors: list, serving: list,
+                 placement: PlacementGroup, owns_placement: bool, device: str):
+        self.group = group
+        self.device = device  # rank 0's: on CUDA, the GPU its bundle holds
+        self.store = store  # the group's rendezvous: it lives as long as the group
+        self.actors = actors
+        self._serving = serving  # each actor's serve() call
+        self.placement = placement
+        self._owns_placement = owns_placement
+
+    def lost(self) -> list[int]:
+        """The ranks whose serve() ended (any ending before shutdown is a failure)."""
+        done, _ = ray.wait(self._serving, num_returns=len(self._serving), timeout=0)
+        return [1 + self._serving.index(ref) for ref in done]
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """After the engine's close() (which tells the ranks to stop): waits for them
+        a bounded time, then kills them, and removes the placement group it made."""
+        self.group.close()  # already closed by the engine's close, unless it failed
+        if self._serving:
+            ray.wait(self._serving, num_returns=len(self._serving), timeout=timeout_s)
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors, self._serving = [], []
+        if self._owns_placement:
+            remove_placement_group(self.placement)
+            self._owns_placement = False
+
+
+def start_ranks(config: EngineConfig, placement: PlacementGroup | None = None,
+                timeout_s: float = JOIN_TIMEOUT_S) -> Ranks:
+    """Ranks 1..N-1 started in `placement` (bundles 1..N-1; this process is rank 0,
+    in bundle 0) or in a placement group made here; returns once all joined."""
+    size = config.tensor_parallel_size
+    check_tensor_parallel(ModelConfig.from_dir(resolve_model_path(config.model)), size)
+    host = ray.util.get_node_ip_address()
+    owns = placement is None
+    if owns:
+        bundles = [bundle(config) for _ in range(size)]
+        bundles[0][f"node:{host}"] = 0.001  # rank 0 is here: the group is too
+        placement = placement_group(bundles, strategy="STRICT_PACK",
+                                    name=f"pdserve-tp-{secrets.token_hex(4)}")
+    actors: list = []
+    try:
+        ready, _ = ray.wait([placement.ready()], timeout=timeout_s)
+        if not ready:
+            raise TimeoutError(f"tensor_parallel_size {size}: no node could place {size} "
+                               f"bundles of {bundle(config)} within {timeout_s:g}s")
+        device = config.device
+        if owns and device.startswith("cuda"):  # this process is bundle 0's: its GPU
+            gpu = ray.get(_bundle_gpu.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement, placement_group_bundle_index=0), num_cpus=0, num_gpus=1).remote(),
+                timeout=timeout_s)
+            device = f"cuda:{_local_index(gpu)}"
+        key = secrets.token_hex(16)
+        store = rendezvous.serve(host, timeout_s)
+        began = time.monotonic()
+        for rank in range(1, size):
+            actors.append(RankActor.options(
+                **_resources(config), scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement, placement_group_bundle_index=rank)).remote(config, rank, size))
+        serving = [a.serve.remote(host, store.port, key) for a in actors]
+        group = TensorParallelGroup.join(rendezvous.scoped(store, key), 0, size, host,
+                                         torch.device(device))
+        log.info("tensor-parallel group of %d joined in %.1fs", size, time.monotonic() - began)
+        return Ranks(group, store, actors, serving, placement, owns, device)
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        if owns:
+            remove_placement_group(placement)
+        raise
+
+
+@ray.remote
+def _bundle_gpu() -> int:
+    """The GPU Ray gives a bundle (run in it): where rank 0 computes, so that no other
+    rank's bundle shares it."""
+    return int(ray.get_gpu_ids()[0])
+
+
+def _local_index(gpu: int) -> int:
+    """A node GPU id as this process numbers its devices (CUDA_VISIBLE_DEVICES)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return gpu
+    ids = [v.strip() for v in visible.split(",")]
+    if str(gpu) not in ids:
+        raise RuntimeError(f"rank 0's GPU {gpu} is not among this process's "
+                           f"CUDA_VISIBLE_DEVICES={visible}")
+    return ids.index(str(gpu))
+
+
+def _resources(config: EngineConfig) -> dict:
+    each = bundle(config)
+    return {"num_cpus": each["CPU"], "num_gpus": each.get("GPU", 0)}
