@@ -251,8 +251,8 @@ class ModelRunner:
                  pad_to: int | None = None) -> StepInputs:
         """The step's inputs: token ids, positions, the slots and block tables the
         attention backend's metadata is built from, the rows to sample (then the
-        verified ones). pad_to: a decode-only step padded to that many rows, each decoding token 0 at
-        position 0 in the scratch block."""
+        verified ones). pad_to: a decode-only step padded to that many rows, each
+        decoding token 0 at position 0 in the scratch block."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []

@@ -9,8 +9,9 @@ A placement group of one bundle per rank (its device, and a CPU), STRICT_PACK: e
 rank on rank 0's node (the gloo and NCCL groups are node-local). Without one given,
 start_ranks makes one whose bundle 0 is pinned to this process's node and is its own
 to remove; on CUDA, rank 0 then computes on the GPU Ray gives bundle 0 (Ranks.device),
-so no other rank's bundle shares it. Rank 0 serves a rendezvous store on the node's address under a random key
-space, the others join it; the groups are formed before any weight loads."""
+so no other rank's bundle shares it. Rank 0 serves a rendezvous store on the node's
+address under a random key space, the others join it; the groups are formed before
+any weight loads."""
 from __future__ import annotations
 
 import logging

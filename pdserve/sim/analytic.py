@@ -120,11 +120,26 @@ class Roofline:
         return m.num_layers * (attention + 3 * m.hidden_size * m.intermediate_size)
 
     @property
+    def rank_layer_params(self) -> float:
+        """One rank's share of layer_params: 1/tp of each, but its k/v projections'
+        KV heads (replicated past Hkv ranks)."""
+        m, n = self.model, self.tp
+        kv = max(m.num_kv_heads // n, 1) * m.head_dim
+        attention = m.hidden_size * (m.q_size / n + 2 * kv) + m.q_size / n * m.hidden_size
+        return m.num_layers * (attention + 3 * m.hidden_size * m.intermediate_size / n)
+
+    @property
     def weight_bytes(self) -> float:
-        """The whole model's (a rank holds 1/tp of it)."""
+        """The whole model's."""
         m = self.model
         embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
         return (self.layer_params + embeddings) * BYTES_PER_PARAM
+
+    @property
+    def rank_weight_bytes(self) -> float:
+        m = self.model
+        embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+        return (self.rank_layer_params + embeddings / self.tp) * BYTES_PER_PARAM
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -142,11 +157,12 @@ class Roofline:
         m, a, e, n = self.model, self.accel, self.eff, self.tp
         tokens = shape.prefill_tokens + shape.decode_seqs
         sampled = shape.decode_seqs + (1 if shape.prefill_tokens else 0)
-        matmul = 2 * (self.layer_params * tokens + m.vocab_size * m.hidden_size * sampled) / n
+        matmul = 2 * (self.rank_layer_params * tokens
+                      + m.vocab_size * m.hidden_size * sampled / n)
         pairs = shape.prefill_pairs + shape.decode_context
         attention = 4 * m.num_layers * m.q_size * pairs / n
         compute = matmul / (a.peak_flops * e.matmul) + attention / (a.peak_flops * e.attention)
-        traffic = self.weight_bytes / n + self.rank_kv_bytes_per_token * (
+        traffic = self.rank_weight_bytes + self.rank_kv_bytes_per_token * (
             shape.decode_context + 2 * shape.prefill_tokens)
         memory = traffic / (a.memory_bytes_per_s * e.memory)
         return e.step_overhead_s + max(compute, memory) + self.collectives_s(tokens, sampled)
@@ -197,7 +213,7 @@ def analytic_profile(model_name: str, config: dict, accelerator: str,
     fit.observe([StepTiming(shape=s, duration_s=roof.seconds(s), end_time=0.0)
                  for s in serving_shapes(model.max_position_embeddings)])
     kv_bytes_per_block = roof.kv_bytes_per_token * block_size
-    kv_room = (accel.memory_bytes * eff.gpu_memory_utilization - roof.weight_bytes / n
+    kv_room = (accel.memory_bytes * eff.gpu_memory_utilization - roof.rank_weight_bytes
                - eff.activation_reserve_bytes)  # on each rank
     rank_block = roof.rank_kv_bytes_per_token * block_size
     if kv_room < rank_block:
@@ -210,17 +226,20 @@ def analytic_profile(model_name: str, config: dict, accelerator: str,
         per_byte_s=1.0 / (accel.link_bytes_per_s * eff.link * model.num_layers * nics))
     devices = accel.name if n == 1 else f"{n} x {accel.name}"
     parallel = () if n == 1 else (
-        f"tensor_parallel_size {n}: FLOPs, weights and KV heads split {n} ways; "
-        f"{2 * model.num_layers + 1} all-reduces and a logits gather a step over "
-        f"{accel.tp_link} at {accel.tp_link_bytes_per_s / 1e9:g} GB/s a device each way "
-        f"(ring), {accel.tp_link_latency_s * 1e6:g} us each; KV sent over {nics} NICs",)
+        f"tensor_parallel_size {n}: FLOPs, weights and KV heads split {n} ways (KV "
+        f"heads replicated past {model.num_kv_heads} ranks); {2 * model.num_layers + 1} "
+        f"all-reduces and a logits gather a step over {accel.tp_link} at "
+        f"{accel.tp_link_bytes_per_s / 1e9:g} GB/s a device each way (ring), "
+        f"{accel.tp_link_latency_s * 1e6:g} us each; rank 0's broadcast of each step "
+        f"left out; KV sent over {nics} NICs; the weights read once, by one node",)
     return Profile(
         name=f"{model_name} on {devices} (analytic)", source="analytic",
         step_cost=fit.cost(), transfer_cost=transfer,
         num_kv_blocks=int(kv_room // rank_block), block_size=block_size,
         kv_bytes_per_block=kv_bytes_per_block, max_model_len=model.max_position_embeddings,
         vocab_size=model.vocab_size, tensor_parallel_size=n,
-        startup_s=eff.startup_fixed_s + roof.weight_bytes / n / eff.weight_load_bytes_per_s,
+        # A worker's ranks share one node (STRICT_PACK): its disk reads the model once.
+        startup_s=eff.startup_fixed_s + roof.weight_bytes / eff.weight_load_bytes_per_s,
         notes=(f"a model, not a measurement: {accel.name} at {accel.peak_flops / 1e12:g} "
                f"TFLOPS bf16, {accel.memory_bytes_per_s / 1e12:g} TB/s, "
                f"{accel.memory_bytes / 1e9:g} GB",

@@ -2,7 +2,7 @@
 routing and engine flags (same names, same meanings) and `pdserve bench run`'s
 workload, arrival and SLO flags, and writes the same report; `--profile` says how
 long things take (a file from `pdserve profile`, or `analytic:<accelerator>` for the
---model's config). `pdserve sim plan` searches pool shapes for a worker budget."""
+--model's config). `pdserve sim plan` searches pool shapes for a device budget."""
 from __future__ import annotations
 
 import argparse
@@ -33,10 +33,11 @@ def add_sim_parser(sub) -> None:
     sim.set_defaults(func=_sim)
     kinds = sim.add_subparsers(dest="sim_command", metavar="{plan}")
     plan = kinds.add_parser(
-        "plan", help="the pool shape with the most goodput per worker for a budget",
-        description="For a profile, a workload, SLOs and a worker budget: every P:D split, "
-        "colocated and adaptive, each searched (rate doubled, then bisected; a shape next "
-        "to one searched starts from its rate) for the highest request rate with >= 90% "
+        "plan", help="the pool shape with the most goodput per device for a budget",
+        description="For a profile, a workload, SLOs and a device budget: every P:D split, "
+        "colocated and adaptive (for each pool's --tensor-parallel-sizes), each searched "
+        "(rate doubled, then bisected; a shape next to one searched starts from its "
+        "rate) for the highest request rate with >= 90% "
         "SLO attainment. Each shape's row as it ends, then the table, best first.")
     plan.add_argument("--budget", type=int, default=16,
                       help="devices (workers, at a tensor_parallel_size of 1) "
@@ -112,7 +113,7 @@ def profile_of(args: argparse.Namespace, tensor_parallel_size: int | None = None
             config = json.loads(path.read_text())
         try:
             profile = analytic_profile(args.model, config, spec.split(":", 1)[1], block_size,
-                                       tensor_parallel_size=size or 1)
+                                       tensor_parallel_size=1 if size is None else size)
         except ValueError as err:
             raise SystemExit(f"pdserve sim: {err}") from None
     else:
@@ -123,7 +124,7 @@ def profile_of(args: argparse.Namespace, tensor_parallel_size: int | None = None
         if profile.block_size != block_size:
             raise SystemExit(f"pdserve sim: the profile's blocks hold {profile.block_size} "
                              f"tokens, --block-size says {block_size}")
-        if size and size != profile.tensor_parallel_size:
+        if size is not None and size != profile.tensor_parallel_size:
             raise SystemExit(f"pdserve sim: the profile's workers have tensor_parallel_size "
                              f"{profile.tensor_parallel_size}, not {size}: measure one "
                              f"with `pdserve profile --tensor-parallel-size {size}`")
@@ -203,6 +204,11 @@ def _plan(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise SystemExit("pdserve sim plan: --jobs must be >= 1")
     profiles = _plan_profiles(args)
+    from pdserve.sim.plan import shapes
+    try:
+        shapes(args.budget, tuple(n for n, _ in profiles))
+    except ValueError as err:
+        raise SystemExit(f"pdserve sim plan: --budget: {err}") from None
     setup = setup_of(args, PoolSpec(prefill_workers=args.budget, decode_workers=0,
                                     mode="colocated"), profile=profiles[0][1])
     args.request_rate, args.max_concurrency = float("inf"), 0
@@ -216,7 +222,7 @@ def _plan(args: argparse.Namespace) -> int:
     search = Search(setup=setup, workload=workload, load=load, first_rate=args.first_rate,
                     iterations=args.iterations, min_requests=args.num_prompts,
                     min_duration_s=args.min_duration,
-                    profiles=profiles if len(profiles) > 1 else ())
+                    profiles=tuple(profiles))
     jobs = args.jobs or os.cpu_count() or 1
     sizes = "" if len(profiles) == 1 else \
         f" of tensor_parallel_size {', '.join(str(n) for n, _ in profiles)}"

@@ -41,7 +41,7 @@ class SimMoves:
         src = source_blocks(request, copy, w.blocks.block_size)
         preemptions = request.num_preemptions
         nbytes = len(src) * w.profile.kv_bytes_per_block
-        await asyncio.sleep(w.profile.transfer_cost.seconds(nbytes))
+        await asyncio.sleep(w.transfer_seconds(nbytes, w.peers.get(copy.target_address)))
         peer = w.peers.get(copy.target_address)
         if peer is None or not peer.alive or copy.transfer_id not in peer.moves.expected:
             raise MoveError(f"{copy.target_address} does not expect {copy.transfer_id}")

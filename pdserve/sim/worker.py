@@ -515,6 +515,12 @@ class SimWorker:
                 self.tokens.copy_kv(request.block_ids[first:last], peer.tokens,
                                     target.block_ids[first:])
 
+    def transfer_seconds(self, nbytes: int, peer: "SimWorker | None") -> float:
+        """A transfer of `nbytes` to `peer` takes what the slower side's profile says
+        (workers of different tensor_parallel_size send over different numbers of NICs)."""
+        own = self.profile.transfer_cost.seconds(nbytes)
+        return own if peer is None else max(own, peer.profile.transfer_cost.seconds(nbytes))
+
     def _prefilled(self, request: Request, computed_at: float) -> None:
         """The prompt's first token is sampled: what stays exposed of its transfer
         follows, then the decode side confirms."""
@@ -522,7 +528,7 @@ class SimWorker:
         target = job.job.target
         nbytes = (len(target.block_ids) - target.num_cached_blocks) \
             * self.profile.kv_bytes_per_block
-        seconds = self.profile.transfer_cost.seconds(nbytes)
+        seconds = self.transfer_seconds(nbytes, self.peers.get(target.receiver_address))
         first_token = request.output_token_ids[-1] if request.output_token_ids else None
         job.num_cached_tokens = request.num_cached_tokens
         asyncio.get_running_loop().call_later(

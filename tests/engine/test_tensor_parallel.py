@@ -1,6 +1,7 @@
 """Tensor parallelism's sharded model against HF: every rank a thread of this process
-(engine/parallel/local.py), joined by a real gloo group (the Ray-placed ranks are tests/cluster's). Greedy outputs
-equal HF's in float32 or differ first at a near-tie (test_hf_oracle's rule)."""
+(engine/parallel/local.py), joined by a real gloo group (the Ray-placed ranks are
+tests/cluster's). Greedy outputs equal HF's in float32 or differ first at a near-tie
+(test_hf_oracle's rule)."""
 from __future__ import annotations
 
 import threading

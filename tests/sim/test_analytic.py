@@ -49,6 +49,17 @@ def test_a_70b_model_fits_four_h100s_not_two_and_keeps_more_kv_on_eight():
     assert four.kv_bytes_per_block == eight.kv_bytes_per_block  # the worker's, whole
     assert any("NVLink 4" in note for note in four.notes)
     assert eight.step_cost.base_s < four.step_cost.base_s  # weights read 8 ways
+    assert eight.startup_s == four.startup_s  # one node's disk reads the model once
+
+
+def test_k_and_v_projections_are_replicated_past_the_kv_heads():
+    model = ModelConfig.from_hf_dict(NAMED_CONFIGS["llama-3-70b"])  # 8 KV heads
+    eight, sixteen = (Roofline(model, ACCELERATORS["h100"], Efficiency(), n) for n in (8, 16))
+    assert eight.rank_layer_params == pytest.approx(eight.layer_params / 8)
+    assert sixteen.rank_layer_params > sixteen.layer_params / 16
+    kv_proj = model.num_layers * 2 * model.hidden_size * model.head_dim  # one KV head's
+    assert sixteen.rank_layer_params - kv_proj / 2 == pytest.approx(
+        sixteen.layer_params / 16)
 
 
 def test_a_size_the_model_cannot_split_is_refused_naming_the_flag():

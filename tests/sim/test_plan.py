@@ -237,6 +237,14 @@ def test_a_shape_s_pools_run_on_their_own_tensor_parallel_size_s_profile():
             await cluster.stop()
     with virtual_time.sim_collector():
         assert virtual_time.run(started()) == {"prefill": 2, "decode": 1}
+    # A transfer takes the slower side's time: here the TP-1 decode worker's NIC.
+    from pdserve.sim.worker import SimWorker
+    fast = replace(two, transfer_cost=replace(one.transfer_cost,
+                                              per_byte_s=one.transfer_cost.per_byte_s / 2))
+    sender = SimWorker("prefill-0", "prefill", fast, setup.scheduler, {})
+    receiver = SimWorker("decode-0", "decode", one, setup.scheduler, {})
+    assert sender.transfer_seconds(1 << 30, receiver) == one.transfer_cost.seconds(1 << 30)
+    assert sender.transfer_seconds(1 << 30, None) == fast.transfer_cost.seconds(1 << 30)
     search = replace(small_search(), profiles=((1, one), (2, two)))
     found = search.run(Shape(PoolSpec(1, 1), prefill_tp=2, decode_tp=1), None)
     assert found.name == "1P:1D TP 2:1" and found.devices == 3
@@ -263,3 +271,27 @@ def test_the_command_searches_each_pool_s_tensor_parallel_size(tmp_path, capsys)
                      "adaptive x2 TP 4": (8, 4, 4), "colocated x1 TP 8": (8, 8, 8)}
     per_device = [s["goodput_per_device"] for s in plan["shapes"]]
     assert per_device == sorted(per_device, reverse=True) and per_device[0] > 0
+
+
+@pytest.mark.parametrize("sizes", [["--tensor-parallel-sizes", "4"],
+                                   ["--tensor-parallel-size", "4"]])
+def test_one_size_above_one_still_spends_devices(tmp_path, sizes):
+    """A plan of TP-4 workers alone: 8 devices are 2 workers, not 8 of them."""
+    assert main(["sim", "plan", "--budget", "8", "--model", "llama-3-70b", "--profile",
+                 "analytic:h100", *sizes, "--workload", "azure-code", "--scale", "0.1",
+                 "--num-prompts", "40", "--min-duration", "2", "--iterations", "1",
+                 "--first-rate", "2", "--goodput", "ttft:1000", "tpot:100", "--jobs", "1",
+                 "--out-dir", str(tmp_path)]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert sorted((s["pools"], s["devices"]) for s in plan["shapes"]) == [
+        ("1P:1D TP 4:4", 8), ("adaptive x2 TP 4", 8), ("colocated x2 TP 4", 8)]
+
+
+def test_bad_sizes_and_budgets_exit_naming_the_flag():
+    base = ["sim", "plan", "--model", "llama-3-70b", "--profile", "analytic:h100",
+            "--goodput", "ttft:500", "tpot:50"]
+    with pytest.raises(SystemExit, match="tensor_parallel_size must be >= 1, not 0"):
+        main([*base, "--budget", "8", "--tensor-parallel-size", "0"])
+    with pytest.raises(SystemExit, match="--budget: a plan needs a budget of at least 8 "
+                                         "devices"):
+        main([*base, "--budget", "4", "--tensor-parallel-sizes", "4", "8"])
