@@ -204,11 +204,14 @@ class ModelRunner:
         self.group.broadcast(Forward(step=step))
         try:
             return self.run_step(step, size, on_layer_done)
-        except BaseException:
+        except BaseException as exc:
             # The other ranks may wait in a collective this rank will not reach: the
             # group is closed (their collectives fail), never told to stop.
             self._broken = True
+            size = self.group.size
             self.close()
+            exc.add_note(f"tensor_parallel_size {size}: a step failed on rank 0, or another "
+                         "rank failed or was lost; this engine's ranks are closed")
             raise
 
     @torch.inference_mode()

@@ -51,3 +51,25 @@ def test_a_profile_is_measured_on_its_ranks(ray_local, llama_dir, tmp_path):
     assert profile.num_kv_blocks == (16 << 20) // (whole // 2)
     assert profile.step_cost.prefill_token_s > 0
     assert any("not measured: served workers" in note for note in profile.notes)
+
+
+def test_a_killed_rank_fails_the_next_step_at_once_and_leaves_nothing(ray_local, llama_dir):
+    """Rank 1's process killed (as SIGKILL): rank 0's next collective fails on the
+    closed connection instead of waiting, saying what broke; shutdown still removes
+    the placement group."""
+    from pdserve import SamplingParams
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=16 << 20, tensor_parallel_size=2)
+    placement = llm._ranks.placement
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    try:
+        assert len(llm.generate([[5, 6, 7]], greedy)[0].token_ids) == 4
+        ray.kill(llm._ranks.actors[0], no_restart=True)
+        assert ray.wait(llm._ranks._serving, timeout=30)[0]  # its serve() ended: dead
+        assert llm._ranks.lost() == [1]
+        with pytest.raises(RuntimeError) as failed:
+            llm.generate([[5, 6, 7, 8]], greedy)
+        assert "tensor_parallel_size 2: a step failed on rank 0, or another rank failed " \
+            "or was lost" in "\n".join(failed.value.__notes__)
+    finally:
+        llm.shutdown()
+    assert placement_group_table(placement)["state"] == "REMOVED"
