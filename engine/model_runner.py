@@ -201,7 +201,7 @@ class ModelRunner:
         step = self._prepare(batch, drafts or {}, size)
         if not self._leads:
             return self.run_step(step, size, on_layer_done)
-        self.group.broadcast(Forward(step=step))
+        self.group.broadcast(Forward(step=step.trimmed(self.block_size)))
         try:
             return self.run_step(step, size, on_layer_done)
         except BaseException as exc:
@@ -277,7 +277,7 @@ class ModelRunner:
                 logits_indices.append(num_decodes)
             num_decodes += 1
             seq_lens.append(pos + 1)
-            tables.append(blocks[:pos // bs + 1])
+            tables.append(blocks)
         query_lens += [1] * num_decodes
         verifying = [(r, n) for r, n in batch[num_decodes:] if r.request_id in drafts]
         for request, n in verifying:  # its last known token, then the drafts
@@ -289,7 +289,7 @@ class ModelRunner:
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(blocks[:-(-(start + n) // bs)])
+            tables.append(blocks)
         verify_indices = list(range(num_decodes, len(input_ids)))  # logits at every position
         if pad_to:
             pad, scratch = pad_to - len(query_lens), self.scratch_block
@@ -312,7 +312,7 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(blocks[:-(-(start + n) // bs)])
+            tables.append(blocks)
         return StepInputs(input_ids=input_ids, positions=positions, slots=slots,
                           logits_indices=logits_indices + verify_indices,
                           query_lens=query_lens, seq_lens=seq_lens, block_ids=tables,

@@ -9,7 +9,7 @@ addresses). On CPU the staging is the buffer. A step larger than the buffers gro
 them (to the next power of two), once."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,6 +30,13 @@ class StepInputs:
     block_ids: list[list[int]]  # sequence b's blocks, at least its seq_lens[b] tokens'
     num_decodes: int  # the leading sequences attended in groups (decode-shaped)
     num_decode_tokens: int
+
+    def trimmed(self, block_size: int) -> "StepInputs":
+        """The same step with each table cut to its sequence's blocks (what another
+        rank needs: a request's whole block list may be longer), for the wire only;
+        the runner's own step keeps the lists it was given, uncopied."""
+        return replace(self, block_ids=[blocks[:-(-n // block_size)] for blocks, n
+                                        in zip(self.block_ids, self.seq_lens)])
 
 
 class _Buffer:

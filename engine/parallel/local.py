@@ -1,5 +1,5 @@
 """Every rank of a tensor-parallel engine as a thread of this process, over an
-in-memory store: the sharded model without Ray (tests, benchmarks, debugging). The
+in-memory store: the sharded model without Ray (tests, debugging). The
 ranks' collectives are real gloo ones over loopback; rank 0 is the engine returned.
 
     with threaded_engine(config) as engine:   # config.tensor_parallel_size ranks

@@ -205,3 +205,14 @@ def test_serving_more_than_one_rank_is_refused_before_anything_starts(llama_dir,
         main(["serve", "--model", str(llama_dir), "--tensor-parallel-size", "2"])
     with pytest.raises(ValueError, match="tensor_parallel_size 4: served workers"):
         launch(EngineConfig.from_kwargs(str(llama_dir), tensor_parallel_size=4))
+
+
+def test_a_step_goes_on_the_wire_with_only_the_blocks_its_sequences_reach():
+    from pdserve.engine.step_buffers import StepInputs
+    step = StepInputs(input_ids=[1, 2], positions=[4, 16], slots=[4, 16],
+                      logits_indices=[0, 1], query_lens=[1, 1], seq_lens=[5, 17],
+                      block_ids=[[7, 8, 9], [3, 4, 5, 6]], num_decodes=2,
+                      num_decode_tokens=2)
+    assert step.trimmed(4).block_ids == [[7, 8], [3, 4, 5, 6]]
+    assert step.trimmed(16).block_ids == [[7], [3, 4]]
+    assert step.block_ids == [[7, 8, 9], [3, 4, 5, 6]]  # the runner's own, untouched
