@@ -17,10 +17,13 @@ last copy. The router drives it (router/live_move.py):
                                     the copy landed; the source's copy is aborted
 
 Each copy is a kv_transfer of its own (BlockCopy.transfer_id), on the lane this
-worker uses for that peer. A copy of blocks that changed under it (the request was
+worker uses for that peer; between tensor-parallel workers every rank copies its own
+KV heads (prefill_worker/destination.py), and a last copy has landed once it did on
+every rank of the target. A copy of blocks that changed under it (the request was
 preempted meanwhile, and its blocks reused) fails, so the router falls back to replay."""
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from typing import Callable
 
@@ -38,8 +41,13 @@ Send = Callable[[str, str, list[int], list[int], bool], Future]
 
 class Moves:
     def __init__(self, loop: EngineLoop, receiver: KVReceiver, send: Send,
-                 publish: Callable[[list[TokenDelta]], None]):
+                 publish: Callable[[list[TokenDelta]], None], links: tuple = (),
+                 release: Callable[[str], None] | None = None):
+        """links: ranks 1.. of a tensor-parallel worker (worker/rank_kv.py); release:
+        as DecodeRole's."""
         self.loop, self.receiver, self.send, self.publish = loop, receiver, send, publish
+        self.links = links
+        self.release = release or (lambda request_id: self.loop.engine.abort(request_id))
 
     # ---- the source ------------------------------------------------------------------
 
@@ -95,6 +103,12 @@ class Moves:
                 engine.block_manager.block_size)
             if blocks:
                 self.receiver.expect(incoming.transfer_id, blocks, 0)
+                try:  # every rank's heads land in the same blocks
+                    for link in self.links:
+                        link.expect(incoming.transfer_id, blocks, 0, incoming.final)
+                except BaseException:
+                    self.receiver.abort(incoming.transfer_id)
+                    raise
             return blocks
         blocks = self.loop.call_concurrent(expect)
         if not blocks:
@@ -102,8 +116,29 @@ class Moves:
         landed = self.receiver.landed(incoming.transfer_id)  # forgotten once it landed
         if incoming.final:
             landed.add_done_callback(lambda done: done.exception() is None
-                                     and self._resume(incoming.request_id))
+                                     and self._landed_everywhere(incoming))
         return blocks
+
+    def _landed_everywhere(self, incoming: IncomingCopy) -> None:
+        """Rank 0's part landed: the request resumes once every other rank's did (on a
+        thread of its own: a rank's answer is a network wait)."""
+        if not self.links:
+            self._resume(incoming.request_id)
+            return
+
+        def wait() -> None:
+            timeout_s = self.receiver.config.timeout_s
+            for link in self.links:
+                try:
+                    link.wait_landed(incoming.transfer_id, timeout_s).check(
+                        incoming.transfer_id)
+                except Exception as exc:
+                    self.release(incoming.transfer_id)  # the copy ends on every rank
+                    self.release(incoming.request_id)
+                    self.publish([TokenDelta.not_resumed(incoming.request_id, exc)])
+                    return
+            self._resume(incoming.request_id)
+        threading.Thread(target=wait, daemon=True, name="kv-copy-landed").start()
 
     def _resume(self, request_id: str) -> None:
         """Into the batch at the next step boundary; one that cannot be is freed, and

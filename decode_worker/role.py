@@ -27,11 +27,17 @@ class DecodeRole:
     arise outside a step (a started request's first token) on the engine thread."""
 
     def __init__(self, loop: EngineLoop, receiver: KVReceiver, core: WorkerCore,
-                 publish: Callable[[list[TokenDelta]], None]):
+                 publish: Callable[[list[TokenDelta]], None], links: tuple = (),
+                 release: Callable[[str], None] | None = None):
         """core: its worker's; the aborts it remembers (read and written under the
-        engine's state lock)."""
+        engine's state lock). links: ranks 1.. of a tensor-parallel worker
+        (worker/rank_kv.py), each receiving its own KV heads into the same blocks;
+        release(request_id): ends its KV's landing on those ranks, then frees its
+        blocks (the engine's abort, without ranks)."""
         self.loop = loop
         self.receiver = receiver
+        self.links = links
+        self.release = release or (lambda request_id: self.loop.engine.abort(request_id))
         self.core = core
         self.publish = publish
         self._reserving = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reserve")
@@ -58,6 +64,12 @@ class DecodeRole:
             cached = request.num_cached_tokens // engine.block_manager.block_size
             if expect:
                 self.receiver.expect(job.request_id, request.block_ids[cached:], cached)
+                try:  # every rank expects it before any sender hears of the blocks
+                    for link in self.links:
+                        link.expect(job.request_id, request.block_ids[cached:], cached)
+                except BaseException:
+                    self.receiver.abort(job.request_id)  # released: the blocks go back
+                    raise
             return Reservation(request_id=job.request_id, receiver_address=self.address,
                                block_ids=list(request.block_ids), num_cached_blocks=cached)
 
@@ -98,7 +110,7 @@ class DecodeRole:
         def abort(engine: LLMEngine) -> None:
             self.core.aborted(request_id)
             self.receiver.abort(request_id)
-            engine.abort(request_id)
+            self.release(request_id)  # on every rank before its blocks are free again
         self.loop.call_concurrent(abort)
 
     def shutdown(self) -> None:
@@ -120,3 +132,17 @@ def deltas(outputs: list[RequestOutput]) -> list[TokenDelta]:
 def _chain(source: Future, target: Future) -> None:
     source.add_done_callback(lambda f: target.set_exception(f.exception())
                              if f.exception() is not None else target.set_result(f.result()))
+
+
+def abort_on_ranks(links, request_id: str) -> None:
+    """The request's KV stops landing on every other rank; raises the first failure
+    (a rank that cannot say so may still write into the request's blocks) once every
+    rank was asked."""
+    failure = None
+    for link in links:
+        try:
+            link.abort_expected(request_id)
+        except Exception as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure

@@ -23,12 +23,12 @@ from pdserve.engine.cpu_memory import keep_freed_memory
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.kv_cache import default_budget_bytes, num_blocks_for_budget
-from pdserve.engine.model.llama import LayerHook
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_path import resolve_model_path
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import Outputs, RequestMetrics, RequestOutput
 from pdserve.engine.parallel.group import TensorParallelGroup
+from pdserve.engine.parallel.messages import StepExport
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -41,7 +41,7 @@ from pdserve.worker.core import admit_started
 from pdserve.worker.messages import Paused
 
 # Prefill role: given a step's schedule, a hook for the forward pass (or None).
-KVExport = Callable[[SchedulerOutput], Optional[LayerHook]]
+KVExport = Callable[[SchedulerOutput], Optional[StepExport]]
 
 
 @dataclass
@@ -202,7 +202,9 @@ class LLMEngine:
                 metrics = self._tracked[request.request_id].metrics
                 if metrics.first_scheduled_time is None:
                     metrics.first_scheduled_time = now
-        result = self.runner.execute(out, export(out) if export is not None else None)
+        exported = export(out) if export is not None else None
+        result = self.runner.execute(out, exported.send if exported else None,
+                                     exported.ranks if exported else ())
         with state_lock:
             self.scheduler.update(out, result)
             now = time.time()

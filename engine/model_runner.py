@@ -22,7 +22,7 @@ from pdserve.engine.model.loader import load_model
 from pdserve.engine.model.rope import RotaryEmbedding
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.group import TensorParallelGroup
-from pdserve.engine.parallel.messages import Forward, InitKVCache, Shutdown
+from pdserve.engine.parallel.messages import Forward, InitKVCache, RankExport, Shutdown
 from pdserve.engine.parallel.sharding import Shard
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
@@ -128,10 +128,13 @@ class ModelRunner:
         return size
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, on_layer_done: LayerHook | None = None
-                ) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput, on_layer_done: LayerHook | None = None,
+                rank_exports: tuple[RankExport, ...] = ()) -> ModelRunnerOutput:
+        """rank_exports: the KV the other ranks of a tensor-parallel group send as
+        they compute this step (told them with it)."""
         batch, samplers, verifiers = self._order(out)
-        logits = self.forward_logits(batch, samplers, on_layer_done, out.spec_token_ids)
+        logits = self.forward_logits(batch, samplers, on_layer_done, out.spec_token_ids,
+                                     rank_exports)
         result = ModelRunnerOutput()
         if verifiers:
             self._verify(logits[len(samplers):], verifiers, out.spec_token_ids, result)
@@ -194,14 +197,15 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, batch: list[tuple[Request, int]], samplers: list[Request],
                        on_layer_done: LayerHook | None = None,
-                       drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
+                       drafts: dict[str, list[int]] | None = None,
+                       rank_exports: tuple[RankExport, ...] = ()) -> torch.Tensor:
         """Computes `batch` (decodes first); logits [len(samplers), vocab] float32, then
         every position of each request verifying `drafts` (rid -> its drafts)."""
         size = self._graph_size(batch, on_layer_done)
         step = self._prepare(batch, drafts or {}, size)
         if not self._leads:
             return self.run_step(step, size, on_layer_done)
-        self.group.broadcast(Forward(step=step.trimmed(self.block_size)))
+        self.group.broadcast(Forward(step=step.trimmed(self.block_size), exports=rank_exports))
         try:
             return self.run_step(step, size, on_layer_done)
         except BaseException as exc:

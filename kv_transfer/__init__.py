@@ -21,6 +21,10 @@ and block lists.
     rendezvous.py      the receiver's TCPStore, on its node's address only, keys under
                        the cluster's secret (SECURITY.md)
     layout.py          KVLayout: what both sides must agree on, and its differences
+    heads.py           which rank of a tensor-parallel sender sends which KV heads to
+                       which rank of a receiver of another size (pure); a transfer
+                       may carry a slice of heads, and a receiver takes a request's
+                       heads in parts
     buffer_pool.py     reusable message buffers in size classes (25% waste at most)
     config.py          TransferConfig, frozen settings
     errors.py          typed transfer failures, each leaving both sides clean

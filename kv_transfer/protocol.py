@@ -38,7 +38,8 @@ BEGIN: OK, REFUSED, ABORTED or TIMED_OUT. The sender posts its receive before BE
 (It learns of an early end only at finish: a gloo Work reports completion only once
 waited, so the layers of a refused transfer still go out, and are dropped.)
 
-Control: the receiver's TCPStore. `layout` and `device` describe the receiver; a new
+Control: the receiver's TCPStore. `layout` and `device` describe the receiver (and
+`ranks`, of a tensor-parallel worker's rank 0, its other ranks' rendezvous); a new
 pair registers under `join/<n>`; a failure's message waits under `reason/<pair>/<seq>`.
 """
 from __future__ import annotations
@@ -71,6 +72,7 @@ def ack_tag(seq: int) -> int:
 
 LAYOUT_KEY = "layout"
 DEVICE_KEY = "device"
+RANKS_KEY = "ranks"  # a tensor-parallel receiver's other ranks' rendezvous, rank 1 first
 JOIN_COUNTER = "joins"
 
 
@@ -152,13 +154,14 @@ class Handshake:
     request_id: str
     block_ids: list[int]  # the receiver's blocks to fill, in order
     num_cached_blocks: int  # leading blocks of the request the receiver already holds
-    layout: dict
+    layout: dict  # the payload's: num_kv_heads counts the heads sent
+    heads: list[int] | None = None  # [start, end) of the receiver's KV heads; None: all
 
     def encode(self) -> bytearray:
         # Not asdict(): it deep-copies every block id, a measurable cost per transfer.
         return bytearray(json.dumps({"request_id": self.request_id, "block_ids": self.block_ids,
                                      "num_cached_blocks": self.num_cached_blocks,
-                                     "layout": self.layout}).encode())
+                                     "layout": self.layout, "heads": self.heads}).encode())
 
     @classmethod
     def decode(cls, raw: bytes) -> "Handshake":

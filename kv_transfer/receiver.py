@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import datetime
 import hmac
 import json
@@ -62,10 +63,20 @@ class _Incoming:
     pair: str | None = None
     seq: int | None = None
     index: torch.Tensor | None = None  # block_ids on the cache's device
+    watched: bool = True  # its owner watches it once landed (else forgotten then)
+    # Tensor-parallel senders (kv_transfer/heads.py): a request's KV heads may come as
+    # parts, one per sending rank, each a transfer of its own over its pair. A part
+    # has its `parent` (the request) and `heads`; the request, the heads no part
+    # claimed yet, and its parts. A request claimed whole has no parts.
+    heads: tuple[int, int] | None = None
+    parent: "_Incoming | None" = None
+    unclaimed: set = field(default_factory=set)
+    parts: list = field(default_factory=list)
     stepped: bool = False  # a STEP announced its payloads
     whole: bool = False  # its step's STEP_SENT came with no ABORT before it
     layers_landed: int = 0
     settled: bool = False  # claimed under `lock` by the one path that ends it
+    landed: bool = False  # settled by landing whole
     # Held across each scatter: once a failure releases the blocks to their owner,
     # no late layer may write into them.
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -110,16 +121,23 @@ class KVReceiver:
 
     # ---- the owner's side ----------------------------------------------------
 
-    def expect(self, request_id: str, block_ids: list[int], num_cached_blocks: int = 0) -> None:
+    def expect(self, request_id: str, block_ids: list[int], num_cached_blocks: int = 0,
+               watched: bool = True) -> None:
         """Register reserved blocks for `request_id`; `block_ids` are the blocks still to
-        fill (the first `num_cached_blocks` of the request are already held here)."""
+        fill (the first `num_cached_blocks` of the request are already held here). One
+        transfer fills every KV head, or several fill a part each (the ranks of a
+        tensor-parallel sender, each with the heads it holds: kv_transfer/heads.py);
+        it has landed once every head did. watched=False: nobody calls landed() or
+        wait() for it (a rank other than 0, whose rank 0 learns of the landing through
+        the senders): it is forgotten once landed, under no start lease."""
         with self._lock:
             if request_id in self._by_request:
                 raise ValueError(f"request {request_id} is already expected")
             self._by_request[request_id] = _Incoming(
                 request_id, list(block_ids), num_cached_blocks, "begin",
                 self._clock() + self.config.begin_lease_s,
-                index=torch.tensor(block_ids, dtype=torch.long, device=self.device))
+                index=torch.tensor(block_ids, dtype=torch.long, device=self.device),
+                watched=watched, unclaimed=set(range(self.layout.num_kv_heads)))
 
     def landed(self, request_id: str) -> Future:
         """Resolves once every layer landed, or with the transfer's typed error (at the
@@ -148,6 +166,11 @@ class KVReceiver:
             self._fail(incoming, TransferAborted(request_id, "aborted by the receiver"),
                        P.ABORTED)
             self._forget(incoming)
+
+    def publish_ranks(self, addresses: list[str]) -> None:
+        """Rank 0 of a tensor-parallel worker: where its other ranks receive their KV
+        heads (rank 1 first), for senders that pair with it (kv_transfer/heads.py)."""
+        self.store.set(P.RANKS_KEY, json.dumps(list(addresses)))
 
     @property
     def num_pending(self) -> int:
@@ -272,7 +295,8 @@ class KVReceiver:
                                    f"{self._max_payload} fit this cache)")
             incoming = self._by_seq.get((channel.pair, seq))
             if incoming is not None:
-                expected = len(incoming.block_ids) * self.layout.block_bytes_per_layer
+                expected = len(incoming.block_ids) * \
+                    self._layout_of(incoming.heads).block_bytes_per_layer
                 problem = ("its layers were announced already" if incoming.stepped
                            else None if nbytes == expected else
                            f"{nbytes} bytes per layer announced, expected {expected}")
@@ -353,26 +377,51 @@ class KVReceiver:
     def _complete_locked(self, incoming: _Incoming) -> bool:
         """Under its lock: every layer landed and none of them can be padding."""
         complete = incoming.whole and incoming.layers_landed == self.layout.num_layers
-        incoming.settled = complete
+        incoming.settled = incoming.landed = complete
         if complete and incoming.lease is not None:
             incoming.lease, incoming.expires = "start", self._clock() + self.config.start_lease_s
+            if not incoming.watched:
+                incoming.lease = None
         return complete
 
     def _complete(self, incoming: _Incoming) -> None:
         if self._stream is not None:  # a collector or pair thread, never the engine's
             self._stream.synchronize()
+        if incoming.parent is not None:  # its request first: once the sender hears OK,
+            self._part_landed(incoming.parent)  # a request whole is visible here
         self._finish(incoming, None, P.OK)
+
+    def _part_landed(self, request: _Incoming) -> None:
+        with request.lock:
+            if request.settled or request.unclaimed or not all(p.landed for p in request.parts):
+                return
+            request.settled = request.landed = True
+            if request.lease is not None:
+                request.lease = "start" if request.watched else None
+                request.expires = self._clock() + self.config.start_lease_s
+        self._finish(request, None, None)
 
     def _begin(self, channel: PairChannel, seq: int, hs: P.Handshake) -> None:
         pair = channel.pair
         incoming = self._by_request.get(hs.request_id)
         problem = self._check(hs, incoming)
+        if problem is None and hs.heads is not None \
+                and tuple(hs.heads) != (0, self.layout.num_kv_heads):
+            problem = self._claim_part(pair, seq, hs, incoming)
+            if problem is None:
+                return
+            self._send_status(pair, seq, P.REFUSED, problem)
+            self._fail(incoming, TransferRefused(hs.request_id, problem), None)
+            return
         if problem is None:
             with incoming.lock:  # the claim, atomic with abort and lease expiry
                 if incoming.settled:
                     problem = f"request {hs.request_id} was released before its KV arrived"
+                elif incoming.parts:  # a part claimed since the check
+                    problem = f"request {hs.request_id} is already being received"
                 else:
                     incoming.pair, incoming.seq = pair, seq
+                    incoming.unclaimed = set()
                     incoming.lease = "transfer" if incoming.lease else None
                     incoming.expires = self._clock() + self.config.timeout_s
         if problem is not None:
@@ -383,13 +432,41 @@ class KVReceiver:
             with self._lock:
                 self._by_seq[(pair, seq)] = incoming
 
+    def _claim_part(self, pair: str, seq: int, hs: P.Handshake,
+                    incoming: _Incoming) -> str | None:
+        """A BEGIN of some of the request's KV heads: claimed as a part, or the problem."""
+        heads = tuple(hs.heads)
+        wanted = set(range(*heads))
+        with incoming.lock:
+            if incoming.settled:
+                return f"request {hs.request_id} was released before its KV arrived"
+            if incoming.pair is not None or not wanted <= incoming.unclaimed:
+                return (f"request {hs.request_id}: KV heads {list(heads)} are being "
+                        "received already")
+            part = _Incoming(hs.request_id, incoming.block_ids, incoming.num_cached_blocks,
+                             None, 0.0, pair=pair, seq=seq, index=incoming.index,
+                             watched=False, heads=heads, parent=incoming)
+            incoming.unclaimed -= wanted
+            incoming.parts.append(part)
+            if incoming.lease == "begin":  # the first part begins the transfer's lease
+                incoming.lease = "transfer"
+                incoming.expires = self._clock() + self.config.timeout_s
+            with self._lock:  # before any ending can forget its request
+                self._by_seq[(pair, seq)] = part
+        return None
+
     def _check(self, hs: P.Handshake, incoming: _Incoming | None) -> str | None:
-        diffs = self.layout.differences(hs.kv_layout)
+        heads = tuple(hs.heads) if hs.heads is not None else None
+        if heads is not None and not 0 <= heads[0] < heads[1] <= self.layout.num_kv_heads:
+            return (f"request {hs.request_id}: KV heads {list(heads)} are not among the "
+                    f"{self.layout.num_kv_heads} here")
+        diffs = self._layout_of(heads).differences(hs.kv_layout)
         if diffs:
             return "KV layout mismatch: " + "; ".join(diffs)
         if incoming is None or incoming.done.done():
             return f"request {hs.request_id} is not expected here (no reserved blocks)"
-        if incoming.pair is not None:
+        if incoming.pair is not None or (incoming.parts and (
+                heads is None or heads == (0, self.layout.num_kv_heads))):
             return f"request {hs.request_id} is already being received"
         if (hs.block_ids, hs.num_cached_blocks) != (incoming.block_ids, incoming.num_cached_blocks):
             return (f"block ids differ from the reservation: sender has "
@@ -398,8 +475,16 @@ class KVReceiver:
                     f"{incoming.num_cached_blocks}")
         return None
 
+    def _layout_of(self, heads: tuple[int, int] | None) -> KVLayout:
+        """What a transfer filling these KV heads carries."""
+        if heads is None:
+            return self.layout
+        return dataclasses.replace(self.layout, num_kv_heads=heads[1] - heads[0])
+
     def _scatter(self, incoming: _Incoming, layer: int, payload: torch.Tensor) -> None:
         cache = self.kv_caches[layer]  # [2, num_blocks, block, Hkv, D]
+        if incoming.heads is not None:  # a part
+            cache = cache[:, :, :, incoming.heads[0]:incoming.heads[1]]
         n = len(incoming.block_ids)
         data = payload.view(self.layout.torch_dtype).view(2, n, *cache.shape[2:])
         if self._stream is None:
@@ -437,6 +522,9 @@ class KVReceiver:
             return
         if lease == "begin":
             why = f"no transfer began within {self.config.begin_lease_s:g}s"
+        elif incoming.parts:
+            why = (f"{len(incoming.unclaimed)} KV heads unclaimed, parts not all landed "
+                   f"within {self.config.timeout_s:g}s")
         else:
             why = (f"{incoming.layers_landed}/{self.layout.num_layers} layers landed "
                    f"within {self.config.timeout_s:g}s")
@@ -455,6 +543,17 @@ class KVReceiver:
                 return False
             incoming.settled = True
             incoming.lease = None
+        if incoming.parent is not None:  # a part: its request fails with it, its blocks
+            self._fail(incoming.parent, error, None)  # back before its sender hears
+            self._finish(incoming, error, status)
+            return True
+        for part in incoming.parts:  # ended before the blocks go: no late layer lands
+            with part.lock:
+                if part.settled:
+                    continue
+                part.settled = True
+            self._finish(part, TransferAborted(part.request_id, f"another part of its KV "
+                                               f"failed: {error}"), P.ABORTED)
         # The blocks go back to their owner before anyone hears of the failure.
         if self.on_release is not None:
             self.on_release(incoming.request_id)
@@ -468,6 +567,8 @@ class KVReceiver:
             incoming.done.set_result(None)
         else:
             incoming.done.set_exception(error)
+        if not incoming.watched:
+            self._forget(incoming)
         if status is not None and incoming.pair is not None:
             self._send_status(incoming.pair, incoming.seq, status, str(error) if error else "")
 
@@ -496,6 +597,8 @@ class KVReceiver:
 
     def _forget(self, incoming: _Incoming) -> None:
         with self._lock:
-            self._by_request.pop(incoming.request_id, None)
-            if incoming.pair is not None:
-                self._by_seq.pop((incoming.pair, incoming.seq), None)
+            if incoming.parent is None and self._by_request.get(incoming.request_id) is incoming:
+                del self._by_request[incoming.request_id]
+            for each in [incoming, *incoming.parts]:
+                if each.pair is not None:
+                    self._by_seq.pop((each.pair, each.seq), None)

@@ -63,6 +63,7 @@ class _Peer:
     lock: threading.Lock = field(default_factory=threading.Lock)
     step: "_Step | None" = None  # the last one announced
     issued: int = 0  # sends issued on this pair, counted
+    ranks: tuple = ()  # a tensor-parallel receiver's other ranks' rendezvous
     # (issue count, _Inflight) of sends tied to no one transfer: STEP messages and
     # padding. A Work owns its tensor until it completes; each is waited by the first
     # transfer on this pair to settle after it (by then it completed: both streams
@@ -94,6 +95,8 @@ class SendHandle:
     status: torch.Tensor  # int64[1], filled by the receiver's one reply
     status_work: object  # its posted receive
     step: _Step | None = None
+    heads: tuple[int, int] | None = None  # the slice of local KV heads sent (None: all)
+    block_bytes: int = 0  # one block of one layer, over those heads
     layers_sent: int = 0
     bytes_sent: int = 0
     last_issued: int = 0  # the pair's issue count at this transfer's last send
@@ -163,16 +166,31 @@ class KVSender:
 
     def begin(self, request_id: str, receiver_address: str, src_block_ids: list[int],
               dst_block_ids: list[int], num_cached_blocks: int = 0,
-              connect: bool = True) -> SendHandle:
+              connect: bool = True, heads: tuple[int, int] | None = None,
+              dst_heads: tuple[int, int] | None = None) -> SendHandle:
         """Handshake for one request. `src_block_ids` / `dst_block_ids` cover the whole
         request on each side; the first `num_cached_blocks` are held by the receiver
         already and are skipped. connect=False: a pair not open already is a
-        PeerLostError rather than a rendezvous on the caller's thread."""
+        PeerLostError rather than a rendezvous on the caller's thread. heads /
+        dst_heads: [start, end) of this cache's KV heads to send and where they go
+        among the receiver's (tensor-parallel groups: kv_transfer/heads.py); None:
+        every head, to every head."""
         if len(src_block_ids) != len(dst_block_ids):
             raise ValueError(f"request {request_id}: {len(src_block_ids)} source blocks but "
                              f"{len(dst_block_ids)} destination blocks")
         if not 0 <= num_cached_blocks <= len(src_block_ids):
             raise ValueError(f"request {request_id}: num_cached_blocks out of range")
+        layout = self._layout_dict
+        if heads is not None or dst_heads is not None:
+            heads = heads or (0, self.layout.num_kv_heads)
+            dst_heads = dst_heads or heads
+            if not (0 <= heads[0] < heads[1] <= self.layout.num_kv_heads
+                    and dst_heads[1] - dst_heads[0] == heads[1] - heads[0]
+                    and dst_heads[0] >= 0):
+                raise ValueError(f"request {request_id}: KV heads {heads} -> {dst_heads} of "
+                                 f"{self.layout.num_kv_heads}")
+            layout = {**layout, "num_kv_heads": heads[1] - heads[0]}
+            heads, dst_heads = tuple(heads), tuple(dst_heads)
         peer = self._peers.get(receiver_address) if not connect else self._peer(receiver_address)
         if peer is None:
             raise PeerLostError(request_id, f"no open pair with {receiver_address}")
@@ -180,7 +198,7 @@ class KVSender:
             self._seq += 1
             seq = self._seq
         hs = P.Handshake(request_id, list(dst_block_ids[num_cached_blocks:]), num_cached_blocks,
-                         self._layout_dict)
+                         layout, list(dst_heads) if dst_heads else None)
         status = torch.full((1,), -1, dtype=torch.int64)
         try:
             status_work = peer.channel.post_recv(status, P.ack_tag(seq))
@@ -189,7 +207,8 @@ class KVSender:
             raise PeerLostError(request_id, f"receiver lost: {exc}") from None
         handle = SendHandle(request_id, peer, seq,
                             torch.tensor(src_block_ids[num_cached_blocks:], device=self.device),
-                            time.monotonic(), status, status_work)
+                            time.monotonic(), status, status_work, heads=heads,
+                            block_bytes=KVLayout(**layout).block_bytes_per_layer)
         with peer.lock:
             try:
                 handle.inflight.extend(self._control(peer, P.begin_messages(seq, hs)))
@@ -209,14 +228,13 @@ class KVSender:
         for handle in handles:
             if handle.step is None and handle.live:
                 by_peer.setdefault(id(handle.peer), []).append(handle)
-        bytes_per_layer = self.layout.block_bytes_per_layer
         for members in by_peer.values():
             peer = members[0].peer
             with peer.lock:
                 members = [h for h in members if h.live]  # aborted meanwhile?
                 if not members:
                     continue
-                step = _Step(members, [len(h.src_index) * bytes_per_layer for h in members])
+                step = _Step(members, [len(h.src_index) * h.block_bytes for h in members])
                 try:
                     self._abandon(peer.step)
                     works = self._control(peer, P.step_messages(
@@ -252,8 +270,11 @@ class KVSender:
                             continue
                         handle.layers_sent += 1
                         self._recycle(handle)
+                        cache = self.kv_caches[layer]
+                        if handle.heads is not None:
+                            cache = cache[:, :, :, handle.heads[0]:handle.heads[1]]
                         handle.inflight.append(self._send_slot(
-                            peer, nbytes, self.kv_caches[layer], handle.src_index))
+                            peer, nbytes, cache, handle.src_index))
                         handle.last_issued = peer.issued
                         handle.bytes_sent += nbytes
                     if step.layers_sent == self.layout.num_layers:
@@ -484,13 +505,21 @@ class KVSender:
         handle.inflight.clear()
         handle.step = None
 
-    def connect(self, address: str) -> None:
+    def connect(self, address: str, any_heads: bool = False) -> None:
         """Open the pair ahead of the first transfer (the rendezvous takes about a
-        second; better at start-up than inside a prefill step)."""
-        self._peer(address)
+        second; better at start-up than inside a prefill step). any_heads: the two
+        caches may hold different numbers of KV heads (ranks of tensor-parallel
+        workers: each transfer then names the heads it carries); a receiver that
+        publishes its other ranks is taken so anyway."""
+        self._peer(address, any_heads)
 
     def is_connected(self, address: str) -> bool:
         return address in self._peers
+
+    def ranks_of(self, address: str) -> list[str]:
+        """The other ranks' rendezvous of the tensor-parallel receiver at `address`
+        (rank 1 first; [] for one of one rank), as its store said when paired."""
+        return list(self._peer(address).ranks)
 
     @property
     def receivers(self) -> list[str]:
@@ -508,16 +537,16 @@ class KVSender:
         self._drop_peer(peer)
         return True
 
-    def _peer(self, address: str) -> _Peer:
+    def _peer(self, address: str, any_heads: bool = False) -> _Peer:
         peer = self._peers.get(address)
         if peer is None:
             with self._connect_lock:  # one pair per receiver, whoever asks first
                 peer = self._peers.get(address)
                 if peer is None:
-                    peer = self._peers[address] = self._connect(address)
+                    peer = self._peers[address] = self._connect(address, any_heads)
         return peer
 
-    def _connect(self, address: str) -> _Peer:
+    def _connect(self, address: str, any_heads: bool = False) -> _Peer:
         host, port = address.rsplit(":", 1)
         timeout_s = self.config.connect_timeout_s
         try:
@@ -526,12 +555,17 @@ class KVSender:
             known = store.check([P.LAYOUT_KEY, P.DEVICE_KEY])
             theirs = KVLayout(**json.loads(store.get(P.LAYOUT_KEY))) if known else None
             device = B.DeviceId.decode(store.get(P.DEVICE_KEY)) if known else None
+            ranks = tuple(json.loads(store.get(P.RANKS_KEY))) \
+                if known and store.check([P.RANKS_KEY]) else ()
         except Exception as exc:
             raise PeerLostError(None, f"cannot reach receiver at {address}: {exc}") from None
         if theirs is None:
             raise PeerLostError(None, f"the receiver at {address} is not of this cluster "
                                 "(its rendezvous has no layout and device under our secret)")
-        diffs = self.layout.differences(theirs)
+        # The KV heads each side holds may differ between tensor-parallel ranks: each
+        # transfer's handshake then says which it fills, and the receiver checks them.
+        diffs = [d for d in self.layout.differences(theirs)
+                 if not (d.startswith("num_kv_heads") and (any_heads or ranks))]
         if diffs:
             raise LayoutMismatchError(None, f"receiver at {address} has another KV layout: "
                                       + "; ".join(diffs))
@@ -549,7 +583,7 @@ class KVSender:
                                   timeout_s)
         except Exception as exc:
             raise PeerLostError(None, f"pair rendezvous with {address} failed: {exc}") from None
-        return _Peer(store, channel)
+        return _Peer(store, channel, ranks=ranks)
 
     def _drop_peer(self, peer: _Peer) -> None:
         for address, known in list(self._peers.items()):

@@ -22,7 +22,6 @@ from pdserve.router.config import (
     RouterConfig,
     RoutingSpec,
     SharedStateSpec,
-    check_served_tensor_parallel,
 )
 from pdserve.sim.cli import add_sim_parser
 from pdserve.sim.measure import add_profile_parser
@@ -95,7 +94,6 @@ def cluster_specs(args: argparse.Namespace) -> tuple[PoolSpec, RouterConfig]:
     with what is wrong, before anything starts."""
     try:
         pools = PoolSpec(**cli_flags.values(args, PoolSpec))
-        check_served_tensor_parallel(getattr(args, "tensor_parallel_size", 1))
     except ValueError as err:
         raise SystemExit(f"pdserve {args.command}: {err}") from None
     return pools, router_config(args)

@@ -5,4 +5,6 @@
               writes it; the result once the decode side confirms. Pair set-up,
               confirmations, aborts and live migration's KV sends run on one lane
               thread per decode peer, never on the engine thread.
+    destination.py  Destination: a decode worker as this worker's ranks send to it,
+              its ranks' rendezvous and the routes of each KV head (tensor parallel)
 """

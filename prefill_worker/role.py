@@ -17,14 +17,16 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.errors import RequestFailedError
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.parallel.messages import RankExport, StepExport
 from pdserve.engine.scheduler_output import SchedulerOutput
-from pdserve.kv_transfer import KVSender, SendHandle
+from pdserve.kv_transfer import KVSender, PeerLostError, SendHandle, TransferTimeout
+from pdserve.prefill_worker.destination import Destination
 from pdserve.worker.messages import PrefillJob, PrefillResult
 
 
@@ -33,7 +35,9 @@ class _Job:
     job: PrefillJob
     future: Future
     queued: bool = False  # in the engine (before: waiting for its pair)
-    handle: SendHandle | None = None
+    handles: list[SendHandle] = field(default_factory=list)  # rank 0's routes, begun
+    ranks: list[int] = field(default_factory=list)  # the other ranks sending routes
+    exported: bool = False  # its last prompt chunk's step began its transfer
     computed_at: float = 0.0  # when the step that sampled its first token ended
 
 
@@ -48,11 +52,22 @@ class _Copy:
 
 class PrefillRole:
     """Hosted by a Worker (worker/worker.py), whose engine loop calls export() before
-    every forward pass and on_step() after it."""
+    every forward pass and on_step() after it.
 
-    def __init__(self, loop: EngineLoop, sender: KVSender):
+    Tensor parallel (either worker, or both): each rank sends the KV heads it holds to
+    the decode ranks that hold them (prefill_worker/destination.py); rank 0's routes
+    go from here, the other ranks' with the step's description (worker/rank_kv.py),
+    and the first token is reported once every rank's routes landed."""
+
+    def __init__(self, loop: EngineLoop, sender: KVSender, links: tuple = (),
+                 heads: tuple[int, int] = (1, 1)):
+        """links: ranks 1.. of this worker (worker/rank_kv.py); heads: the model's
+        (attention heads, KV heads)."""
         self.loop = loop
         self.sender = sender
+        self.links = links
+        self.heads = heads
+        self._destinations: dict[str, Destination] = {}  # decode rank 0's address ->
         self._jobs: dict[str, _Job] = {}
         self._lanes: dict[str, _Lane] = {}  # receiver address -> its thread
         self._pairing: dict[str, Future] = {}  # receiver address -> its pair being opened
@@ -110,10 +125,35 @@ class PrefillRole:
                 lanes.append((address, self._lanes.pop(address, None)))
         for address, lane in lanes:
             if lane is None:
-                self.sender.disconnect(address)
+                self._disconnect(address)
             else:
-                lane.submit(self.sender.disconnect, address)
+                lane.submit(self._disconnect, address)
                 lane.close(join=True)
+
+    def _connect(self, address: str) -> None:
+        """On the lane: the pairs of every rank here with the ranks of the decode
+        worker at `address` that it has routes to."""
+        self.sender.connect(address, any_heads=bool(self.links))
+        destination = Destination.of([address, *self.sender.ranks_of(address)],
+                                     *self.heads, 1 + len(self.links))
+        for other in destination.addresses_from(0):
+            self.sender.connect(other, any_heads=True)
+        for rank in destination.senders():
+            self.links[rank - 1].connect(destination.addresses_from(rank))
+        self._destinations[address] = destination
+
+    def _disconnect(self, address: str) -> None:
+        destination = self._destinations.pop(address, None)
+        self.sender.disconnect(address)
+        if destination is None:
+            return
+        for other in destination.addresses_from(0):
+            self.sender.disconnect(other)
+        for rank in destination.senders():
+            try:
+                self.links[rank - 1].disconnect(destination.addresses_from(rank))
+            except Exception:  # a lost rank: its worker is going
+                pass
 
     def send(self, transfer_id: str, address: str, src_blocks: list[int],
              dst_blocks: list[int], urgent: bool = False) -> Future:
@@ -150,34 +190,67 @@ class PrefillRole:
         self._transfer(address, copies)
 
     def _transfer(self, address: str, copies: list["_Copy"]) -> None:
-        """On the lane: the copies as one announced step; each resolves on its own."""
-        handles = []
+        """On the lane: the copies as one announced step from every rank here (each its
+        own routes, prefill_worker/destination.py); each resolves on its own, to the
+        bytes all ranks sent."""
+        destination = self._destinations.get(address)
+        if destination is None:
+            for copy in copies:
+                copy.sent.set_exception(PeerLostError(copy.transfer_id,
+                                                      f"no open pair with {address}"))
+            return
+        handles: dict[str, list[SendHandle]] = {}
         for copy in copies:
+            begun = handles[copy.transfer_id] = []
             try:
-                handles.append(self.sender.begin(copy.transfer_id, address, copy.src,
-                                                 copy.dst, connect=False))
+                for route in destination.routes:
+                    if route.src_rank == 0:
+                        heads, dst_heads = destination.heads(route)
+                        begun.append(self.sender.begin(
+                            copy.transfer_id, destination.addresses[route.dst_rank], copy.src,
+                            copy.dst, connect=False, heads=heads, dst_heads=dst_heads))
             except Exception as exc:
+                for handle in begun:
+                    self.sender.abort(handle)
                 copy.sent.set_exception(exc)
         copies = [c for c in copies if not c.sent.done()]
+        mine = [h for c in copies for h in handles[c.transfer_id]]
         try:
-            failures = self.sender.announce(handles)
+            failures = self.sender.announce(mine)
             for layer in range(self.sender.layout.num_layers):
-                failures.update(self.sender.send_layers(handles, layer))
+                failures.update(self.sender.send_layers(mine, layer))
+            others = {}  # the other ranks' outcomes, by transfer id
+            for rank in destination.senders():
+                sent = self.links[rank - 1].send_copies(tuple(
+                    _copy_route(copy, destination, route) for copy in copies
+                    for route in destination.routes if route.src_rank == rank))
+                for transfer_id, outcome in sent.items():
+                    others.setdefault(transfer_id, []).append(outcome)
         except BaseException as exc:
-            for copy, handle in zip(copies, handles):
-                self.sender.abort(handle)
+            for copy in copies:
+                for handle in handles[copy.transfer_id]:
+                    self.sender.abort(handle)
                 copy.sent.set_exception(exc)
             if not isinstance(exc, Exception):
                 raise
             return
-        for copy, handle in zip(copies, handles):
+        for copy in copies:
             if copy.transfer_id in failures:
+                for handle in handles[copy.transfer_id]:
+                    self.sender.abort(handle)
                 copy.sent.set_exception(failures[copy.transfer_id])
                 continue
             try:
-                copy.sent.set_result(self.sender.finish(handle).bytes_sent)
+                total = sum(self.sender.finish(h).bytes_sent for h in handles[copy.transfer_id])
+                for outcome in others.get(copy.transfer_id, ()):
+                    total += outcome.check(copy.transfer_id)
+                copy.sent.set_result(total)
             except Exception as exc:
+                for handle in handles[copy.transfer_id]:
+                    self.sender.abort(handle)
                 copy.sent.set_exception(exc)
+                if isinstance(exc, (PeerLostError, TransferTimeout)):
+                    self._destinations.pop(address, None)  # re-checked before the next
 
     def abort(self, request_id: str) -> bool:
         """False when no prefill job of that id is here."""
@@ -185,9 +258,8 @@ class PrefillRole:
         if entry is None:
             return False
         self.loop.engine.abort(request_id)
-        if entry.handle is not None:
-            self._lane(entry.job.target.receiver_address).submit(self.sender.abort,
-                                                                 entry.handle)
+        if entry.exported:
+            self._lane(entry.job.target.receiver_address).submit(self._abort_sends, entry)
         elif not entry.queued:  # still waiting for its pair: it never starts
             self._resolve(request_id, error=RuntimeError(
                 f"request {request_id} was aborted before it was queued"))
@@ -212,32 +284,65 @@ class PrefillRole:
             pairing = self._pairing.get(address)
             if pairing is not None and not pairing.done():
                 return pairing
-        if self.sender.is_connected(address):
+        if self.sender.is_connected(address) and address in self._destinations:
             ready: Future = Future()
             ready.set_result(None)
             return ready
-        pairing = self._lane(address).submit(self.sender.connect, address)
+        pairing = self._lane(address).submit(self._connect, address)
         with self._lanes_lock:
             self._pairing[address] = pairing
         return pairing
 
+    def _abort_sends(self, entry: _Job) -> None:
+        """On the lane: every rank's routes of the request end."""
+        for handle in entry.handles:
+            self.sender.abort(handle)
+        for rank in entry.ranks:
+            try:
+                self.links[rank - 1].abort_send(entry.job.request_id)
+            except Exception:  # a lost rank: its worker is going
+                pass
+
     # ---- on the engine thread ---------------------------------------------------
 
-    def export(self, out: SchedulerOutput):
-        started = []
+    def export(self, out: SchedulerOutput) -> StepExport | None:
+        started, exports = [], []
         for request, n in zip(out.requests, out.num_scheduled):
             entry = self._jobs.get(request.request_id)
             if entry is None or request.num_computed_tokens + n != request.num_tokens:
                 continue  # not ours, or not the prompt's last chunk yet
             target = entry.job.target
+            destination = self._destinations.get(target.receiver_address)
             try:
-                entry.handle = self.sender.begin(request.request_id, target.receiver_address,
-                                                 request.block_ids, target.block_ids,
-                                                 target.num_cached_blocks, connect=False)
+                if destination is None:
+                    raise PeerLostError(request.request_id,
+                                        f"no open pair with {target.receiver_address}")
+                queued = len(exports)
+                for route in destination.routes:
+                    heads, dst_heads = destination.heads(route)
+                    address = destination.addresses[route.dst_rank]
+                    if route.src_rank:
+                        exports.append(RankExport(
+                            request_id=request.request_id, src_rank=route.src_rank,
+                            receiver_address=address, src_block_ids=list(request.block_ids),
+                            dst_block_ids=list(target.block_ids),
+                            num_cached_blocks=target.num_cached_blocks, src_heads=heads,
+                            dst_heads=dst_heads))
+                        continue
+                    entry.handles.append(self.sender.begin(
+                        request.request_id, address, request.block_ids, target.block_ids,
+                        target.num_cached_blocks, connect=False, heads=heads,
+                        dst_heads=dst_heads))
             except Exception as exc:
+                del exports[queued:]  # the other ranks send none of it
+                for handle in entry.handles:
+                    self.sender.abort(handle)
+                entry.handles.clear()
                 self._resolve(request.request_id, error=exc)
                 continue
-            started.append(entry.handle)
+            entry.exported = True
+            entry.ranks = destination.senders()
+            started.extend(entry.handles)
         if not started:
             return None
         # Announced before the forward pass, so each decode worker posts the step's
@@ -247,7 +352,7 @@ class PrefillRole:
         def send(layer: int) -> None:
             self._fail_all(self.sender.send_layers(started, layer))
 
-        return send
+        return StepExport(send=send, ranks=tuple(exports))
 
     def _fail_all(self, failures: dict) -> None:
         """A lost peer fails its own requests, never the step."""
@@ -265,7 +370,7 @@ class PrefillRole:
                 self._resolve(out.request_id, error=RequestFailedError(out.request_id,
                                                                        out.error or ""))
                 continue
-            if entry.handle is None or out.finish_reason == "abort":
+            if not entry.exported or out.finish_reason == "abort":
                 self._resolve(out.request_id, error=RuntimeError(
                     f"request {out.request_id} was aborted before its KV was sent"))
                 continue
@@ -274,9 +379,23 @@ class PrefillRole:
                                                                  entry, out)
 
     def _await_receiver(self, entry: _Job, out: RequestOutput) -> None:
+        """On the lane: every route of every rank landed, or the request's error."""
+        kv_bytes, waiting = 0, list(entry.ranks)
         try:
-            handle = self.sender.finish(entry.handle)
+            for handle in entry.handles:
+                kv_bytes += self.sender.finish(handle).bytes_sent
+            while waiting:
+                rank = waiting.pop(0)
+                kv_bytes += self.links[rank - 1].finished(
+                    out.request_id, self.sender.config.timeout_s).check(out.request_id)
         except Exception as exc:
+            for handle in entry.handles:  # the rest end too: nothing of it stays there
+                self.sender.abort(handle)
+            for rank in waiting:
+                try:
+                    self.links[rank - 1].abort_send(out.request_id)
+                except Exception:
+                    pass
             self._resolve(out.request_id, error=exc)
             return
         now = time.time()
@@ -285,13 +404,21 @@ class PrefillRole:
             request_id=out.request_id, first_token=out.token_ids[-1],
             first_logprob=out.logprobs[-1] if out.logprobs else None,
             first_top_logprobs=out.top_logprobs[-1] if out.top_logprobs else None,
-            kv_bytes_sent=handle.bytes_sent, prefill_seconds=now - started,
+            kv_bytes_sent=kv_bytes, prefill_seconds=now - started,
             transfer_seconds=now - entry.computed_at, num_cached_tokens=out.num_cached_tokens))
 
     def _resolve(self, request_id: str, result=None, error=None) -> None:
         entry = self._jobs.pop(request_id, None)
         if entry is None or entry.future.done():
             return
+        if error is not None and entry.exported:
+            address = entry.job.target.receiver_address
+            if isinstance(error, (PeerLostError, TransferTimeout)):
+                # a pair of some rank may be gone: every pair is checked (re-opened
+                # where lost) before the next request to that worker
+                self._destinations.pop(address, None)
+            if entry.ranks or entry.handles:  # every rank's routes of it end
+                self._lane(address).submit(self._abort_sends, entry)
         if error is not None:
             entry.future.set_exception(error)
         else:
@@ -327,3 +454,12 @@ class _Lane:
             except Exception as exc:
                 future.set_exception(exc)
             del call, fn, args, future  # nothing of it outlives the call while idle
+
+
+def _copy_route(copy: _Copy, destination: Destination, route) -> RankExport:
+    """A copy's route from a rank other than 0, as that rank sends it."""
+    heads, dst_heads = destination.heads(route)
+    return RankExport(request_id=copy.transfer_id, src_rank=route.src_rank,
+                      receiver_address=destination.addresses[route.dst_rank],
+                      src_block_ids=list(copy.src), dst_block_ids=list(copy.dst),
+                      num_cached_blocks=0, src_heads=heads, dst_heads=dst_heads)

@@ -94,6 +94,9 @@ class AutoscaleSpec:
     max_decode_workers: int = option(4, "--autoscale: the decode pool's ceiling "
                                      "(colocated mode: the pool of role both)", ge=0)
     max_workers: int = option(8, "--autoscale: the budget, every pool together", ge=1)
+    max_devices: int = option(0, "--autoscale: the budget in devices (a worker of "
+                              "tensor_parallel_size N holds N), every pool together; 0: "
+                              "none beyond --max-workers", ge=0)
     planner_interval_s: float = option(5.0, "--autoscale: seconds between the planner's "
                                        "decisions", gt=0)
     planner_down_ticks: int = option(
@@ -129,8 +132,10 @@ class AutoscaleSpec:
         for roles in (("prefill", "decode"), ("both",)):
             self.planner_config(roles)  # and the planner's own checks
 
-    def planner_config(self, roles: tuple[str, ...]) -> PlannerConfig:
-        """For the pools of these roles: prefill and decode, or both (colocated)."""
+    def planner_config(self, roles: tuple[str, ...],
+                       devices: dict[str, int] | None = None) -> PlannerConfig:
+        """For the pools of these roles: prefill and decode, or both (colocated).
+        devices: each pool's devices per worker (its tensor_parallel_size)."""
         colocated = roles == ("both",)
         minima = (("both", self.min_decode_workers),) if colocated else (
             ("prefill", self.min_prefill_workers), ("decode", self.min_decode_workers))
@@ -138,6 +143,8 @@ class AutoscaleSpec:
             ("prefill", self.max_prefill_workers), ("decode", self.max_decode_workers))
         return PlannerConfig(roles=roles, min_workers=minima, max_workers_per_pool=maxima,
                              max_workers=self.max_workers,
+                             devices_per_worker=tuple(sorted((devices or {}).items())),
+                             max_devices=self.max_devices,
                              interval_s=self.planner_interval_s,
                              down_sustain=self.planner_down_ticks,
                              reversal_guard_s=self.planner_reversal_guard_s,
@@ -276,8 +283,10 @@ class PoolSpec:
                        "worker may run whole requests, prefill for another or decode "
                        "for another, as the routing policy chooses per request",
                        choices=MODES)
-    num_cpus_per_worker: float = option(1.0, "Ray CPUs per worker actor")
-    num_gpus_per_worker: float = option(0.0, "Ray GPUs per worker actor (1 on GPU machines)")
+    num_cpus_per_worker: float = option(1.0, "Ray CPUs per worker actor (per rank of a "
+                                        "tensor-parallel worker)")
+    num_gpus_per_worker: float = option(0.0, "Ray GPUs per worker actor (1 on GPU machines; "
+                                        "per rank of a tensor-parallel worker)")
     max_restarts: int = option(-1, "times Ray restarts a worker whose process died "
                                "(-1: always, 0: never)")
     prefill_resources: str = option("", "custom Ray resources a prefill worker needs, as "
@@ -287,6 +296,12 @@ class PoolSpec:
                                    "worker needs, as JSON")
     placement: str = option("default", "Ray scheduling strategy for the workers: default "
                             "(pack) or spread (across nodes)", choices=STRATEGIES)
+    prefill_tensor_parallel_size: int = option(
+        0, "ranks (devices) per prefill worker, on one node (0: --tensor-parallel-size)",
+        ge=0)
+    decode_tensor_parallel_size: int = option(
+        0, "ranks (devices) per decode (colocated: engine) worker, on one node (0: "
+        "--tensor-parallel-size)", ge=0)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -301,6 +316,18 @@ class PoolSpec:
             raise ValueError(f"placement must be one of {STRATEGIES}")
         for role in ("prefill", "decode"):
             self.resources(role)
+        if self.mode == "adaptive" and self.prefill_tensor_parallel_size \
+                and self.decode_tensor_parallel_size \
+                and self.prefill_tensor_parallel_size != self.decode_tensor_parallel_size:
+            raise ValueError("adaptive mode runs every worker in every role: "
+                             "--prefill-tensor-parallel-size and "
+                             "--decode-tensor-parallel-size must be equal")
+
+    def tensor_parallel_size(self, role: str, default: int) -> int:
+        """The ranks of a worker of `role` (decode for decode and both)."""
+        size = self.prefill_tensor_parallel_size if role == "prefill" \
+            else self.decode_tensor_parallel_size
+        return size or default
 
     def resources(self, role: str) -> dict[str, float]:
         """The custom resources a worker of `role` needs (decode for decode and both)."""
@@ -332,16 +359,6 @@ class PoolSpec:
         if self.mode == "disaggregated":
             return self.decode_workers
         return self.prefill_workers + self.decode_workers
-
-
-def check_served_tensor_parallel(size: int) -> None:
-    """A served worker's KV would travel as rank 0's heads alone (the P -> D hand-off,
-    live migration): more than one rank is refused until the transfer carries every
-    rank's (docs/tensor_parallel.md)."""
-    if size > 1:
-        raise ValueError(
-            f"tensor_parallel_size {size}: served workers take 1 so far (their KV "
-            "transfer does not yet carry every rank's heads); the offline LLM takes more")
 
 
 @dataclass(frozen=True)

@@ -16,19 +16,21 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 
 import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import bytes_per_block
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_path import resolve_model_path
 from pdserve.engine.model_runner import DTYPES
+from pdserve.engine.parallel.sharding import check_tensor_parallel
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import TransferConfig
 from pdserve.router.config import (
     PoolSpec,
     RouterConfig,
     SharedStateSpec,
-    check_served_tensor_parallel,
 )
 from pdserve.router.model_info import ModelInfo
 from pdserve.router.pool.placement import (
@@ -71,7 +73,13 @@ class SharedActors:
 class WorkerSpawner:
     """Creates worker actors of a role with the pool's resources, placement and
     restart policy. Worker ids are `<role it started in>-<n>`, never reused (numbered
-    by the registry when replicas share the pool)."""
+    by the registry when replicas share the pool).
+
+    A worker of tensor_parallel_size N > 1 (per role: PoolSpec) gets a placement group
+    of its own: N bundles alike (a device each, where the pool's workers hold GPUs),
+    STRICT_PACK on one node, the worker actor (rank 0) in bundle 0 and its other
+    ranks in the rest (worker/ranks.py). The group goes when the worker is killed;
+    it fate-shares with whoever made it (detached for a shared pool's workers)."""
 
     def __init__(self, engine_config: EngineConfig, pools: PoolSpec,
                  transfer: TransferConfig, router_config: RouterConfig,
@@ -82,6 +90,7 @@ class WorkerSpawner:
         self.shared, self.registry = shared, registry
         self._numbers: defaultdict[str, itertools.count] = defaultdict(itertools.count)
         self._requested: list[dict[str, float]] | None = None  # the last autoscaler request
+        self.placements: dict[str, object] = {}  # worker id -> its placement group, or None
 
     def wanted(self, workers: dict[str, int]) -> None:
         """Asks Ray's autoscaler (request_resources) for room for every worker of the
@@ -97,10 +106,25 @@ class WorkerSpawner:
         asyncio.get_running_loop().run_in_executor(None, _request_resources, bundles)
 
     def demand(self, role: str) -> dict[str, float]:
+        """What one worker of `role` needs of one node: every rank's bundle."""
         pools = self.pools
-        fixed = {k: v for k, v in (("CPU", pools.num_cpus_per_worker),
-                                   ("GPU", pools.num_gpus_per_worker)) if v}
+        size = self.tensor_parallel_size(role)
+        fixed = {k: v * size for k, v in (("CPU", pools.num_cpus_per_worker),
+                                          ("GPU", pools.num_gpus_per_worker)) if v}
         return {**fixed, **pools.resources(role)}
+
+    def tensor_parallel_size(self, role: str) -> int:
+        return self.pools.tensor_parallel_size(role, self.engine_config.tensor_parallel_size)
+
+    def _bundles(self, role: str) -> list[dict[str, float]]:
+        """A worker's ranks' bundles: each one's CPUs and device; the role's custom
+        resources in bundle 0, where the worker actor is."""
+        pools = self.pools
+        each = {k: v for k, v in (("CPU", pools.num_cpus_per_worker),
+                                  ("GPU", pools.num_gpus_per_worker)) if v} or {"CPU": 0.001}
+        bundles = [dict(each) for _ in range(self.tensor_parallel_size(role))]
+        bundles[0].update(pools.resources(role))
+        return bundles
 
     def create(self, role: str, number: int | None = None) -> tuple[str, object]:
         """A new actor (loading in the background) and its id."""
@@ -116,7 +140,18 @@ class WorkerSpawner:
                    # them (measured: the gRPC path's throughput 0.75 -> 0.87 of
                    # in-process with passive waiting).
                    "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
-        if pools.placement == "spread":
+        size = self.tensor_parallel_size(role)
+        config = replace(self.engine_config, tensor_parallel_size=size)
+        placement = None
+        if size > 1:
+            placement = placement_group(
+                self._bundles(role), strategy="STRICT_PACK",
+                name=ranks_placement_name(self.shared.name(worker_id)) if self.shared
+                else f"pdserve-tp-{worker_id}-{secrets.token_hex(3)}",
+                lifetime="detached" if self.shared is not None else None)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement, placement_group_bundle_index=0)
+        elif pools.placement == "spread":
             options["scheduling_strategy"] = "SPREAD"
         if self.shared is not None:
             options.update(name=self.shared.name(worker_id), namespace=self.shared.namespace,
@@ -125,8 +160,10 @@ class WorkerSpawner:
         # for a few registry TTLs (every replica gone): nothing else would end them.
         orphan_after_s = 0.0 if self.shared is None else \
             ORPHAN_TTLS * self.router_config.shared.registry_ttl_s
-        actor = WorkerActor.options(**options).remote(worker_id, self.engine_config,
-                                                      self.transfer, role, orphan_after_s)
+        actor = WorkerActor.options(**options).remote(
+            worker_id, config, self.transfer, role, orphan_after_s,
+            rank_resources={"num_cpus": options["num_cpus"], "num_gpus": options["num_gpus"]})
+        self.placements[worker_id] = placement
         return worker_id, actor
 
     async def __call__(self, role: str, progress: Progress = lambda worker_id, state: None
@@ -153,15 +190,21 @@ class WorkerSpawner:
             progress(worker_id, "starting")
             stats = await asyncio.wait_for(actor.stats.remote(), config.startup_timeout_s)
         except asyncio.TimeoutError:
-            ray.kill(actor, no_restart=True)
+            self.kill(worker_id, actor)
             raise PlacementError(f"worker {worker_id} was placed but did not load within "
                                  f"{config.startup_timeout_s:g}s") from None
         except BaseException:  # abandoned, cancelled (shutdown), or it died loading
-            ray.kill(actor, no_restart=True)
+            self.kill(worker_id, actor)
             raise
-        return WorkerHandle.of(worker_id, RayWorkerClient(actor), role,
+        return WorkerHandle.of(worker_id, RayWorkerClient(actor, self.placements.pop(worker_id)),
+                               role,
                                num_blocks=stats["num_blocks"], locator=self.locator(worker_id),
                                generation=stats["incarnation"])
+
+    def kill(self, worker_id: str, actor) -> None:
+        """A worker that never joined: its actor, and its placement group if it has
+        one (and its ranks with it)."""
+        RayWorkerClient(actor, self.placements.pop(worker_id, None)).kill()
 
     def locator(self, worker_id: str) -> str:
         return "" if self.shared is None else self.shared.name(worker_id)
@@ -171,7 +214,7 @@ class WorkerSpawner:
         if self.shared is None:
             raise RuntimeError("this pool is not shared: its workers have no names")
         actor = await asyncio.to_thread(ray.get_actor, locator, self.shared.namespace)
-        return RayWorkerClient(actor)
+        return RayWorkerClient(actor, await asyncio.to_thread(placement_of, actor))
 
     async def _until_placed(self, worker_id: str, actor, role: str) -> None:
         """Returns once Ray started the actor's process; PlacementError after
@@ -189,6 +232,55 @@ class WorkerSpawner:
                     f"{fmt_resources(demand)} on one node, and the cluster has "
                     f"{fmt_resources({k: free.get(k, 0.0) for k in demand})} free in all")
             await asyncio.sleep(0.5)
+
+
+def check_tensor_parallel_sizes(model: ModelConfig, engine_config: EngineConfig,
+                                pools: PoolSpec, router_config: RouterConfig) -> None:
+    """Each pool's tensor_parallel_size splits the model, the pools of a mode whose
+    workers take every role have one size, and the planner's device budget holds its
+    minima; or ValueError naming the flag."""
+    sizes = {role: pools.tensor_parallel_size(role, engine_config.tensor_parallel_size)
+             for role in ("prefill", "decode")}
+    if pools.mode == "adaptive" and sizes["prefill"] != sizes["decode"]:
+        raise ValueError("--mode adaptive: every worker takes every role, so "
+                         "--prefill-tensor-parallel-size and --decode-tensor-parallel-size "
+                         f"must be equal (here {sizes['prefill']} and {sizes['decode']})")
+    spec = router_config.autoscale
+    if spec.autoscale:
+        roles = ("prefill", "decode") if pools.mode == "disaggregated" else ("both",)
+        try:
+            spec.planner_config(roles, {r: sizes["prefill" if r == "prefill" else "decode"]
+                                        for r in roles})
+        except ValueError as err:
+            raise ValueError(f"--max-devices {spec.max_devices}: {err}") from None
+    for role, flag in (("prefill", "prefill_tensor_parallel_size"),
+                       ("decode", "decode_tensor_parallel_size")):
+        if role == "prefill" and pools.mode != "disaggregated":
+            continue
+        size = pools.tensor_parallel_size(role, engine_config.tensor_parallel_size)
+        try:
+            check_tensor_parallel(model, size)
+        except ValueError as err:
+            named = flag if getattr(pools, flag) else "tensor_parallel_size"
+            raise ValueError(f"--{named.replace('_', '-')}: {err}") from None
+
+
+def ranks_placement_name(locator: str) -> str:
+    """The placement group of a shared pool's tensor-parallel worker, by its name."""
+    return f"{locator}-ranks"
+
+
+def placement_of(actor, timeout_s: float = 10.0):
+    """The placement group a worker another router started was placed in (named groups
+    are scoped to their creator's namespace: the worker says which by id), or None."""
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+    try:
+        found = ray.get(actor.placement_group_id.remote(), timeout=timeout_s)
+    except Exception as exc:  # gone, or restarting: its group is the pool's to find
+        log.warning("could not ask a worker for its placement group: %r", exc)
+        return None
+    return PlacementGroup(PlacementGroupID(bytes.fromhex(found))) if found else None
 
 
 def _request_resources(bundles: list[dict[str, float]]) -> None:
@@ -221,12 +313,13 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     `wait_for_nodes_s`: how long nodes that could hold the workers may take to join
     (a cluster being brought up, or scaled by Ray's autoscaler, which is asked for
     them); 0: the nodes there now must hold them."""
-    check_served_tensor_parallel(engine_config.tensor_parallel_size)
     served = served_model_name or engine_config.model
     # One secret per cluster keys its KV rendezvous (kv_transfer/rendezvous.py).
     transfer = replace(transfer, secret=transfer.secret or secrets.token_hex(16))
     model_dir = resolve_model_path(engine_config.model)  # build `tiny` once, here
     engine_config = replace(engine_config, model=str(model_dir))
+    check_tensor_parallel_sizes(ModelConfig.from_dir(model_dir), engine_config, pools,
+                                router_config)
     router_id = new_router_id()
     registry = registry_for(router_config.shared, router_id)
     shared = None
@@ -257,10 +350,11 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
         addresses = dict(zip((worker_id for worker_id, _ in decoders), _get(
             [actor.address.remote() for _, actor in decoders], router_config, "start")))
     except BaseException:  # detached actors (a shared pool) outlive this process
-        for _, actor in created:
-            ray.kill(actor, no_restart=True)
+        for worker_id, actor in created:
+            spawner.kill(worker_id, actor)
         raise
-    workers = [WorkerHandle.of(worker_id, RayWorkerClient(actor), role,
+    workers = [WorkerHandle.of(worker_id, RayWorkerClient(
+        actor, spawner.placements.pop(worker_id, None)), role,
                                num_blocks=s["num_blocks"], address=addresses.get(worker_id, ""),
                                locator=spawner.locator(worker_id), generation=s["incarnation"])
                for (worker_id, actor), role, s in zip(created, roles, stats)]
@@ -303,7 +397,8 @@ def join(record: PoolRecord, entries: list[WorkerEntry], router_config: RouterCo
         except ValueError:
             log.error("worker %s of the registry is gone; left out", entry.worker_id)
             continue
-        worker = WorkerHandle.of(entry.worker_id, RayWorkerClient(actor), entry.role,
+        worker = WorkerHandle.of(entry.worker_id, RayWorkerClient(actor, placement_of(actor)),
+                                 entry.role,
                                  num_blocks=entry.num_blocks, address=entry.address,
                                  locator=entry.locator, generation=entry.generation)
         worker.update(draining=entry.draining)

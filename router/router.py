@@ -149,7 +149,9 @@ class Router:
         if spec.autoscale:
             roles = {w.state.role for w in self.pool.workers.values()}
             pools = ("both",) if roles <= {"both"} else ("prefill", "decode")
-            self.planner = PlannerRunner(self.pool, spec.planner_config(pools),
+            sizes = getattr(self.pool.spawner, "tensor_parallel_size", None)
+            devices = {role: sizes(role) for role in pools} if sizes else None
+            self.planner = PlannerRunner(self.pool, spec.planner_config(pools, devices),
                                          self.config.routing.default_slo, self.traffic,
                                          self.metrics, self.lease)
             self.planner.start()

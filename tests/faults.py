@@ -5,6 +5,7 @@ fn(actor, ...) in the actor's process; Ray's workers import this module by name.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 POISON = 1999  # a prompt that starts with this token fails at the sampler
 
@@ -93,14 +94,14 @@ def slow_prefill_layers(actor, delay_s: float = 0.1) -> None:
     export = role.export
 
     def slow_export(out):
-        send = export(out)
-        if send is None:
+        exported = export(out)
+        if exported is None:
             return None
 
         def slow_send(layer: int) -> None:
             time.sleep(delay_s)  # the injected slowness
-            send(layer)
-        return slow_send
+            exported.send(layer)
+        return replace(exported, send=slow_send)
     role.export = slow_export
 
 

@@ -10,7 +10,12 @@
                   gating, each request's owner (subscriber), abort tombstones, the
                   start handshake's rule; pure, on a clock passed in
     ranks.py      a tensor-parallel worker's other ranks: Ray actors in one placement
-                  group (a bundle per rank, STRICT_PACK), joined to rank 0's group
+                  group (a bundle per rank, STRICT_PACK), joined to rank 0's group;
+                  RankLink, rank 0's bounded calls on a rank's KV transfers
+    rank_kv.py    RankKV: a rank's own KV sender and receiver (its heads); what rank 0
+                  tells it to send in a step, expect, abort, copy
+    local.py      threaded_worker: a served worker's ranks on threads of one process
+                  (tests, debugging)
     streams.py    the subscribers' step streams (each router's own deltas, everyone's
                   telemetry, merged when a subscriber falls behind), for both workers
     messages.py   typed router <-> worker messages, plain data: Reservation, PrefillJob,

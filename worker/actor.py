@@ -7,15 +7,24 @@ worker's telemetry, which every subscriber gets. While no step runs, a telemetry
 report goes out at least every IDLE_REPORT_INTERVAL_S, as long as the engine loop makes
 progress: silence past a subscriber's bound means the worker stalled. A step error
 its engine cannot pin on requests ends the process, and Ray restarts the actor
-(launch sets max_restarts)."""
+(launch sets max_restarts).
+
+With tensor_parallel_size N > 1 the actor is rank 0: it starts ranks 1..N-1
+(worker/ranks.py) in the placement group it was placed in (bundles 1..N-1; the
+spawner makes one per worker) or, placed in none, in one of its own. A rank that is
+lost ends this process too, at once: the worker leaves service whole, its requests
+are replayed elsewhere, and Ray restarts it with a new group (the old ranks, owned
+by this process, end with it)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import threading
 import time
 import uuid
 from contextlib import aclosing
+from dataclasses import replace
 
 import ray
 
@@ -42,25 +51,53 @@ log = logging.getLogger(__name__)
 @ray.remote
 class WorkerActor:
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferConfig,
-                 role: str = "decode", orphan_after_s: float = 0.0):
+                 role: str = "decode", orphan_after_s: float = 0.0,
+                 rank_resources: dict[str, float] | None = None):
         """orphan_after_s > 0: the worker ends itself after that long with no call to
         `stats` (the routers of a shared pool call it every third of the registry's TTL):
         a detached worker whose every router replica is gone, which nothing else would
         ever end. (A subscriber's stream is no sign of life: Ray does not tell a
-        generator that its reader died.)"""
+        generator that its reader died.) rank_resources: what each of its other
+        tensor-parallel ranks holds of its bundle (num_cpus, num_gpus)."""
         self._loop = asyncio.get_event_loop()
         self._published_at = time.monotonic()
         self._ticker: asyncio.Task | None = None
         self._asked_at = time.monotonic()  # the last call to stats
+        self._stopping = False
         self.incarnation = uuid.uuid4().hex[:12]  # a restarted actor makes a new one
-        self.worker = Worker(worker_id, engine_config, transfer, role, on_batch=self._publish,
-                             on_death=exit_for_restart,
-                             kv_host=ray.util.get_node_ip_address())
+        self.ranks = None
+        group, links = None, ()
+        if engine_config.tensor_parallel_size > 1:
+            from pdserve.worker.ranks import start_ranks
+            placement = ray.util.get_current_placement_group()
+            self.ranks = start_ranks(engine_config, placement, kv=(worker_id, transfer),
+                                     resources=rank_resources)
+            engine_config = replace(engine_config, device=self.ranks.device)
+            group, links = self.ranks.group, tuple(self.ranks.links)
+        try:
+            self.worker = Worker(worker_id, engine_config, transfer, role,
+                                 on_batch=self._publish, on_death=exit_for_restart,
+                                 kv_host=ray.util.get_node_ip_address(), tp_group=group,
+                                 rank_links=links)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.shutdown()
+            raise
+        if self.ranks is not None:
+            threading.Thread(target=self._watch_ranks, daemon=True,
+                             name="tp-ranks-watch").start()
         self.core = self.worker.core  # ownership: read and written on this loop only
         self.streams = Streams(worker_id)  # the subscribers' step streams, on this loop
         if orphan_after_s > 0:
             self._loop.call_soon_threadsafe(
                 lambda: self._loop.create_task(self._reap_if_orphaned(orphan_after_s)))
+
+    def _watch_ranks(self) -> None:
+        """A rank lost (its process died, its step failed) ends this worker at once."""
+        lost = self.ranks.lost(timeout_s=None)
+        if lost and not self._stopping:
+            exit_for_restart(RuntimeError(
+                f"tensor-parallel rank(s) {lost} of worker {self.worker.worker_id} lost"))
 
     async def _reap_if_orphaned(self, after_s: float) -> None:
         while True:
@@ -68,7 +105,10 @@ class WorkerActor:
             if time.monotonic() - self._asked_at > after_s:
                 log.warning("worker %s: no router asked for %gs; it ends",
                             self.worker.worker_id, after_s)
-                self.worker.shutdown()
+                self._shutdown()
+                placement = ray.util.get_current_placement_group()
+                if placement is not None:  # detached like this worker: nothing else ends it
+                    ray.util.remove_placement_group(placement)
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return
 
@@ -195,7 +235,24 @@ class WorkerActor:
 
     async def stats(self) -> dict:
         self._asked_at = time.monotonic()
-        return {**await asyncio.to_thread(self.worker.stats), "incarnation": self.incarnation}
+        return {**await asyncio.to_thread(self.worker.stats), "incarnation": self.incarnation,
+                "rank_pids": list(self.ranks.pids) if self.ranks else []}
+
+    async def placement_group_id(self) -> str:
+        """The placement group it was placed in (a tensor-parallel worker's, made by
+        the spawner), hex; "" if none: another router replica removes it with the
+        worker."""
+        placement = ray.util.get_current_placement_group()
+        return placement.id.hex() if placement is not None else ""
 
     async def shutdown(self) -> None:
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        """The worker ends; a tensor-parallel one's ranks are told to stop, then
+        removed (with the placement group, if it made one)."""
+        self._stopping = True
         self.worker.shutdown()
+        if self.ranks is not None:
+            self.ranks.shutdown()
+

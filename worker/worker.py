@@ -3,22 +3,28 @@ the two roles over them (prefill_worker.role, decode_worker.role). Its role —
 prefill, decode or both (whole requests, prefill included) — says which calls it
 takes, and changes at run time once nothing is in flight (the weights stay loaded).
 
+A tensor-parallel worker is rank 0 of its group: its engine leads the other ranks
+(`tp_group`), each of which sends and receives its own KV heads (`rank_links`,
+worker/rank_kv.py).
+
 Every step it publishes one StepBatch: the deltas of the requests it decodes and its
 telemetry (WorkerTelemetry). Outputs of its prefill jobs go to the prefill role,
 which answers them through prefill()'s future instead.
 """
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 from typing import Callable
 
 from pdserve.decode_worker.moves import Moves
-from pdserve.decode_worker.role import DecodeRole, deltas
+from pdserve.decode_worker.role import DecodeRole, abort_on_ranks, deltas
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.profile import profile
 from pdserve.engine.telemetry import gauges, report
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig
@@ -35,33 +41,49 @@ from pdserve.worker.messages import (
     check_role,
 )
 
+log = logging.getLogger(__name__)
+
 
 class Worker:
     def __init__(self, worker_id: str, engine_config: EngineConfig,
                  transfer: TransferConfig = TransferConfig(), role: str = "decode",
                  on_batch: Callable[[StepBatch], None] | None = None,
                  on_death: Callable[[BaseException], None] | None = None,
-                 kv_host: str = "127.0.0.1"):
+                 kv_host: str = "127.0.0.1", tp_group: TensorParallelGroup | None = None,
+                 rank_links: tuple = ()):
         """kv_host: the address its KV rendezvous and pairs bind (the node's, on a
-        cluster). on_batch(batch) runs on the engine thread."""
+        cluster). on_batch(batch) runs on the engine thread. tp_group, rank_links:
+        rank 0's group and its links to ranks 1.. (tensor_parallel_size > 1)."""
         self.worker_id = worker_id
         self.core = WorkerCore(worker_id, role, time.monotonic, transfer.begin_lease_s)
         self.on_batch = on_batch
-        engine = LLMEngine(engine_config)
-        profile(engine)  # warm, and the latency model's first measurements
+        self._on_death = on_death
+        self.links = tuple(rank_links)
+        engine = LLMEngine(engine_config, tp_group=tp_group)
+        try:
+            profile(engine)  # warm, and the latency model's first measurements
+        except BaseException:
+            engine.close()
+            raise
         engine.block_manager.record_prefix_events = True  # reported in telemetry
         self.sender = KVSender(worker_id, engine.runner.kv_caches, transfer, kv_host)
         self.receiver = KVReceiver(engine.runner.kv_caches, transfer, kv_host,
-                                   on_release=engine.abort)
+                                   on_release=self._release)
+        self._engine = engine
+        if self.links:  # pairing senders find every rank through rank 0's rendezvous
+            self.receiver.publish_ranks([link.address(transfer.connect_timeout_s)
+                                         for link in self.links])
         self._reported_steps = 0
         # The loop thread calls its callbacks only once a role has given it work.
         self.loop = EngineLoop(engine, on_step=self._on_step, export=self._export,
                                on_death=on_death)
-        self.prefill_role = PrefillRole(self.loop, self.sender)
+        model = engine.model_config
+        self.prefill_role = PrefillRole(self.loop, self.sender, self.links,
+                                        (model.num_heads, model.num_kv_heads))
         self.decode_role = DecodeRole(self.loop, self.receiver, self.core,
-                                      self._publish_deltas)
+                                      self._publish_deltas, self.links, self._release)
         self.moves = Moves(self.loop, self.receiver, self.prefill_role.send,
-                           self._publish_deltas)
+                           self._publish_deltas, self.links, self._release)
 
     @property
     def role(self) -> str:
@@ -142,11 +164,28 @@ class Worker:
                 "lease_expiries": dict(self.receiver.lease_expiries)}
 
     def shutdown(self) -> None:
+        """Its loop, roles and transfers end; a tensor-parallel engine's other ranks
+        are told to stop (their owner removes them)."""
         self.loop.stop()
         self.prefill_role.shutdown()
         self.decode_role.shutdown()
         self.sender.close()
         self.receiver.close()
+        self._engine.close()
+
+    def _release(self, request_id: str) -> None:
+        """A request's reserved blocks go back (an ending transfer, an abort): its KV
+        stops landing on the other ranks first. A rank that cannot be reached might
+        still write into them: they stay held, and the worker is lost (on_death)."""
+        try:
+            abort_on_ranks(self.links, request_id)
+        except Exception as exc:
+            log.critical("worker %s: a tensor-parallel rank did not confirm the end of "
+                         "request %s's KV: %r", self.worker_id, request_id, exc)
+            if self._on_death is not None:
+                self._on_death(exc)
+            return
+        self._engine.abort(request_id)
 
     # ---- on the engine thread -----------------------------------------------------
 

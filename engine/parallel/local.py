@@ -41,30 +41,45 @@ def join_threads(size: int, device: torch.device = torch.device("cpu")
 
 
 @contextmanager
-def threaded_engine(config: EngineConfig) -> Iterator[LLMEngine]:
-    """Rank 0's engine; ranks 1.. follow it on threads until it closes. A rank that
-    failed raises here, after the engine closed."""
-    size = config.tensor_parallel_size
-    groups = join_threads(size, torch.device(config.device))
+def following(config: EngineConfig, groups: list[TensorParallelGroup],
+              kv: list | None = None) -> Iterator[None]:
+    """Ranks 1.. of `groups` follow rank 0 on threads while the body runs (rank 0's
+    engine made and closed in it; kv: each rank's KV transfers, worker/rank_kv.py). A
+    body that raises closes rank 0's group first, so the ranks' collectives fail and
+    their threads end. A rank that failed raises here, after the body."""
     errors: list[BaseException] = []
 
     def follow(rank: int) -> None:
         try:
-            Follower(config, groups[rank]).serve()
+            Follower(config, groups[rank], kv[rank - 1] if kv else None).serve()
         except BaseException as exc:  # reported on the caller's thread
             errors.append(exc)
     threads = [threading.Thread(target=follow, args=(r,), daemon=True, name=f"tp-rank-{r}")
-               for r in range(1, size)]
+               for r in range(1, len(groups))]
     for t in threads:
         t.start()
-    engine = LLMEngine(config, tp_group=groups[0])
     try:
-        yield engine
+        yield
+    except BaseException:
+        groups[0].close()
+        raise
     finally:
-        engine.close()
         for t in threads:
             t.join(timeout=JOIN_TIMEOUT_S)
     if errors:
         raise RuntimeError(f"a rank failed: {errors[0]!r}") from errors[0]
     if any(t.is_alive() for t in threads):
         raise RuntimeError("a rank did not stop")
+
+
+@contextmanager
+def threaded_engine(config: EngineConfig) -> Iterator[LLMEngine]:
+    """Rank 0's engine; ranks 1.. follow it on threads until it closes. A rank that
+    failed raises here, after the engine closed."""
+    groups = join_threads(config.tensor_parallel_size, torch.device(config.device))
+    with following(config, groups):
+        engine = LLMEngine(config, tp_group=groups[0])
+        try:
+            yield engine
+        finally:
+            engine.close()

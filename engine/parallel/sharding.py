@@ -39,6 +39,15 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
                          + "; choose a size that divides them")
 
 
+def kv_head_range(num_heads: int, num_kv_heads: int, size: int, rank: int
+                  ) -> tuple[int, int]:
+    """(first, count) of the KV heads rank `rank` of `size` holds: those its query heads
+    read (GQA: query head h reads KV head h // (H / Hkv)); one, replicated, past Hkv
+    ranks."""
+    first = rank * (num_heads // size) // (num_heads // num_kv_heads)
+    return first, max(num_kv_heads // size, 1)
+
+
 @dataclass(frozen=True)
 class Shard:
     rank: int
@@ -58,12 +67,12 @@ class Shard:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in a group of {size}")
         heads = config.num_heads // size
-        kv_heads = max(config.num_kv_heads // size, 1)
+        first_kv_head, kv_heads = kv_head_range(config.num_heads, config.num_kv_heads,
+                                                size, rank)
         inter = config.intermediate_size // size
         vocab = -(-config.vocab_size // size)
         return cls(rank=rank, size=size, first_head=rank * heads, num_heads=heads,
-                   # the KV heads this rank's query heads read (GQA: h // (H / Hkv))
-                   first_kv_head=rank * heads // (config.num_heads // config.num_kv_heads),
+                   first_kv_head=first_kv_head,
                    num_kv_heads=kv_heads, first_intermediate=rank * inter,
                    intermediate_size=inter, first_vocab=rank * vocab, vocab_rows=vocab)
 

@@ -54,6 +54,11 @@ class PlannerConfig:
     max_workers_per_pool: tuple[tuple[str, int], ...] = (("prefill", 8), ("decode", 8),
                                                          ("both", 8))
     max_workers: int = 8  # the budget, every pool together
+    # The devices a worker of each pool holds (its tensor_parallel_size; 1 if unsaid).
+    # A pool's worker flips only to a pool of as many; max_devices (0: none) bounds
+    # the devices of every pool together, as max_workers does the workers.
+    devices_per_worker: tuple[tuple[str, int], ...] = ()
+    max_devices: int = 0
     interval_s: float = 5.0
     sustain: int = 2  # ticks a short pool must stay short
     down_sustain: int = 6  # ticks a pool must stay able to spare one
@@ -83,6 +88,11 @@ class PlannerConfig:
                 raise ValueError(f"the {role} pool needs 0 <= min <= max")
         if sum(self.minimum(r) for r in self.roles) > self.max_workers:
             raise ValueError("the pools' minima exceed max_workers")
+        if any(self.devices(r) < 1 for r in self.roles) or self.max_devices < 0:
+            raise ValueError("devices_per_worker must be >= 1 and max_devices >= 0")
+        if self.max_devices and sum(self.minimum(r) * self.devices(r)
+                                    for r in self.roles) > self.max_devices:
+            raise ValueError("the pools' minima exceed max_devices")
         if not (self.sustain >= 1 and self.down_sustain >= 1 and 0 < self.margin <= 1):
             raise ValueError("sustain and down_sustain must be >= 1, margin in (0, 1]")
         if not (0 <= self.attainment_target <= 1 and self.min_judged >= 1):
@@ -98,6 +108,9 @@ class PlannerConfig:
 
     def maximum(self, role: str) -> int:
         return dict(self.max_workers_per_pool).get(role, self.max_workers)
+
+    def devices(self, role: str) -> int:
+        return dict(self.devices_per_worker).get(role, 1)
 
 
 # ---- what it observes --------------------------------------------------------------
@@ -222,6 +235,12 @@ def plan(obs: Observation, state: PlannerState, config: PlannerConfig) -> Plan:
     def total() -> int:
         return sum(counts.values())
 
+    def room(role: str) -> bool:
+        """One more worker of `role` fits the budgets (workers, and devices)."""
+        devices = sum(n * config.devices(r) for r, n in counts.items())
+        return total() < config.max_workers and (
+            not config.max_devices or devices + config.devices(role) <= config.max_devices)
+
     def gain(role: str, action: Action) -> None:
         actions.append(action)
         counts[role] += 1
@@ -234,7 +253,7 @@ def plan(obs: Observation, state: PlannerState, config: PlannerConfig) -> Plan:
         spare_ticks[role] = 0
 
     for role in config.roles:  # bounds first, at once
-        while counts[role] < config.minimum(role) and total() < config.max_workers:
+        while counts[role] < config.minimum(role) and room(role):
             gain(role, Action("add", role, "minimum",
                               f"below its minimum of {config.minimum(role)}"))
         while counts[role] > config.maximum(role):
@@ -264,7 +283,7 @@ def plan(obs: Observation, state: PlannerState, config: PlannerConfig) -> Plan:
                 gain(role, Action("flip", role, signal.short_cause, f"{why}; the "
                                   f"{donor_role} pool can spare one "
                                   f"({signals[donor_role].spare})", worker_id))
-            elif total() < config.max_workers:
+            elif room(role):
                 gain(role, Action("add", role, signal.short_cause, why))
             else:
                 break
@@ -410,7 +429,8 @@ def _donor(role: str, obs: Observation, config: PlannerConfig, signals: dict,
         # Its spare check gives up a starting worker first: a flip takes a serving one,
         # so only a pool with none coming can lend.
         if other == role or other in lent or not signals[other].spare or signals[other].short \
-                or signals[other].coming or counts[other] <= config.minimum(other):
+                or signals[other].coming or counts[other] <= config.minimum(other) \
+                or config.devices(other) != config.devices(role):  # its ranks stay its own
             continue
         serving = [w for w in obs.workers if w.role == other and w.state == "serving"
                    and w.worker_id not in taken]

@@ -28,8 +28,11 @@ _DEATHS = ("ActorDiedError", "RayActorError", "ActorUnavailableError")
 
 
 class RayWorkerClient:
-    def __init__(self, actor):
+    def __init__(self, actor, placement=None):
+        """placement: a tensor-parallel worker's placement group (its ranks' bundles,
+        launch.WorkerSpawner), removed with it."""
         self.actor = actor  # a WorkerActor handle
+        self.placement = placement
 
     async def address(self) -> str:
         return await _answer(self.actor.address.remote())
@@ -91,10 +94,18 @@ class RayWorkerClient:
                            incarnation=stats["incarnation"])
 
     def kill(self) -> None:
+        """The worker ends for good: its actor, then its placement group (any rank
+        still in it goes with it)."""
         try:
             ray.kill(self.actor, no_restart=True)
         except Exception as exc:  # an actor long gone
             log.debug("could not kill a leaving worker: %r", exc)
+        placement, self.placement = self.placement, None
+        if placement is not None:
+            try:
+                ray.util.remove_placement_group(placement)
+            except Exception as exc:  # removed already
+                log.debug("could not remove a leaving worker's placement group: %r", exc)
 
 
 async def _answer(ref):

@@ -40,7 +40,7 @@ def stop_cluster(srv: RouterServer) -> None:
     for the next cluster a test starts."""
     srv.stop()
     for worker in srv.router.workers.values():
-        ray.kill(worker.client.actor)
+        worker.client.kill()  # a tensor-parallel worker's placement group goes too
 
 
 def generate_concurrently(srv: RouterServer, prompts: list[list[int]], max_tokens: int):

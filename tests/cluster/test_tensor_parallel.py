@@ -73,3 +73,194 @@ def test_a_killed_rank_fails_the_next_step_at_once_and_leaves_nothing(ray_local,
     finally:
         llm.shutdown()
     assert placement_group_table(placement)["state"] == "REMOVED"
+
+
+@pytest.mark.parametrize("prefill,decode", [(2, 1), (1, 2)])
+def test_served_workers_of_two_tensor_parallel_sizes_equal_hf_through_sdk_and_http(
+        ray_local, llama_dir, prefill, decode):
+    """A prefill worker of TP `prefill` hands each prompt's KV to a decode worker of TP
+    `decode`, every rank sending or receiving its own heads (kv_transfer/heads.py).
+    Each tensor-parallel worker is one STRICT_PACK placement group, its actor in
+    bundle 0; killing the workers removes it."""
+    import openai
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.kv_transfer import TransferConfig
+    from pdserve.router.config import PoolSpec
+    from pdserve.router.front.server import RouterServer
+    from pdserve.router.launch import launch
+    from tests.cluster.conftest import generate_concurrently, stop_cluster, wait_all_blocks_free
+
+    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=16 << 20,
+                                      max_model_len=512, long_prefill_token_threshold=32)
+    router = launch(config, PoolSpec(1, 1, num_cpus_per_worker=0.5,
+                                     prefill_tensor_parallel_size=prefill,
+                                     decode_tensor_parallel_size=decode),
+                    TransferConfig(timeout_s=30), served_model_name="tp")
+    srv = RouterServer(router)
+    workers = list(router.workers.values())
+    placements = [w.client.placement for w in workers if w.client.placement is not None]
+    try:
+        assert len(placements) == 1
+        table = placement_group_table(placements[0])
+        assert table["strategy"] == "STRICT_PACK" and len(table["bundles"]) == 2
+        oracle = Oracle(llama_dir)
+        prompts = [list(range(5 + i, 5 + i + n)) for i, n in enumerate([3, 20, 45, 70])]
+        for prompt, out in zip(prompts, generate_concurrently(srv, prompts, 8)):
+            assert out.token_ids == oracle.generate(prompt, 8)[0]
+        client = openai.OpenAI(base_url=f"{srv.http_url}/v1", api_key="unused", timeout=60,
+                               max_retries=0)
+        for prompt in prompts[1:3]:
+            out = client.completions.create(model="tp", prompt=prompt, max_tokens=8,
+                                            temperature=0, extra_body={
+                                                "ignore_eos": True, "return_token_ids": True})
+            assert out.choices[0].model_extra["token_ids"] == oracle.generate(prompt, 8)[0]
+        wait_all_blocks_free(srv)
+    finally:
+        stop_cluster(srv)
+    assert placement_group_table(placements[0])["state"] == "REMOVED"
+
+
+def test_a_sigkilled_rank_takes_its_worker_out_and_every_stream_completes_exactly(
+        ray_local, llama_dir):
+    """Rank 1 of a decode worker of TP 2 SIGKILLed while streams run on that worker:
+    the worker leaves service at once (its rank 0 ends too), every stream completes
+    exactly by replay on the other decode worker, and Ray restarts the worker in its
+    placement group with a whole new group of ranks. Afterwards nothing is left."""
+    import os
+    import signal
+    import threading
+
+    import httpx
+
+    from pdserve import SamplingParams
+    from pdserve.client import Client
+    from pdserve.engine.config import EngineConfig
+    from pdserve.kv_transfer import TransferConfig
+    from pdserve.router.config import PoolSpec, RouterConfig
+    from pdserve.router.front.auth import ApiKeys
+    from pdserve.router.front.server import RouterServer
+    from pdserve.router.launch import launch
+    from tests.cluster.conftest import stop_cluster
+    from tests.polling import until
+
+    key = "admin-secret"
+    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=16 << 20,
+                                      max_model_len=512)
+    router = launch(config, PoolSpec(1, 2, num_cpus_per_worker=0.5,
+                                     decode_tensor_parallel_size=2),
+                    TransferConfig(timeout_s=30), RouterConfig(stall_timeout_s=10),
+                    served_model_name="tp")
+    srv = RouterServer(router, admin_keys=ApiKeys((key,)))
+    decoders = [w for w in router.workers.values() if w.state.role == "decode"]
+    victim, other = decoders
+    placements = [w.client.placement for w in decoders]
+
+    def admin(path: str) -> int:
+        return httpx.post(f"{srv.http_url}/admin{path}", timeout=120,
+                          headers={"Authorization": f"Bearer {key}"}).status_code
+    try:
+        long = dict(max_tokens=300, temperature=0, ignore_eos=True)
+        prompts = [list(range(10 + 7 * i, 30 + 11 * i)) for i in range(3)]
+        reference = LLM(str(llama_dir), kv_cache_memory_bytes=16 << 20, max_model_len=512)
+        exact = [o.token_ids for o in reference.generate(prompts, SamplingParams(**long))]
+        before = ray.get(victim.client.actor.stats.remote())
+        assert len(before["rank_pids"]) == 1
+        outputs, failures, started = {}, [], threading.Event()
+
+        def stream(i: int) -> None:
+            with Client(srv.grpc_target) as client:
+                try:
+                    tokens = []
+                    for chunk in client.generate_stream(prompts[i], timeout=120, **long):
+                        tokens += chunk.token_ids
+                        started.set()
+                    outputs[i] = tokens
+                except Exception as exc:  # noqa: BLE001 - asserted on
+                    failures.append(exc)
+        assert admin(f"/workers/{other.worker_id}/drain") == 200  # the victim takes them
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        assert admin(f"/workers/{other.worker_id}/resume") == 200
+        os.kill(before["rank_pids"][0], signal.SIGKILL)
+        for t in threads:
+            t.join(150)
+        assert not failures and [outputs.get(i) for i in range(3)] == exact
+
+        def replaced() -> bool:  # the same worker, restarted with a new group
+            try:
+                now = ray.get(victim.client.actor.stats.remote(), timeout=5)
+            except Exception:  # noqa: BLE001 - still restarting
+                return False
+            return now["incarnation"] != before["incarnation"] and \
+                now["rank_pids"] and now["rank_pids"] != before["rank_pids"]
+        assert until(replaced, timeout_s=120)
+        assert ray.get(victim.client.actor.stats.remote())["free_blocks"] > 0
+    finally:
+        stop_cluster(srv)
+    for placement in placements:
+        assert placement_group_table(placement)["state"] == "REMOVED"
+    from ray._private import state
+    assert until(lambda: not [a for a in state.actors().values()
+                       if a["ActorClassName"] == "RankActor" and a["State"] == "ALIVE"],
+          timeout_s=30)
+
+
+def test_a_live_migration_between_tensor_parallel_workers_is_exact(ray_local, llama_dir):
+    """Two decode workers of TP 2: one drained while long requests stream on it, so
+    each moves live, every rank copying its own KV heads to its peer rank on the
+    other worker; every output equals one engine's greedy one, and no block stays."""
+    import asyncio
+
+    from pdserve import SamplingParams
+    from pdserve.client import AsyncClient
+    from pdserve.engine.config import EngineConfig
+    from pdserve.kv_transfer import TransferConfig
+    from pdserve.router.config import PoolSpec, RouterConfig
+    from pdserve.router.front.server import RouterServer
+    from pdserve.router.launch import launch
+    from pdserve.router.lifecycle import Phase
+    from tests import faults
+    from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
+    from tests.cluster.test_migration import _holding, _live_moves, _moved
+
+    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=16 << 20,
+                                      max_model_len=512)
+    router = launch(config, PoolSpec(1, 2, num_cpus_per_worker=0.5,
+                                     decode_tensor_parallel_size=2),
+                    TransferConfig(timeout_s=30), RouterConfig(stall_timeout_s=10),
+                    served_model_name="tp")
+    srv = RouterServer(router)
+    prompts = [[faults.SLOW, *range(20, 20 + n)] for n in (7, 40, 23, 64)]
+    tokens = 120
+    try:
+        for worker in router.pool.decode.values():
+            ray.get(worker.client.actor.__ray_call__.remote(faults.slow_sampler, 0.05))
+        reference = LLM(str(llama_dir), kv_cache_memory_bytes=16 << 20, max_model_len=512)
+        exact = [o.token_ids for o in reference.generate(prompts, SamplingParams(
+            max_tokens=tokens, temperature=0, ignore_eos=True))]
+
+        async def one(prompt):
+            async with AsyncClient(srv.grpc_target, timeout=300) as client:
+                return (await client.generate(prompt, max_tokens=tokens, temperature=0,
+                                              ignore_eos=True)).token_ids
+
+        async def drain():
+            victim = await _holding(srv, "decode", lambda f: f.phase is Phase.STREAMING
+                                    and f.num_output_tokens >= 5)
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                router.pool.drain(victim.worker_id), srv.loop))
+            srv.loop.call_soon_threadsafe(router.pool.resume, victim.worker_id)
+
+        async def scenario():
+            return await asyncio.gather(asyncio.gather(*[one(p) for p in prompts]), drain())
+        got, _ = asyncio.run(scenario())
+        assert got == exact
+        assert _live_moves(srv).get("moved", 0) >= 1
+        # each resumed on its target: no move fell back to replay (a worker error)
+        assert {reason for (reason, _), n in _moved(srv).items() if n} == {"drain"}
+        wait_all_blocks_free(srv, timeout_s=60)
+    finally:
+        stop_cluster(srv)

@@ -17,7 +17,9 @@ def test_the_files_that_run_pdserve_are_the_ones_expected():
     assert found == {"Dockerfile": ["--help"],
                      "README.md": ["admin", "admin", "bench"],
                      "kuberay/raycluster.yaml": ["serve"],
-                     "ray/aws.yaml": ["serve"], "ray/local.yaml": ["serve"]}
+                     "kuberay/tensor-parallel/raycluster-tp4.yaml": ["serve"],
+                     "ray/aws-tp4.yaml": ["serve"], "ray/aws.yaml": ["serve"],
+                     "ray/local.yaml": ["serve"]}
 
 
 @pytest.mark.parametrize("path", deploy_files(), ids=lambda p: str(p.relative_to(ROOT)))

@@ -201,3 +201,51 @@ def test_kustomize_builds_the_whole_deployment():
         "ConfigMap", "PersistentVolumeClaim", "RayCluster", "Service"]
     (cluster,) = [doc for doc in docs if doc["kind"] == "RayCluster"]
     assert check(cluster) == []
+
+
+def merge_patch(target, patch):
+    """RFC 7386 JSON merge patch: what kustomize applies to a custom resource (no
+    strategic merge keys: its lists are replaced whole)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    merged = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patch(merged.get(key), value)
+    return merged
+
+
+TENSOR_PARALLEL = KUBERAY / "tensor-parallel"
+
+
+def tensor_parallel_cluster() -> dict:
+    """The RayCluster `kubectl apply -k deploy/kuberay/tensor-parallel` makes."""
+    kustomization = load(TENSOR_PARALLEL / "kustomization.yaml")
+    assert kustomization["resources"] == ["../"]
+    (patch,) = kustomization["patches"]
+    return merge_patch(ray_cluster(), load(TENSOR_PARALLEL / patch["path"]))
+
+
+def test_the_tensor_parallel_overlay_serves_four_ranks_a_worker_and_its_bounds_fit():
+    """Every worker four ranks, a GPU each, on one pod of four GPUs; the cluster passes
+    the CRD, the operator and Ray's autoscaler, and the planner's device budget fits."""
+    cluster = tensor_parallel_cluster()
+    assert check(cluster) == []
+    argv = serve_command([w for text in strings(head_container(cluster))
+                          for w in pdserve_commands(text)])
+    flag = dict(zip(argv, argv[1:]))
+    assert flag["--tensor-parallel-size"] == "4" and flag["--num-gpus-per-worker"] == "1"
+    types = autoscaler_config(cluster)["available_node_types"]
+    assert all(t["resources"].get("GPU") == 4 for n, t in types.items() if n != "headgroup")
+    assert shortfalls(argv, types) == []
+    # one GPU fewer a pod and no worker fits: the check counts every rank
+    small = copy.deepcopy(cluster)
+    for group in small["spec"]["workerGroupSpecs"]:
+        container = group["template"]["spec"]["containers"][0]
+        container["resources"]["limits"]["nvidia.com/gpu"] = "3"
+        container["resources"]["requests"]["nvidia.com/gpu"] = "3"
+    assert shortfalls(argv, autoscaler_config(small)["available_node_types"])[0].startswith(
+        "prefill: up to 2 workers, room for 0")
+

@@ -44,6 +44,20 @@ def test_the_launcher_file_passes_ray_s_own_validation(path):
     assert prepared["head_start_ray_commands"]
 
 
+def test_the_tensor_parallel_file_gives_every_rank_of_a_worker_a_gpu_on_one_node():
+    """aws-tp4.yaml: workers of four ranks, each node type four GPUs; one GPU fewer a
+    node and no worker fits (the check counts every rank)."""
+    path = next(p for p in CLOUD if p.name == "aws-tp4.yaml")
+    argv = serve_command(commands_in(path))
+    assert dict(zip(argv, argv[1:]))["--tensor-parallel-size"] == "4"
+    prepared = launcher_check(load(path))
+    assert shortfalls(argv, node_types(prepared)) == []
+    for kind in ("prefill_gpu", "decode_gpu"):
+        prepared["available_node_types"][kind]["resources"]["GPU"] = 3
+    assert shortfalls(argv, node_types(prepared))[0].startswith(
+        "prefill: up to 2 workers, room for 0")
+
+
 def test_there_is_a_cloud_and_an_on_premise_launcher_file():
     providers = {load(path)["provider"]["type"] for path in LAUNCHERS}
     assert "local" in providers and providers & {"aws", "gcp"}
@@ -59,8 +73,12 @@ def test_the_router_starts_on_the_head_with_the_planner_and_its_bounds_fit(path)
     assert shortfalls(argv, node_types(launcher_check(config))) == []
 
 
-def test_the_cloud_file_gives_each_pool_a_node_type_of_its_own():
-    config = load(next(p for p in LAUNCHERS if load(p)["provider"]["type"] == "aws"))
+CLOUD = [p for p in LAUNCHERS if load(p)["provider"]["type"] == "aws"]
+
+
+@pytest.mark.parametrize("path", CLOUD, ids=lambda p: p.name)
+def test_the_cloud_file_gives_each_pool_a_node_type_of_its_own(path):
+    config = load(path)
     types = config["available_node_types"]
     head = types[config["head_node_type"]]
     assert not {"GPU", "prefill", "decode"} & {k for k, v in head["resources"].items() if v}
@@ -73,7 +91,7 @@ def test_the_cloud_file_gives_each_pool_a_node_type_of_its_own():
 
 
 def _aws() -> dict:
-    return load(next(p for p in LAUNCHERS if load(p)["provider"]["type"] == "aws"))
+    return load(next(p for p in CLOUD if p.name == "aws.yaml"))
 
 
 def _break(config: dict, edit) -> dict:

@@ -9,6 +9,7 @@ import pytest
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import _IDLE_WAIT_S, EngineLoop
+from pdserve.engine.parallel.messages import StepExport
 from pdserve.engine.sampling_params import SamplingParams
 from tests.polling import until
 
@@ -29,7 +30,7 @@ class _HeldForwardPass:
             if layer == 0:
                 self.entered.set()
                 assert self.release.wait(30), "the test never released the forward pass"
-        return on_layer
+        return StepExport(send=on_layer)
 
 
 def test_call_runs_between_steps_and_returns_its_result_or_error(engine):

@@ -195,16 +195,20 @@ def test_a_checkpoint_of_the_wrong_shape_is_refused_whole_or_sharded(llama_dir, 
                    Shard.of(config, size, rank))
 
 
-def test_serving_more_than_one_rank_is_refused_before_anything_starts(llama_dir, capsys):
-    """Until the KV transfer carries every rank's heads (the flag named, Ray never
-    started: the refusal comes from the flags)."""
-    from pdserve.cli import main
+def test_a_pool_size_the_model_cannot_split_is_refused_naming_its_flag(llama_dir):
+    """Before any worker starts (launch checks each pool's size against the model);
+    adaptive workers take every role, so their two sizes must agree."""
+    from pdserve.router.config import PoolSpec
     from pdserve.router.launch import launch
-    with pytest.raises(SystemExit, match="pdserve serve: tensor_parallel_size 2: served "
-                                         "workers take 1 so far"):
-        main(["serve", "--model", str(llama_dir), "--tensor-parallel-size", "2"])
-    with pytest.raises(ValueError, match="tensor_parallel_size 4: served workers"):
-        launch(EngineConfig.from_kwargs(str(llama_dir), tensor_parallel_size=4))
+    with pytest.raises(ValueError, match="--decode-tensor-parallel-size: tensor_parallel_size "
+                                         "3 does not divide its 8 attention heads"):
+        launch(EngineConfig.from_kwargs(str(llama_dir)), PoolSpec(decode_tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="--tensor-parallel-size: tensor_parallel_size 16"):
+        launch(EngineConfig.from_kwargs(str(llama_dir), tensor_parallel_size=16))
+    with pytest.raises(ValueError, match="must be equal"):
+        PoolSpec(mode="adaptive", prefill_tensor_parallel_size=2, decode_tensor_parallel_size=1)
+    assert PoolSpec(decode_tensor_parallel_size=2).tensor_parallel_size("both", 1) == 2
+    assert PoolSpec(decode_tensor_parallel_size=2).tensor_parallel_size("prefill", 4) == 4
 
 
 def test_a_step_goes_on_the_wire_with_only_the_blocks_its_sequences_reach():
@@ -216,3 +220,15 @@ def test_a_step_goes_on_the_wire_with_only_the_blocks_its_sequences_reach():
     assert step.trimmed(4).block_ids == [[7, 8], [3, 4, 5, 6]]
     assert step.trimmed(16).block_ids == [[7], [3, 4]]
     assert step.block_ids == [[7, 8, 9], [3, 4, 5, 6]]  # the runner's own, untouched
+
+
+def test_a_device_budget_below_the_pools_minima_is_refused_before_workers_start(llama_dir):
+    from pdserve.router.config import AutoscaleSpec, PoolSpec, RouterConfig
+    from pdserve.router.launch import launch
+    with pytest.raises(ValueError, match="--max-devices 5: the pools' minima exceed"):
+        launch(EngineConfig.from_kwargs(str(llama_dir)), PoolSpec(
+            decode_tensor_parallel_size=8),
+            router_config=RouterConfig(autoscale=AutoscaleSpec(autoscale=True, max_devices=5)))
+    with pytest.raises(ValueError, match="--mode adaptive: every worker takes every role"):
+        launch(EngineConfig.from_kwargs(str(llama_dir)), PoolSpec(
+            mode="adaptive", decode_tensor_parallel_size=2))

@@ -10,6 +10,7 @@ import pytest
 
 from pdserve import SamplingParams
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.parallel.messages import StepExport
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig
 from tests.engine.test_hf_oracle import Oracle
 
@@ -90,7 +91,7 @@ def prefill_and_hand_off(prefill: LLMEngine, sender: KVSender, address: str, cal
         if not started:
             return None
         assert not sender.announce(started)
-        return lambda layer: assert_sent(sender.send_layers(started, layer))
+        return StepExport(send=lambda layer: assert_sent(sender.send_layers(started, layer)))
 
     first = {}
     while prefill.has_unfinished():

@@ -145,6 +145,22 @@ def test_a_full_budget_rebalances_by_flipping_an_idle_pools_worker():
     assert not any(seen) and out.signals["decode"].short
 
 
+def test_workers_of_several_devices_count_them_and_flip_only_between_equal_pools():
+    """A decode pool of tensor-parallel workers (4 devices each) beside prefill workers of
+    1: the device budget bounds what is added, and no prefill worker flips to decode
+    (its one rank could not hold a decode worker's four)."""
+    workers = [view("p0", "prefill"), view("p1", "prefill", queued_tokens=100),
+               view("d0", "decode", seqs=60), view("d1", "decode", seqs=60)]
+    tp = dict(devices_per_worker=(("decode", 4), ("prefill", 1)))
+    seen, _, out = ticks(workers, n=3, cfg=config(max_workers=8, max_devices=14, **tp))
+    assert [(a.kind, a.role) for a in seen[2]] == [("add", "decode")]  # 2 + 3 x 4 = 14
+    assert out.desired == {"prefill": 2, "decode": 3}
+    seen, _, _ = ticks(workers, n=3, cfg=config(max_workers=8, max_devices=13, **tp))
+    assert not any(seen)  # a fourth decode worker's 4 devices do not fit 13
+    with pytest.raises(ValueError, match="max_devices"):
+        config(max_devices=1, **tp)
+
+
 def test_a_rising_rate_adds_ahead_of_the_miss():
     # Now 50 req/s, rising 1 req/s each second: 90 by the time a worker asked for once
     # the signal held (2 more ticks of 5 s) serves, 30 s later -> prefill 90 x 20 ms /

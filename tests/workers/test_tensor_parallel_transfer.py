@@ -1,0 +1,103 @@
+"""KV handed between tensor-parallel workers of different sizes: each decode rank
+receives its KV heads from the prefill ranks that hold them (kv_transfer/heads.py),
+through the served Worker's roles, its ranks on threads of this process
+(worker/local.py) over real gloo groups and pairs. Greedy outputs equal HF's in
+float32 (or differ first at a near-tie: test_hf_oracle's rule)."""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import ExitStack
+from types import SimpleNamespace
+
+import pytest
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.kv_transfer import TransferConfig
+from pdserve.worker.local import threaded_worker
+from pdserve.worker.messages import Job, PrefillJob
+from tests.engine.test_hf_oracle import (
+    MAX_TOKENS,
+    Oracle,
+    assert_matches_hf,
+    greedy,
+    random_prompts,
+)
+
+KV_BYTES = 16 << 20
+TRANSFER = TransferConfig(timeout_s=60, connect_timeout_s=60)
+
+
+class Streams:
+    """A decode worker's deltas by request, until each finished."""
+
+    def __init__(self):
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, batch) -> None:
+        with self._lock:
+            for delta in batch.deltas:
+                self.tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+                if delta.finished:
+                    self.finished.setdefault(delta.request_id, threading.Event()).set()
+
+    def wait(self, request_id: str, timeout: float) -> list[int]:
+        with self._lock:
+            event = self.finished.setdefault(request_id, threading.Event())
+        assert event.wait(timeout), f"{request_id} did not finish"
+        return self.tokens[request_id]
+
+
+def workers(stack: ExitStack, model_dir, role: str, size: int, name: str, **args):
+    config = EngineConfig.from_kwargs(str(model_dir), kv_cache_memory_bytes=KV_BYTES,
+                                      tensor_parallel_size=size)
+    return stack.enter_context(threaded_worker(name, config, TRANSFER, role, **args))
+
+
+def disaggregated(prefill, decode, streams: Streams, prompts, tag: str) -> list[list[int]]:
+    """Each prompt reserved on `decode`, prefilled on `prefill` (its KV streamed by
+    every rank that holds a part of it), then decoded: the tokens as streamed."""
+    outputs = []
+    for i, (prompt, n) in enumerate(zip(prompts, MAX_TOKENS)):
+        job = Job(request_id=f"{tag}{i}", prompt_token_ids=prompt, sampling_params=greedy(n),
+                  arrival_time=time.time())
+        reservation = decode.reserve(job).result(60)
+        assert reservation is not None
+        result = prefill.prefill(PrefillJob(job=job, target=reservation)).result(120)
+        decode.start(job.request_id, result.first_token).result(60)
+        outputs.append(streams.wait(job.request_id, 120))
+        assert outputs[-1][0] == result.first_token
+    return outputs
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_tied"])
+def test_prefill_and_decode_of_different_tensor_parallel_sizes_equal_hf(model_dirs, name):
+    """llama_gqa: 2 KV heads, one per rank at 2 ranks; qwen2_tied: its one KV head on
+    every rank (sent once to each decode rank, by one prefill rank). Both ways between
+    2 ranks and 1, and 2 to 2; every worker's blocks are free after."""
+    model_dir = model_dirs[name]
+    oracle = Oracle(model_dir)
+    scorer = SimpleNamespace(engine=LLMEngine.from_kwargs(str(model_dir),
+                                                          kv_cache_memory_bytes=KV_BYTES))
+    prompts = random_prompts(scorer.engine.model_config.vocab_size, seed=5)[:4]
+    with ExitStack() as stack:
+        one, two = Streams(), Streams()
+        p1 = workers(stack, model_dir, "prefill", 1, "p1")
+        p2 = workers(stack, model_dir, "prefill", 2, "p2")
+        d1 = workers(stack, model_dir, "decode", 1, "d1", on_batch=one)
+        d2 = workers(stack, model_dir, "decode", 2, "d2", on_batch=two)
+        for prefill, decode, streams, tag in [(p2, d1, one, "a"), (p1, d2, two, "b"),
+                                              (p2, d2, two, "c")]:
+            outputs = disaggregated(prefill, decode, streams, prompts, tag)
+            assert_matches_hf(scorer, oracle, prompts, outputs)
+        for worker in (p1, p2, d1, d2):
+            blocks = worker.loop.call(lambda e: (e.block_manager.num_free_blocks,
+                                                 e.block_manager.num_blocks)).result(30)
+            assert blocks[0] == blocks[1], f"{worker.worker_id} holds blocks"
+        for worker in (d2,):
+            assert all(link.receiver.num_pending == 0 for link in worker.links)
+        for worker in (p2,):
+            assert all(not link._sends for link in worker.links)
