@@ -232,3 +232,19 @@ def test_a_device_budget_below_the_pools_minima_is_refused_before_workers_start(
     with pytest.raises(ValueError, match="--mode adaptive: every worker takes every role"):
         launch(EngineConfig.from_kwargs(str(llama_dir)), PoolSpec(
             mode="adaptive", decode_tensor_parallel_size=2))
+
+
+def test_speculative_decoding_with_a_draft_on_rank_0_equals_hf(llama_dir, tmp_path):
+    """The draft model runs whole on rank 0; the sharded target verifies its drafts
+    (several tokens a sequence in one step) and the outputs equal HF's, as without."""
+    from pdserve.engine.tiny_model import make_draft_model
+    draft = make_draft_model(llama_dir, tmp_path / "one-layer", 1)
+    oracle = Oracle(llama_dir)
+    with tp_engine(llama_dir, 2, speculative_config={
+            "method": "draft_model", "model": str(draft),
+            "num_speculative_tokens": 3}) as engine:
+        prompts = random_prompts(engine.model_config.vocab_size, seed=9)
+        outputs = generate(engine, prompts)
+        assert_matches_hf(SimpleNamespace(engine=engine), oracle, prompts, outputs)
+        stats = engine.scheduler.stats  # drafts were verified, and some kept
+        assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0

@@ -101,3 +101,49 @@ def test_prefill_and_decode_of_different_tensor_parallel_sizes_equal_hf(model_di
             assert all(link.receiver.num_pending == 0 for link in worker.links)
         for worker in (p2,):
             assert all(not link._sends for link in worker.links)
+
+
+def _clean(worker) -> bool:
+    """Every block free, nothing expected or being sent on any rank."""
+    free, total = worker.loop.call(lambda e: (e.block_manager.num_free_blocks,
+                                              e.block_manager.num_blocks)).result(30)
+    return free == total and worker.receiver.num_pending == 0 and all(
+        link.receiver.num_pending == 0 and not link._sends for link in worker.links)
+
+
+def test_cancelled_requests_and_a_decode_worker_leaving_leave_nothing_on_any_rank(llama_dir):
+    """P TP 2 -> D TP 2: a reservation cancelled before its prefill (the prefill then
+    fails, refused on every rank), a prefill aborted as it starts, and a decode worker
+    that leaves: every block is free after, no rank expects or sends anything, and the
+    prefill worker's ranks hold no pair with the one that left."""
+    from pdserve.kv_transfer import KVTransferError
+    from tests.polling import until
+    with ExitStack() as stack:
+        streams = Streams()
+        p2 = workers(stack, llama_dir, "prefill", 2, "p2")
+        d2 = workers(stack, llama_dir, "decode", 2, "d2", on_batch=streams)
+        prompt = list(range(30, 90))
+
+        def job(rid: str) -> Job:
+            return Job(request_id=rid, prompt_token_ids=prompt, sampling_params=greedy(4),
+                       arrival_time=time.time())
+        early = d2.reserve(job("early")).result(60)
+        d2.abort("early")
+        with pytest.raises(KVTransferError):
+            p2.prefill(PrefillJob(job=job("early"), target=early)).result(60)
+
+        late = d2.reserve(job("late")).result(60)
+        pending = p2.prefill(PrefillJob(job=job("late"), target=late))
+        p2.abort("late")
+        try:
+            pending.result(60)
+        except Exception:  # noqa: BLE001 - aborted before or after its KV went
+            pass
+        d2.abort("late")
+        assert until(lambda: _clean(p2) and _clean(d2), timeout_s=30)
+
+        assert d2.address in p2.sender.receivers  # paired for the requests above
+        p2.disconnect([d2.address])
+        ranks_of_d2 = {d2.address, *(link.address(5) for link in d2.links)}
+        assert not ranks_of_d2 & set(p2.sender.receivers)
+        assert all(not link.sender.receivers for link in p2.links)
