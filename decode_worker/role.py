@@ -79,7 +79,8 @@ class DecodeRole:
         """Colocated mode: run the whole request here, prefill (chunked) included."""
         return self.loop.call(lambda engine: engine.add_request(
             job.request_id, job.prompt_token_ids, job.sampling_params, job.arrival_time,
-            output_token_ids=job.output_token_ids, text_sent=job.text_sent) and None)
+            output_token_ids=job.output_token_ids, text_sent=job.text_sent,
+            ttft_slo_s=job.ttft_slo_s) and None)
 
     def start(self, request_id: str, first_token: int) -> Future:
         """The prefill worker sent the KV and sampled `first_token`: once the KV is

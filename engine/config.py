@@ -22,6 +22,13 @@ class SchedulerConfig:
                                       "and new prompts before decodes")
     policy: str = option("fcfs", "fcfs, or priority (lower SamplingParams.priority first)",
                          choices=POLICIES)
+    waiting_timeout: bool = option(
+        True, "a request still waiting for its first token past --waiting-timeout-share "
+        "of its TTFT SLO (the router's) preempts the lowest-priority running decode to "
+        "be admitted: at most one a step, and never a decode preempted before")
+    waiting_timeout_share: float = option(0.5, "the share of its TTFT SLO a request may "
+                                          "wait before the waiting timeout applies",
+                                          gt=0, le=1)
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 0, "max_num_seqs", "must be >= 0")
@@ -29,6 +36,8 @@ class SchedulerConfig:
         _check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
                "must be >= 0")
         _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}")
+        _check(0 < self.waiting_timeout_share <= 1, "waiting_timeout_share",
+               "must be in (0, 1]")
 
 
 @dataclass(frozen=True)

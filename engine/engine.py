@@ -85,7 +85,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
-                                   num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0)
+                                   num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
+                                   clock=time.time)  # requests' arrival_time is wall time
         self._tracked: dict[str, _Tracked] = {}
         # The last steps' shapes and durations (telemetry; the latency model's input).
         self.step_timings: deque[StepTiming] = deque(maxlen=256)
@@ -101,11 +102,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None, *,
-                    output_token_ids: Sequence[int] = (), text_sent: int = 0) -> Request:
+                    output_token_ids: Sequence[int] = (), text_sent: int = 0,
+                    ttft_slo_s: float | None = None) -> Request:
         """output_token_ids, text_sent: a request moved here (Job's fields of the names):
-        its prompt and those tokens are computed, and it goes on after them."""
+        its prompt and those tokens are computed, and it goes on after them.
+        ttft_slo_s: the TTFT it is judged by (the scheduler's waiting timeout)."""
         request = self._new_request(request_id, prompt, params, arrival_time,
                                     output_token_ids)
+        request.ttft_slo_s = ttft_slo_s
         self.scheduler.add_request(request)
         self._track(request, text_sent)
         return request

@@ -42,6 +42,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
+    # The TTFT it is judged by (the router's SLO for it; None: none): one waiting past
+    # a share of it may preempt a running decode to be admitted (scheduler.py).
+    ttft_slo_s: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or string that ended it

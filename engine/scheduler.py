@@ -2,11 +2,21 @@
 
 Lifecycle: add_request -> waiting -> (admitted, blocks allocated) running -> finished.
 Under KV pressure a running request is preempted (blocks freed, recomputed later) and
-goes back to the front of the waiting queue. No torch, no I/O, no clocks.
+goes back to the front of the waiting queue. No torch, no I/O; the clock, for the
+waiting timeout, is passed in.
+
+The waiting timeout (the seeds' rule): a request still waiting for its first token
+past waiting_timeout_share of its TTFT SLO, behind a full batch (no blocks, or
+max_num_seqs running), preempts the lowest-priority running decode and is admitted
+in its place. Bounded so that decodes' TPOT is not traded away for it: at most one
+such preemption a step, never of a decode preempted before (each decode pays at most
+one recompute for the rule), never of one of higher priority, and only where the
+victim's blocks make the room.
 """
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
@@ -17,10 +27,13 @@ from pdserve.engine.steady_batch import SteadyBatch
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 num_lookahead_tokens: int = 0):
+                 num_lookahead_tokens: int = 0, clock: Callable[[], float] | None = None):
         """num_lookahead_tokens: KV slots past its scheduled tokens a decoding request
-        keeps when they are free (a draft model writes its drafts' KV there)."""
+        keeps when they are free (a draft model writes its drafts' KV there). clock:
+        the time requests' arrival_time is on (the waiting timeout reads it; None:
+        no waiting timeout)."""
         self.config = config
+        self.clock = clock if config.waiting_timeout else None
         self.block_manager = block_manager
         self.num_lookahead_tokens = num_lookahead_tokens
         self.requests: dict[str, Request] = {}
@@ -359,32 +372,74 @@ class Scheduler:
         cfg = self.config
         bm = self.block_manager
         while self.waiting and budget > 0:
-            if cfg.max_num_seqs and len(self.running) >= cfg.max_num_seqs:
-                break
             request = (min(self.waiting, key=self._rank) if cfg.policy == "priority"
                        else self.waiting[0])
+            full = cfg.max_num_seqs and len(self.running) >= cfg.max_num_seqs
+            if full and not self._overdue(request):
+                break
             hits = bm.get_computed_blocks(request)
             num_hit_tokens = len(hits) * bm.block_size
             n = request.num_tokens - num_hit_tokens
             if cfg.long_prefill_token_threshold:
                 n = min(n, cfg.long_prefill_token_threshold)
             n = min(n, budget)
-            if not bm.allocate_slots(request, n, hits):
-                break
-            self.waiting.remove(request)
-            first_admission = request.num_preemptions == 0
-            request.num_computed_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            if first_admission:
-                request.num_cached_tokens = num_hit_tokens
-                self.stats.prompt_tokens += request.num_prompt_tokens
-                self.stats.prefix_cache_queries += request.num_prompt_tokens
-                self.stats.prefix_cache_hits += num_hit_tokens
-            out.requests.append(request)
-            out.num_scheduled.append(n)
+            if full or not bm.allocate_slots(request, n, hits):
+                if not self._overdue(request):
+                    break
+                budget += self._preempt_for(request, n, out)
+                if not out.preempted_request_ids:
+                    break
+                hits = bm.get_computed_blocks(request)  # the victim's freeing moved none
+                num_hit_tokens = len(hits) * bm.block_size
+                n = min(request.num_tokens - num_hit_tokens, budget,
+                        cfg.long_prefill_token_threshold or budget)
+                if not bm.allocate_slots(request, n, hits):
+                    break
+                self._admit(request, n, num_hit_tokens, out)
+                break  # one admission by the rule a step; nobody else after a preemption
+            self._admit(request, n, num_hit_tokens, out)
             budget -= n
         return budget
+
+    def _overdue(self, request: Request) -> bool:
+        """Waiting for its first token past its share of its TTFT SLO."""
+        return (self.clock is not None and request.ttft_slo_s is not None
+                and not request.output_token_ids and request.num_preemptions == 0
+                and self.clock() - request.arrival_time
+                > self.config.waiting_timeout_share * request.ttft_slo_s)
+
+    def _preempt_for(self, request: Request, tokens: int, out: SchedulerOutput) -> int:
+        """The waiting timeout's victim preempted (the budget it gave back): the
+        lowest-priority running decode never preempted before, of no higher priority
+        than `request`, whose blocks, with those free, hold `tokens` more tokens (the
+        next chunk of `request` past its prefix hits)."""
+        bm = self.block_manager
+        need = -(-tokens // bm.block_size)
+        candidates = [r for r in self.running
+                      if r.num_tokens - r.num_computed_tokens == 1 and r.num_preemptions == 0
+                      and self._rank(r)[0] >= self._rank(request)[0]
+                      and bm.num_free_blocks + len(r.block_ids) >= need]
+        if not candidates:
+            return 0
+        victim = max(candidates, key=self._rank)
+        self.stats.num_preemptions_for_waiting += 1
+        return self._preempt(victim, out)
+
+    def _admit(self, request: Request, n: int, num_hit_tokens: int,
+               out: SchedulerOutput) -> None:
+        """Into the running batch with blocks for its next n tokens."""
+        self.waiting.remove(request)
+        first_admission = request.num_preemptions == 0
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if first_admission:
+            request.num_cached_tokens = num_hit_tokens
+            self.stats.prompt_tokens += request.num_prompt_tokens
+            self.stats.prefix_cache_queries += request.num_prompt_tokens
+            self.stats.prefix_cache_hits += num_hit_tokens
+        out.requests.append(request)
+        out.num_scheduled.append(n)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> int:
         """Recompute-style preemption; returns the budget it gave back this step."""

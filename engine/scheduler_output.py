@@ -58,6 +58,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens served from the cache
     num_preemptions: int = 0
+    num_preemptions_for_waiting: int = 0  # of those, by the waiting-timeout rule
     # Speculative decoding, under vLLM's names: verification steps of one request,
     # the draft tokens they verified and accepted, and accepted drafts by position
     # (index j: steps whose j-th draft was accepted).

@@ -22,6 +22,7 @@ def gauges(worker_id: str, role: str, scheduler: Scheduler, now: float) -> dict:
             "reserved": scheduler.num_unfinished - len(running) - len(waiting),
             "free_blocks": blocks.num_free_blocks, "num_blocks": blocks.num_blocks,
             "num_preemptions": stats.num_preemptions,
+            "num_preemptions_for_waiting": stats.num_preemptions_for_waiting,
             "token_budget": scheduler.config.max_num_batched_tokens,
             "max_num_seqs": scheduler.config.max_num_seqs,
             "spec_num_drafts": stats.spec_decode_num_drafts,

@@ -91,7 +91,8 @@ class PrefillRole:
             if self._jobs.get(job.request_id) is not entry:
                 return  # aborted while its pair was being opened
             engine.add_request(job.request_id, job.job.prompt_token_ids, params,
-                               job.job.arrival_time, output_token_ids=job.job.output_token_ids)
+                               job.job.arrival_time, output_token_ids=job.job.output_token_ids,
+                               ttft_slo_s=job.job.ttft_slo_s)
             entry.queued = True
 
         def refused(added: Future) -> None:  # bad input: the engine raised, nothing queued

@@ -141,7 +141,8 @@ class Flight:
         req = self.req
         return Job(request_id=key or self.key, prompt_token_ids=req.prompt_token_ids,
                    sampling_params=req.params, arrival_time=req.arrival_time,
-                   output_token_ids=tuple(self.output_token_ids), text_sent=self.text_sent)
+                   output_token_ids=tuple(self.output_token_ids), text_sent=self.text_sent,
+                   ttft_slo_s=req.slo.ttft_s)
 
     def flush(self) -> None:
         """Drops what its queue holds from a worker it no longer runs on (an abort's

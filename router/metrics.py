@@ -48,6 +48,9 @@ class RouterMetrics:
                 ("kv_usage", "kv_cache_usage_perc", "KV cache usage (1 = full)"),
                 ("free_blocks", "num_free_kv_blocks", "Free KV blocks"),
                 ("preemptions", "num_preemptions", "Preemptions (cumulative)"),
+                ("preemptions_for_waiting", "num_preemptions_for_waiting",
+                 "Preemptions the waiting timeout made: a request past its share of its "
+                 "TTFT SLO admitted in a running decode's place (cumulative)"),
             )}
         self._step_seconds = Histogram("pdserve:step_duration_seconds",
                                        "Engine step duration (forward pass included)",
@@ -156,6 +159,7 @@ class RouterMetrics:
             series[name].set(getattr(t, name))
         series["kv_usage"].set(1 - t.free_blocks / t.num_blocks if t.num_blocks else 0)
         series["preemptions"].set(t.num_preemptions)
+        series["preemptions_for_waiting"].set(t.num_preemptions_for_waiting)
         for step in t.steps:
             series["steps"].observe(step.duration_s)
         if t.prefix_stored:

@@ -40,6 +40,9 @@ class Job:
     # and how many characters of their text its client has (its stream goes on after).
     output_token_ids: tuple[int, ...] = ()
     text_sent: int = 0
+    # The TTFT SLO the router judges it by (None: none): a worker admits it ahead of
+    # a running decode once it waited past a share of it (the waiting timeout).
+    ttft_slo_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,8 @@ class WorkerTelemetry:
     # The most requests it runs at once (max_num_seqs): no prompt is admitted while
     # that many run. 0: unbounded, or unknown.
     max_num_seqs: int = 0
+    # Of num_preemptions, those the waiting timeout made (cumulative).
+    num_preemptions_for_waiting: int = 0
 
     def merged(self, later: "WorkerTelemetry") -> "WorkerTelemetry":
         """`later`'s gauges with both reports' steps, and their events' net change."""

@@ -49,7 +49,8 @@ def test_a_profile_is_measured_on_its_ranks(ray_local, llama_dir, tmp_path):
         f"{llama_dir.name} on 2 x cpu (")
     assert profile.kv_bytes_per_block == whole
     assert profile.num_kv_blocks == (16 << 20) // (whole // 2)
-    assert profile.step_cost.prefill_token_s > 0
+    cost = profile.step_cost  # a prompt costs something, per token or per pair of them
+    assert cost.prefill_token_s > 0 or cost.prefill_pair_s > 0
     assert any("not measured: served workers" in note for note in profile.notes)
 
 

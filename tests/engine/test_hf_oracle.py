@@ -129,3 +129,23 @@ def test_preemption(arch, prefix_caching):
     assert llm.engine.stats.num_preemptions > 0
     assert llm.engine.block_manager.num_free_blocks == 20
     assert_matches_hf(llm, oracle, prompts, outputs)
+
+
+def test_the_waiting_timeout_preempts_a_decode_and_every_output_stays_exact(arch):
+    """Two requests decoding fill max_num_seqs; each later one carries a TTFT SLO it
+    is already past (as the router passes them), so it is admitted in a decode's
+    place; the decode recomputes later. Every output equals HF's."""
+    model_dir, oracle = arch
+    llm = LLM(str(model_dir), kv_cache_memory_bytes=KV_BYTES, max_num_seqs=2)
+    engine = llm.engine
+    prompts = random_prompts(engine.model_config.vocab_size, seed=4)[:5]
+    for i, (prompt, n) in enumerate(zip(prompts, MAX_TOKENS)):
+        engine.add_request(str(i), prompt, greedy(n), arrival_time=0.0,
+                           ttft_slo_s=None if i < 2 else 1e-3)
+        if i == 1:
+            engine.step()  # the first two are admitted (and decode) before the rest come
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.outputs.token_ids for o in engine.step() if o.finished})
+    assert engine.stats.num_preemptions_for_waiting >= 1
+    assert_matches_hf(llm, oracle, prompts, [done[str(i)] for i in range(len(prompts))])

@@ -274,3 +274,94 @@ def test_drafts_are_scheduled_within_max_tokens_and_the_budget_and_never_preempt
     out = full.schedule()
     assert not out.spec_token_ids and not out.preempted_request_ids
     assert scheduled(out) == {"a": 1, "b": 1}
+
+
+class Clock:
+    """The time the scheduler reads, set by the test."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def timed(clock: Clock, **cfg) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), BlockManager(10_000, 16, True), clock=clock)
+
+
+def slo_request(rid: str, prompt_len: int, ttft_slo_s: float | None, arrival: float = 0.0,
+                priority: int = 0, first_token: int = 100) -> Request:
+    r = request(rid, prompt_len, max_tokens=1000, priority=priority, first_token=first_token)
+    r.arrival_time, r.ttft_slo_s = arrival, ttft_slo_s
+    return r
+
+
+def full_batch(s: Scheduler, n: int = 2) -> None:
+    """n decodes running, max_num_seqs reached."""
+    for i in range(n):
+        s.add_request(slo_request(f"d{i}", 4, None, first_token=200 + 50 * i))
+    step(s)
+
+
+def test_a_request_waiting_past_its_share_of_the_ttft_slo_takes_a_decode_s_place():
+    clock = Clock()
+    s = timed(clock, max_num_seqs=2, waiting_timeout_share=0.5)
+    full_batch(s)
+    s.add_request(slo_request("late", 30, ttft_slo_s=1.0, arrival=0.0))
+    clock.now = 0.4  # within half its TTFT: it waits behind the full batch
+    out, _ = step(s)
+    assert "late" not in scheduled(out) and not out.preempted_request_ids
+    clock.now = 0.6
+    out, _ = step(s)
+    assert scheduled(out)["late"] == 30
+    assert out.preempted_request_ids == ["d1"]  # the later arrival, lowest in fcfs rank
+    assert s.stats.num_preemptions_for_waiting == 1 and "d0" in scheduled(out)
+    out, _ = step(s)  # the victim waits for room: it is not preempted for a rule twice
+    assert {"d0", "late"} <= set(scheduled(out)) and "d1" not in scheduled(out)
+
+
+def test_the_waiting_timeout_spares_higher_priority_and_preempted_decodes_and_can_be_off():
+    clock = Clock()
+    s = timed(clock, max_num_seqs=2, policy="priority")
+    for i, priority in enumerate((0, 0)):
+        s.add_request(slo_request(f"d{i}", 4, None, priority=priority, first_token=200 + 50 * i))
+    step(s)
+    s.add_request(slo_request("low", 30, ttft_slo_s=1.0, priority=5))
+    clock.now = 10.0
+    out, _ = step(s)  # every running decode outranks it: it waits
+    assert "low" not in scheduled(out) and not out.preempted_request_ids
+    for decode in s.running:
+        decode.num_preemptions = 1  # each paid one recompute already
+    s.add_request(slo_request("urgent", 30, ttft_slo_s=1.0, priority=0, first_token=900))
+    out, _ = step(s)
+    assert not out.preempted_request_ids  # no decode pays twice
+    # no SLO, a moved request (tokens out already), or the flag off: no preemption
+    for config in ({}, {"waiting_timeout": False}):
+        t = timed(clock, max_num_seqs=2, **config)
+        clock.now = 0.0
+        full_batch(t)
+        t.add_request(slo_request("none", 30, ttft_slo_s=None if not config else 1.0))
+        moved = slo_request("moved", 30, ttft_slo_s=1.0, first_token=600)
+        moved.output_token_ids.append(7)
+        moved.num_tokens += 1
+        t.add_request(moved)
+        clock.now = 10.0
+        out, _ = step(t)
+        assert not out.preempted_request_ids and set(scheduled(out)) == {"d0", "d1"}
+
+
+def test_the_waiting_timeout_makes_room_in_the_kv_pool_only_where_a_victim_frees_enough():
+    clock = Clock()
+    s = Scheduler(SchedulerConfig(max_num_seqs=0), BlockManager(6, 16, True), clock=clock)
+    for i in range(2):  # two decodes of 2 blocks each (17 tokens): 4 of 6 blocks held
+        s.add_request(slo_request(f"d{i}", 17, None, first_token=200 + 50 * i))
+    step(s)
+    s.add_request(slo_request("wide", 100, ttft_slo_s=1.0))  # 7 blocks: no victim frees it
+    clock.now = 5.0
+    out, _ = step(s)
+    assert not out.preempted_request_ids and "wide" not in scheduled(out)
+    s.finish_requests(["wide"], FinishReason.ABORT)
+    s.add_request(slo_request("fits", 60, ttft_slo_s=1.0, first_token=700))  # 4 blocks
+    out, _ = step(s)
+    assert out.preempted_request_ids == ["d1"] and scheduled(out)["fits"] == 60

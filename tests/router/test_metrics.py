@@ -90,3 +90,14 @@ def test_speculative_decoding_counters_follow_the_workers_cumulative_figures():
     metrics.forget_worker("w")
     assert not _samples(metrics, "pdserve:spec_decode_num_accepted_tokens_per_pos_total",
                         "position")
+
+
+def test_preemptions_by_the_waiting_timeout_are_a_gauge_of_their_own():
+    from pdserve.worker.messages import WorkerTelemetry
+    metrics = RouterMetrics("m")
+    metrics.observe_worker(WorkerTelemetry(
+        worker_id="w", role="both", time=0.0, waiting=0, waiting_tokens=0, running=1,
+        context_tokens=10, reserved=0, free_blocks=1, num_blocks=2, num_preemptions=5,
+        num_preemptions_for_waiting=3))
+    assert _samples(metrics, "pdserve:num_preemptions_for_waiting", "worker") == {("w",): 3}
+    assert _samples(metrics, "pdserve:num_preemptions", "worker") == {("w",): 5}
