@@ -285,6 +285,14 @@ class KVSender:
                                PeerLostError(None, f"send failed: {exc}"), failures)
         return failures
 
+    def send_whole(self, handles: list[SendHandle]) -> dict[str, KVTransferError]:
+        """KV already in the cache (a live migration's copies): announced as one step
+        and every layer sent at once; the failures by request id, as announce's."""
+        failures = self.announce(handles)
+        for layer in range(self.layout.num_layers):
+            failures.update(self.send_layers(handles, layer))
+        return failures
+
     def _step_sent(self, peer: _Peer, step: _Step) -> None:
         """STEP_SENT, once a step's last slot went out: its members not aborted by now
         are whole (the receiver completes none before reading this)."""

@@ -217,9 +217,7 @@ class PrefillRole:
         copies = [c for c in copies if not c.sent.done()]
         mine = [h for c in copies for h in handles[c.transfer_id]]
         try:
-            failures = self.sender.announce(mine)
-            for layer in range(self.sender.layout.num_layers):
-                failures.update(self.sender.send_layers(mine, layer))
+            failures = self.sender.send_whole(mine)
             others = {}  # the other ranks' outcomes, by transfer id
             for rank in destination.senders():
                 sent = self.links[rank - 1].send_copies(tuple(

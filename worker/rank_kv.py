@@ -194,9 +194,7 @@ class RankKV:
                     dst_heads=c.dst_heads))
             except E.KVTransferError as exc:
                 outcomes[c.request_id] = SentKV(error=exc.message, kind=type(exc).__name__)
-        failures = dict(self.sender.announce(handles))
-        for layer in range(self.sender.layout.num_layers):
-            failures.update(self.sender.send_layers(handles, layer))
+        failures = self.sender.send_whole(handles)
         for handle in handles:  # a copy's outcome: its routes' bytes, or its first error
             error = failures.get(handle.request_id)
             if error is None and not outcomes.get(handle.request_id, SentKV()).kind:

@@ -136,22 +136,13 @@ def test_a_sigkilled_rank_takes_its_worker_out_and_every_stream_completes_exactl
 
     from pdserve import SamplingParams
     from pdserve.client import Client
-    from pdserve.engine.config import EngineConfig
-    from pdserve.kv_transfer import TransferConfig
-    from pdserve.router.config import PoolSpec, RouterConfig
     from pdserve.router.front.auth import ApiKeys
     from pdserve.router.front.server import RouterServer
-    from pdserve.router.launch import launch
     from tests.cluster.conftest import stop_cluster
     from tests.polling import until
 
     key = "admin-secret"
-    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=16 << 20,
-                                      max_model_len=512)
-    router = launch(config, PoolSpec(1, 2, num_cpus_per_worker=0.5,
-                                     decode_tensor_parallel_size=2),
-                    TransferConfig(timeout_s=30), RouterConfig(stall_timeout_s=10),
-                    served_model_name="tp")
+    router = two_decoders_of_tp_2(llama_dir)
     srv = RouterServer(router, admin_keys=ApiKeys((key,)))
     decoders = [w for w in router.workers.values() if w.state.role == "decode"]
     victim, other = decoders
@@ -217,22 +208,13 @@ def test_a_live_migration_between_tensor_parallel_workers_is_exact(ray_local, ll
 
     from pdserve import SamplingParams
     from pdserve.client import AsyncClient
-    from pdserve.engine.config import EngineConfig
-    from pdserve.kv_transfer import TransferConfig
-    from pdserve.router.config import PoolSpec, RouterConfig
     from pdserve.router.front.server import RouterServer
-    from pdserve.router.launch import launch
     from pdserve.router.lifecycle import Phase
     from tests import faults
     from tests.cluster.conftest import stop_cluster, wait_all_blocks_free
     from tests.cluster.test_migration import _holding, _live_moves, _moved
 
-    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=16 << 20,
-                                      max_model_len=512)
-    router = launch(config, PoolSpec(1, 2, num_cpus_per_worker=0.5,
-                                     decode_tensor_parallel_size=2),
-                    TransferConfig(timeout_s=30), RouterConfig(stall_timeout_s=10),
-                    served_model_name="tp")
+    router = two_decoders_of_tp_2(llama_dir)
     srv = RouterServer(router)
     prompts = [[faults.SLOW, *range(20, 20 + n)] for n in (7, 40, 23, 64)]
     tokens = 120
@@ -265,3 +247,19 @@ def test_a_live_migration_between_tensor_parallel_workers_is_exact(ray_local, ll
         wait_all_blocks_free(srv, timeout_s=60)
     finally:
         stop_cluster(srv)
+
+
+def two_decoders_of_tp_2(llama_dir):
+    """A cluster of 1 prefill worker and 2 decode workers of 2 ranks each, half a CPU a
+    rank (the package's Ray holds it beside the other clusters)."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.kv_transfer import TransferConfig
+    from pdserve.router.config import PoolSpec, RouterConfig
+    from pdserve.router.launch import launch
+    config = EngineConfig.from_kwargs(str(llama_dir), kv_cache_memory_bytes=16 << 20,
+                                      max_model_len=512)
+    return launch(config, PoolSpec(1, 2, num_cpus_per_worker=0.5,
+                                   decode_tensor_parallel_size=2),
+                  TransferConfig(timeout_s=30), RouterConfig(stall_timeout_s=10),
+                  served_model_name="tp")
+

@@ -101,71 +101,69 @@ def _sent(sender: KVSender, handles) -> None:
         sender.send_layers(handles, layer)
 
 
-def test_parts_claiming_the_same_heads_or_heads_not_here_are_refused_and_free_the_blocks():
+@pytest.fixture
+def two_senders():
+    """A receiver of 2 KV heads (the requests it hands back, in order) and two senders
+    of the same layout, as two prefill ranks."""
     caches = [torch.randn(2, BLOCKS, BLOCK, 2, HEAD_DIM) for _ in range(LAYERS)]
     config = TransferConfig(timeout_s=20, connect_timeout_s=20)
-    released = []
+    released: list[str] = []
     receiver = KVReceiver([torch.zeros_like(c) for c in caches], config,
                           on_release=released.append)
     first, second = KVSender("p0", caches, config), KVSender("p1", caches, config)
-    try:
-        receiver.expect("req", [0, 1])
-        one = first.begin("req", receiver.address, [3, 4], [0, 1], heads=(0, 1))
-        _sent(first, [one])
-        assert first.finish(one).bytes_sent > 0  # one part landed: not yet the request
-        landed = receiver.landed("req")
-        assert not landed.done()
-        again = second.begin("req", receiver.address, [3, 4], [0, 1], heads=(0, 1))
-        _sent(second, [again])
-        with pytest.raises(TransferRefused, match=r"KV heads \[0, 1\] are being received"):
-            second.finish(again)
-        assert released == ["req"]  # the request failed whole: its blocks went back
-        assert isinstance(landed.exception(timeout=5), TransferRefused)
-
-        receiver.expect("next", [2])
-        wide = first.begin("next", receiver.address, [5], [2], heads=(0, 1), dst_heads=(1, 2))
-        _sent(first, [wide])
-        first.finish(wide)  # one part landed (before the whole's BEGIN: two pairs race)
-        whole = second.begin("next", receiver.address, [5], [2])
-        _sent(second, [whole])
-        with pytest.raises(TransferRefused, match="already being received"):
-            second.finish(whole)
-        with pytest.raises(ValueError, match="KV heads"):
-            first.begin("x", receiver.address, [1], [1], heads=(1, 3))
-    finally:
-        first.close()
-        second.close()
-        receiver.close()
+    yield receiver, released, first, second
+    first.close()
+    second.close()
+    receiver.close()
 
 
-def test_a_part_aborted_by_its_sender_ends_the_other_parts_and_frees_the_blocks():
-    caches = [torch.randn(2, BLOCKS, BLOCK, 2, HEAD_DIM) for _ in range(LAYERS)]
-    config = TransferConfig(timeout_s=20, connect_timeout_s=20)
-    released = []
-    receiver = KVReceiver([torch.zeros_like(c) for c in caches], config,
-                          on_release=released.append)
-    first, second = KVSender("p0", caches, config), KVSender("p1", caches, config)
-    try:
-        receiver.expect("req", [0, 1])
-        one = first.begin("req", receiver.address, [3, 4], [0, 1], heads=(0, 1))
-        two = second.begin("req", receiver.address, [3, 4], [0, 1], heads=(1, 2),
-                           dst_heads=(1, 2))
-        assert not first.announce([one]) and not second.announce([two])
-        first.send_layers([one], 0)
-        second.send_layers([two], 0)
-        first.abort(one)
-        for layer in range(1, LAYERS):
-            second.send_layers([two], layer)
-        # aborted with the request, or refused if its BEGIN came after (two pairs race)
-        with pytest.raises((TransferAborted, TransferRefused)):
-            second.finish(two)
-        with pytest.raises(TransferAborted):
-            receiver.wait("req", timeout=5)
-        assert released == ["req"] and receiver.num_pending == 0
-    finally:
-        first.close()
-        second.close()
-        receiver.close()
+def test_parts_claiming_the_same_heads_or_heads_not_here_are_refused_and_free_the_blocks(
+        two_senders):
+    receiver, released, first, second = two_senders
+    receiver.expect("req", [0, 1])
+    one = first.begin("req", receiver.address, [3, 4], [0, 1], heads=(0, 1))
+    _sent(first, [one])
+    assert first.finish(one).bytes_sent > 0  # one part landed: not yet the request
+    landed = receiver.landed("req")
+    assert not landed.done()
+    again = second.begin("req", receiver.address, [3, 4], [0, 1], heads=(0, 1))
+    _sent(second, [again])
+    with pytest.raises(TransferRefused, match=r"KV heads \[0, 1\] are being received"):
+        second.finish(again)
+    assert released == ["req"]  # the request failed whole: its blocks went back
+    assert isinstance(landed.exception(timeout=5), TransferRefused)
+
+    receiver.expect("next", [2])
+    wide = first.begin("next", receiver.address, [5], [2], heads=(0, 1), dst_heads=(1, 2))
+    _sent(first, [wide])
+    first.finish(wide)  # one part landed (before the whole's BEGIN: two pairs race)
+    whole = second.begin("next", receiver.address, [5], [2])
+    _sent(second, [whole])
+    with pytest.raises(TransferRefused, match="already being received"):
+        second.finish(whole)
+    with pytest.raises(ValueError, match="KV heads"):
+        first.begin("x", receiver.address, [1], [1], heads=(1, 3))
+
+
+def test_a_part_aborted_by_its_sender_ends_the_other_parts_and_frees_the_blocks(
+        two_senders):
+    receiver, released, first, second = two_senders
+    receiver.expect("req", [0, 1])
+    one = first.begin("req", receiver.address, [3, 4], [0, 1], heads=(0, 1))
+    two = second.begin("req", receiver.address, [3, 4], [0, 1], heads=(1, 2),
+                       dst_heads=(1, 2))
+    assert not first.announce([one]) and not second.announce([two])
+    first.send_layers([one], 0)
+    second.send_layers([two], 0)
+    first.abort(one)
+    for layer in range(1, LAYERS):
+        second.send_layers([two], layer)
+    # aborted with the request, or refused if its BEGIN came after (two pairs race)
+    with pytest.raises((TransferAborted, TransferRefused)):
+        second.finish(two)
+    with pytest.raises(TransferAborted):
+        receiver.wait("req", timeout=5)
+    assert released == ["req"] and receiver.num_pending == 0
 
 
 def test_caches_of_different_heads_pair_only_when_told_or_when_the_receiver_has_ranks():
