@@ -125,6 +125,7 @@ def deltas(outputs: list[RequestOutput]) -> list[TokenDelta]:
                        finish_reason=o.finish_reason,
                        num_prompt_tokens=len(o.prompt_token_ids),
                        num_cached_tokens=o.num_cached_tokens,
+                       num_host_cached_tokens=o.num_host_cached_tokens,
                        num_output_tokens=o.num_output_tokens,
                        top_logprobs=o.new_top_logprobs, error=o.error)
             for o in outputs]

@@ -3,6 +3,14 @@
 Pure Python: it hands out block ids and never touches tensors. A full block is
 identified by a chained hash (parent hash + the block's token ids). Freed blocks that
 carry a hash stay findable until the LRU free queue hands them out again.
+
+With host memory (engine/host_pool.py) it also names the copies between the tiers a
+step runs before its forward pass (KVCopies): a preempted request's blocks swapped
+out and back in, every full block as it is cached stored in the host prefix tier,
+and a prefix found there loaded into new device blocks. Each copy pins its blocks
+(device and host) until the copies of the step that took it ran: a block pinned is
+neither free nor evicted, so a reservation made from another thread meanwhile (the
+decode role's) can never be handed one a copy still reads or writes.
 """
 from __future__ import annotations
 
@@ -12,7 +20,9 @@ from collections import OrderedDict
 
 import xxhash
 
+from pdserve.engine.host_pool import HostBlockPool
 from pdserve.engine.request import Request
+from pdserve.engine.scheduler_output import KVCopies
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -55,7 +65,8 @@ class KVBlock:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 host: HostBlockPool | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -70,8 +81,36 @@ class BlockManager:
         self._num_hashed: dict[str, int] = {}  # request id -> leading blocks registered
         # Prefix-cache events since take_prefix_events(), kept only when asked for (a
         # worker reports them so routers can index which worker holds which prefix).
-        self.record_prefix_events = False
         self._prefix_events: list[tuple[bytes, bool]] = []  # (hash, stored: else evicted)
+        # Host memory: the swap area and the prefix tier (None: neither). Copies named
+        # since the last take_copies() and the blocks they pin (device, host); those
+        # the last taken copies pin, released by release_copies().
+        self.host = host
+        self._prefix_tier = host is not None and host.num_prefix_blocks > 0 \
+            and enable_prefix_caching
+        self.record_prefix_events = False
+        self._copies = KVCopies()
+        self._pending: tuple[list[int], list[int]] = ([], [])
+        self._in_flight: tuple[list[int], list[int]] = ([], [])
+        self._swapped_from: list[int] = []  # device blocks swapped out, copies pending
+        # Device blocks that copies not yet taken fill (a swap-in, host hits loaded):
+        # never swapped out before they are filled.
+        self.loading: set[int] = set()
+        # Tensor parallelism: the other ranks run the copies too, in order before the
+        # next forward pass, so copies are released only after one (engine.py).
+        self.copies_on_other_ranks = False
+
+    @property
+    def record_prefix_events(self) -> bool:
+        """Whether prefix-cache events are kept (both tiers'): a worker reports them
+        so routers can index which worker holds which prefix, in which tier."""
+        return self._record
+
+    @record_prefix_events.setter
+    def record_prefix_events(self, on: bool) -> None:
+        self._record = on
+        if self.host is not None:
+            self.host.record_events = on
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,26 +138,158 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def get_host_hits(self, request: Request, num_device_hits: int) -> list[int]:
+        """The host prefix tier's blocks continuing the request's leading device hits
+        (get_computed_blocks'), as far as they match."""
+        if not self._prefix_tier:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._extend_hashes(request, max_blocks)  # (get_computed_blocks' already, as a rule)
+        bs, hashes, lookup = self.block_size, request.block_hashes, self.host.lookup
+        hits: list[int] = []
+        for i in range(num_device_hits, max_blocks):
+            host_id = lookup(hashes[i], pack_tokens(request.token_ids(i * bs, (i + 1) * bs)))
+            if host_id is None:
+                break
+            hits.append(host_id)
+        return hits
+
     def can_allocate(self, request: Request, num_new_tokens: int,
                      new_computed_blocks: list[int] = ()) -> bool:
         return self._num_new_blocks(request, num_new_tokens, new_computed_blocks) <= (
             self.num_free_blocks - sum(1 for b in new_computed_blocks if b in self._free))
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[int] = ()) -> bool:
+                       new_computed_blocks: list[int] = (), host_hits: list[int] = ()) -> bool:
         """Blocks for `num_new_tokens` more tokens after the computed ones; False (and
-        nothing changed) when the pool lacks room."""
-        if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
+        nothing changed) when the pool lacks room. host_hits (a new request's, after
+        its device hits new_computed_blocks): host prefix-tier blocks loaded into the
+        new blocks that follow, before the step's forward pass."""
+        loaded = len(host_hits) * self.block_size
+        if not self.can_allocate(request, num_new_tokens + loaded, new_computed_blocks):
             return False
         owned = request.block_ids
-        num_new = self._num_new_blocks(request, num_new_tokens, new_computed_blocks)
+        num_new = self._num_new_blocks(request, num_new_tokens + loaded, new_computed_blocks)
         for block_id in new_computed_blocks:
             self._touch(block_id)
         owned.extend(new_computed_blocks)
         if new_computed_blocks:
             self._num_hashed[request.request_id] = len(owned)
+        start = len(owned)
         owned.extend(self._pop_free() for _ in range(num_new))
+        if host_hits:
+            self._load(request, host_hits, owned[start:start + len(host_hits)])
         return True
+
+    # ---- host memory: copies between the tiers ------------------------------------
+
+    def swap_out(self, request: Request) -> bool:
+        """A preempted request's computed blocks copied to the host swap area, its
+        device blocks freed (`request.host_block_ids` says where they went). False,
+        nothing changed, when the area lacks room."""
+        num = blocks_for(request.num_computed_tokens, self.block_size)
+        host_ids = self.host.allocate_swap(num) if self.host is not None else None
+        if host_ids is None:
+            return False
+        self._copies.to_host.extend(zip(request.block_ids, host_ids))
+        self._pending[1].extend(host_ids)
+        self._swapped_from.extend(request.block_ids[:num])
+        self.free(request)
+        request.host_block_ids = host_ids
+        return True
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        return self.blocks_needed(request.num_computed_tokens + num_new_tokens) \
+            <= self.num_free_blocks
+        # (an upper bound: blocks the device still caches are reused, not copied)
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> int:
+        """A swapped request's blocks back on the device, with room for its next
+        `num_new_tokens`: the leading ones the device still caches are taken from
+        there, the rest copied back. The blocks copied, or -1 (nothing changed) when
+        the pool lacks room."""
+        if not self.can_swap_in(request, num_new_tokens):
+            return -1
+        host_ids, request.host_block_ids = request.host_block_ids, []
+        # Only whole computed blocks: a partly computed one is written again here, and
+        # a cached block another request holds is never written.
+        hits = self.get_computed_blocks(request)[:request.num_computed_tokens // self.block_size]
+        computed, request.num_computed_tokens = request.num_computed_tokens, 0
+        allocated = self.allocate_slots(
+            request, computed + num_new_tokens - len(hits) * self.block_size, hits)
+        request.num_computed_tokens = computed
+        assert allocated, "can_swap_in bounds what allocate_slots takes"
+        copied = host_ids[len(hits):]
+        to_device, pins = self._copies.to_device, self._pending
+        for host_id, device_id in zip(copied, request.block_ids[len(hits):]):
+            to_device.append((host_id, device_id))
+            self._touch(device_id)
+            pins[0].append(device_id)
+            self.loading.add(device_id)
+        self.host.pin(copied)
+        pins[1].extend(copied)
+        self.host.free_swap(host_ids)
+        # Its blocks are made findable by the scheduler's update, once copied back.
+        return len(copied)
+
+    def take_copies(self) -> KVCopies | None:
+        """The copies named since the last call, for the step being scheduled (their
+        blocks stay pinned until release_copies(), after that step's copies ran)."""
+        copies = self._copies
+        if not copies:
+            return None
+        # A swapped-out block this step did not hand out again waits for its copy:
+        # nobody else (another thread's reservation) gets it before then.
+        for block_id in self._swapped_from:
+            if self.blocks[block_id].ref_cnt == 0:
+                self._touch(block_id)
+                self._pending[0].append(block_id)
+        self._swapped_from = []
+        self._copies = KVCopies()
+        self._in_flight[0].extend(self._pending[0])
+        self._in_flight[1].extend(self._pending[1])
+        self._pending = ([], [])
+        self.loading = set()
+        return copies
+
+    def release_copies(self) -> None:
+        """The copies taken so far ran (on every rank: after a forward pass that
+        every rank reaches after them): their blocks are unpinned."""
+        devices, hosts = self._in_flight
+        if not (devices or hosts):
+            return
+        self._in_flight = ([], [])
+        blocks, free = self.blocks, self._free
+        for block_id in devices:
+            block = blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                free[block_id] = None
+        self.host.release(hosts)
+
+    @property
+    def has_copies(self) -> bool:
+        return bool(self._copies)
+
+    def _store(self, block: KVBlock) -> None:
+        """Write-through: a block just cached on the device, stored in the host tier."""
+        host_id = self.host.store(block.block_hash, block.tokens)
+        if host_id is None:
+            return  # held there already, or every host block is in flight
+        self._touch(block.block_id)
+        self._pending[0].append(block.block_id)
+        self._pending[1].append(host_id)
+        self._copies.to_host.append((block.block_id, host_id))
+
+    def _load(self, request: Request, host_ids: list[int], device_ids: list[int]) -> None:
+        to_device, pins = self._copies.to_device, self._pending
+        for host_id, device_id in zip(host_ids, device_ids):
+            to_device.append((host_id, device_id))
+            self._touch(device_id)
+            pins[0].append(device_id)
+            self.loading.add(device_id)
+        self.host.pin(host_ids)
+        pins[1].extend(host_ids)
 
     def append_block(self, request: Request) -> bool:
         """One more block at the end of the request's (a decode step crossing into a
@@ -161,8 +332,10 @@ class BlockManager:
             block.block_hash = block_hash
             block.tokens = packed
             cached[block_hash] = block.block_id
-            if self.record_prefix_events:
+            if self._record:
                 self._prefix_events.append((block_hash, True))
+            if self._prefix_tier:
+                self._store(block)
         self._num_hashed[rid] = num_full
 
     def cache_decoded_blocks(self, requests: list[Request]) -> None:
@@ -191,8 +364,10 @@ class BlockManager:
             block = blocks[request.block_ids[i]]
             block.block_hash, block.tokens = block_hash, packed
             cached[block_hash] = block.block_id
-            if self.record_prefix_events:
+            if self._record:
                 self._prefix_events.append((block_hash, True))
+            if self._prefix_tier:
+                self._store(block)
 
     def free(self, request: Request) -> None:
         # Tail blocks go first in the LRU queue: a prefix is more likely shared.
@@ -203,6 +378,9 @@ class BlockManager:
                 self._free[block_id] = None
         request.block_ids = []
         self._num_hashed.pop(request.request_id, None)
+        if request.host_block_ids:  # swapped out: its host copy is dropped
+            self.host.free_swap(request.host_block_ids)
+            request.host_block_ids = []
 
     def take_prefix_events(self) -> list[tuple[bytes, bool]]:
         """Since the last call, in order: (hash, True) for a block made findable,
@@ -234,7 +412,7 @@ class BlockManager:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
-                if self.record_prefix_events:
+                if self._record:
                     self._prefix_events.append((block.block_hash, False))
             block.block_hash = None
             block.tokens = b""

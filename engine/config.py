@@ -7,6 +7,7 @@ from pdserve.engine.options import option
 from pdserve.engine.spec_decode.config import SpeculativeConfig
 
 POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # engine/scheduler.py
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")  # engine/attention.py
 
@@ -29,6 +30,12 @@ class SchedulerConfig:
     waiting_timeout_share: float = option(0.5, "the share of its TTFT SLO a request may "
                                           "wait before the waiting timeout applies",
                                           gt=0, le=1)
+    preemption_mode: str = option(
+        "auto", "what a preempted request's KV becomes: recompute (freed, its tokens "
+        "computed again later), swap (copied to the --swap-space host area, copied back "
+        "to resume), or auto (per request, whichever costs less: its recompute time "
+        "against its bytes over the measured copy bandwidth); without swap space, "
+        "recompute", choices=PREEMPTION_MODES)
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 0, "max_num_seqs", "must be >= 0")
@@ -38,6 +45,8 @@ class SchedulerConfig:
         _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}")
         _check(0 < self.waiting_timeout_share <= 1, "waiting_timeout_share",
                "must be in (0, 1]")
+        _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+               f"must be one of {PREEMPTION_MODES}")
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,13 @@ class CacheConfig:
                                                "(each tensor-parallel rank); unset: a "
                                                "share of free memory")
     num_kv_blocks: int | None = option(None, "KV blocks, overriding the memory budget")
+    swap_space: float = option(0.0, "GiB of host memory per device (pinned on cuda) where "
+                               "preempted requests' KV waits to resume (--preemption-mode "
+                               "swap or auto); 0 = none", ge=0)
+    kv_offloading_size: float = option(
+        0.0, "GiB of host memory per device (pinned on cuda) holding full KV blocks by "
+        "prefix hash, least recently used out first: a prefix evicted from the device is "
+        "loaded back from there instead of recomputed; 0 = none", ge=0)
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1, "block_size", "must be >= 1")
@@ -56,6 +72,8 @@ class CacheConfig:
                "kv_cache_memory_bytes", "must be > 0")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
                "num_kv_blocks", "must be >= 1")
+        _check(self.swap_space >= 0, "swap_space", "must be >= 0")
+        _check(self.kv_offloading_size >= 0, "kv_offloading_size", "must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,16 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_memory import keep_freed_memory
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.kv_cache import default_budget_bytes, num_blocks_for_budget
+from pdserve.engine.host_kv_cache import check_host_memory, host_blocks_for
+from pdserve.engine.host_pool import HostBlockPool
+from pdserve.engine.kv_cache import bytes_per_block, default_budget_bytes, num_blocks_for_budget
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_path import resolve_model_path
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import Outputs, RequestMetrics, RequestOutput
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.parallel.messages import StepExport
+from pdserve.engine.preemption_cost import PreemptionCosts
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -79,18 +82,36 @@ class LLMEngine:
             self.runner.model_config, cache.block_size, self.runner.dtype,  # this rank's
             cache.kv_cache_memory_bytes or default_budget_bytes(config, self.model_config),
             extra_bytes_per_block=self.proposer.bytes_per_block() if self.proposer else 0)
-        self.runner.init_kv_cache(num_blocks)
+        # Host memory per rank: the swap area and the prefix tier, in this rank's blocks.
+        check_host_memory(cache.swap_space, cache.kv_offloading_size,
+                          config.tensor_parallel_size)
+        per_block = bytes_per_block(self.runner.model_config, cache.block_size, self.runner.dtype)
+        host = HostBlockPool(host_blocks_for(cache.swap_space, per_block),
+                             host_blocks_for(cache.kv_offloading_size, per_block))
+        self.runner.init_kv_cache(num_blocks, host.num_blocks)
         if self.proposer is not None:
             self.proposer.init_kv_cache(num_blocks)
-        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                          host=host if host.num_blocks else None)
+        self.block_manager.copies_on_other_ranks = config.tensor_parallel_size > 1
         spec = config.speculative_config
-        self.scheduler = Scheduler(config.scheduler, self.block_manager,
-                                   num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
-                                   clock=time.time)  # requests' arrival_time is wall time
-        self._tracked: dict[str, _Tracked] = {}
-        # The last steps' shapes and durations (telemetry; the latency model's input).
+        # The step timings seed the latency model that prices a recompute (auto).
         self.step_timings: deque[StepTiming] = deque(maxlen=256)
         self.num_steps = 0
+        self.preemption_costs = None
+        if host.num_blocks:
+            store_s, load_s = self.runner.host_cache.seconds_per_block(self.runner.kv_caches, 8)
+            host.load_s_per_block = load_s
+            if host.num_swap_blocks:
+                self.preemption_costs = PreemptionCosts(
+                    store_s + load_s, lambda: self.step_timings, lambda: self.num_steps)
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager,
+            num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
+            clock=time.time,  # requests' arrival_time is wall time
+            swap_is_cheaper=self.preemption_costs.swap_is_cheaper
+            if self.preemption_costs else None)
+        self._tracked: dict[str, _Tracked] = {}
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
 
     @classmethod
@@ -198,7 +219,7 @@ class LLMEngine:
         with state_lock:
             outputs = self._apply_aborts()
             out = self.scheduler.schedule()
-            if out.is_empty:
+            if not out.has_work:
                 return outputs
             shape = StepShape.of(out)
             now = time.time()
@@ -206,11 +227,12 @@ class LLMEngine:
                 metrics = self._tracked[request.request_id].metrics
                 if metrics.first_scheduled_time is None:
                     metrics.first_scheduled_time = now
-        exported = export(out) if export is not None else None
+        exported = export(out) if export is not None and out.requests else None
         result = self.runner.execute(out, exported.send if exported else None,
                                      exported.ranks if exported else ())
         with state_lock:
             self.scheduler.update(out, result)
+            self._store_computed_blocks()
             now = time.time()
             for rid in result.sampled_token_ids:
                 outputs.append(self._emit(self._tracked[rid], now))
@@ -225,12 +247,28 @@ class LLMEngine:
             drafts = self.proposer.propose(ready)
             with state_lock:
                 self.scheduler.propose(drafts)
+        if out.is_empty:
+            return outputs  # copies alone: not a step the latency model fits
         with state_lock:
             accepted = sum(v.num_accepted for v in result.verified.values())
             self.step_timings.append(StepTiming(shape, time.perf_counter() - began, now,
                                                 decode_tokens=shape.decode_seqs + accepted))
             self.num_steps += 1
         return outputs
+
+    def _store_computed_blocks(self) -> None:
+        """The blocks this step filled, copied to the host prefix tier now, while the
+        state lock is held (this rank's copies waited for: part of the step's time):
+        until the copy ran they are pinned (no reservation can take them), and a
+        request waiting for room should not wait a step for that. At
+        tensor_parallel_size > 1 the other ranks run the copies before the next
+        Forward, so the pins last until that step computed (Scheduler.update)."""
+        bm = self.block_manager
+        if not bm.has_copies:
+            return
+        self.runner.copy_kv(bm.take_copies(), wait=True)
+        if self.config.tensor_parallel_size == 1:
+            bm.release_copies()
 
     def _ready_for_drafts(self, out: SchedulerOutput) -> list[Request]:
         """The running requests one token behind, after the step: the proposer's.
@@ -321,7 +359,7 @@ class LLMEngine:
             metrics=metrics,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
-            error=request.error)
+            num_host_cached_tokens=request.num_host_cached_tokens, error=request.error)
 
     def _apply_aborts(self) -> list[RequestOutput]:
         ids = []

@@ -22,11 +22,12 @@ from pdserve.engine.model.loader import load_model
 from pdserve.engine.model.rope import RotaryEmbedding
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.group import TensorParallelGroup
-from pdserve.engine.parallel.messages import Forward, InitKVCache, RankExport, Shutdown
+from pdserve.engine.host_kv_cache import HostKVCache
+from pdserve.engine.parallel.messages import CopyKV, Forward, InitKVCache, RankExport, Shutdown
 from pdserve.engine.parallel.sharding import Shard
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, Verified
+from pdserve.engine.scheduler_output import KVCopies, ModelRunnerOutput, SchedulerOutput, Verified
 from pdserve.engine.step_buffers import StepBuffers, StepInputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,20 +71,38 @@ class ModelRunner:
         self._broken = False  # a step failed on this rank after its broadcast
         self.scratch_block = 0  # set with the cache: a block no request owns
         self.kv_caches: list[torch.Tensor] = []
+        self.host_cache: HostKVCache | None = None  # host memory's blocks, if any
         self.sampler = Sampler(config.seed)
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """After the weights are in place, so a device budget counts what is left. One
         block more than the block manager hands out: the scratch block, where padding
         rows of a padded decode step write and read (cuda_graphs.py). Then the decode
-        graphs are captured. Rank 0 of a group tells the others first."""
+        graphs are captured. num_host_blocks: host memory's (engine/host_kv_cache.py).
+        Rank 0 of a group tells the others first."""
         if self._leads:
-            self.group.broadcast(InitKVCache(num_blocks=num_blocks))
+            self.group.broadcast(InitKVCache(num_blocks=num_blocks,
+                                             num_host_blocks=num_host_blocks))
         self.kv_caches = allocate_kv_cache(self.model_config, num_blocks + 1, self.block_size,
                                            self.device, self.dtype)
         self.scratch_block = num_blocks
+        if num_host_blocks:
+            self.host_cache = HostKVCache(self.model_config, num_host_blocks, self.block_size,
+                                          self.device, self.dtype)
         if self.graphs is not None:
             self._capture()
+
+    @torch.inference_mode()
+    def copy_kv(self, copies: KVCopies, wait: bool = False) -> None:
+        """Copies between device and host blocks, on every rank (rank 0 tells the
+        others first: they run them before the Forward that follows). wait: return
+        once this rank's copies are done (on cuda they are otherwise only queued
+        before the step's forward pass)."""
+        if self._leads:
+            self.group.broadcast(CopyKV(copies=copies))
+        self.host_cache.copy(self.kv_caches, copies)
+        if wait and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     @property
     def _leads(self) -> bool:
@@ -131,7 +150,14 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, on_layer_done: LayerHook | None = None,
                 rank_exports: tuple[RankExport, ...] = ()) -> ModelRunnerOutput:
         """rank_exports: the KV the other ranks of a tensor-parallel group send as
-        they compute this step (told them with it)."""
+        they compute this step (told them with it). The step's copies between device
+        and host blocks run first."""
+        if out.kv_copies:
+            # (a step of copies alone has no sampling to wait on before its blocks
+            # are released: it waits for them itself)
+            self.copy_kv(out.kv_copies, wait=not out.requests)
+            if not out.requests:
+                return ModelRunnerOutput()
         batch, samplers, verifiers = self._order(out)
         logits = self.forward_logits(batch, samplers, on_layer_done, out.spec_token_ids,
                                      rank_exports)

@@ -53,7 +53,8 @@ class RequestOutput:
     metrics: RequestMetrics
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (both tiers)
+    num_host_cached_tokens: int = 0  # of those, loaded from the host prefix tier
     error: str | None = None  # finish_reason "error": what failed
 
     @property

@@ -18,6 +18,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PAUSED = "paused"  # out of the batch, its KV kept: moving to another worker
     PREEMPTED = "preempted"
+    SWAPPED = "swapped"  # preempted with its KV copied to host memory, to resume from
     FINISHED = "finished"
 
 
@@ -41,6 +42,7 @@ class Request:
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_host_cached_tokens: int = 0  # of those, loaded from the host prefix tier
     num_preemptions: int = 0
     # The TTFT it is judged by (the router's SLO for it; None: none): one waiting past
     # a share of it may preempt a running decode to be admitted (scheduler.py).
@@ -53,6 +55,8 @@ class Request:
     # hashes of this request's full blocks (prefix caching).
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    # Swapped out: the host swap blocks holding its computed blocks, in order.
+    host_block_ids: list[int] = field(default_factory=list)
     # Speculative decoding: draft tokens proposed for the next step, taken (and
     # cleared) by the scheduler when it schedules the request.
     spec_token_ids: list[int] = field(default_factory=list)

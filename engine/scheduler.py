@@ -1,9 +1,14 @@
 """The pure scheduler: `schedule() -> SchedulerOutput`, then `update(output, sampled)`.
 
 Lifecycle: add_request -> waiting -> (admitted, blocks allocated) running -> finished.
-Under KV pressure a running request is preempted (blocks freed, recomputed later) and
-goes back to the front of the waiting queue. No torch, no I/O; the clock, for the
-waiting timeout, is passed in.
+Under KV pressure a running request is preempted, the lowest-ranked first. Its KV is
+recomputed (its blocks freed; it goes back to the front of the waiting queue) or
+swapped (its computed blocks copied to host memory; it waits in `swapped` and
+resumes where it was once blocks are free, before any new request is admitted):
+preemption_mode says which; auto chooses per request by cost (`swap_is_cheaper`,
+from the engine's latency model and measured copy bandwidth). A full swap area falls
+back to recompute. No torch, no I/O; the clock, for the waiting timeout, and the
+costs are passed in.
 
 The waiting timeout (the seeds' rule): a request still waiting for its first token
 past waiting_timeout_share of its TTFT SLO, behind a full batch (no blocks, or
@@ -27,18 +32,26 @@ from pdserve.engine.steady_batch import SteadyBatch
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 num_lookahead_tokens: int = 0, clock: Callable[[], float] | None = None):
+                 num_lookahead_tokens: int = 0, clock: Callable[[], float] | None = None,
+                 swap_is_cheaper: Callable[[int, int], bool] | None = None):
         """num_lookahead_tokens: KV slots past its scheduled tokens a decoding request
         keeps when they are free (a draft model writes its drafts' KV there). clock:
         the time requests' arrival_time is on (the waiting timeout reads it; None:
-        no waiting timeout)."""
+        no waiting timeout). swap_is_cheaper(tokens, blocks): preemption_mode auto's
+        rule, whether copying a victim's blocks out and back costs less than
+        recomputing its tokens (None: swap whenever there is room)."""
         self.config = config
         self.clock = clock if config.waiting_timeout else None
         self.block_manager = block_manager
         self.num_lookahead_tokens = num_lookahead_tokens
+        host = block_manager.host
+        self._can_swap = config.preemption_mode != "recompute" and host is not None \
+            and host.num_swap_blocks > 0
+        self.swap_is_cheaper = swap_is_cheaper
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.swapped: list[Request] = []  # preempted with their KV in host memory
         self.stats = SchedulerStats()
         self._order: dict[str, int] = {}  # request id -> arrival sequence number
         self._seq = itertools.count()
@@ -71,18 +84,19 @@ class Scheduler:
         arrive. False (nothing changed) when the pool lacks room."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        hits = self.block_manager.get_computed_blocks(request)
-        num_hit_tokens = len(hits) * self.block_manager.block_size
-        if not self.block_manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hits):
+        if self.swapped:
+            return False  # swapped requests resume before new ones take blocks
+        bm = self.block_manager
+        hits = bm.get_computed_blocks(request)
+        host_hits = bm.get_host_hits(request, len(hits))
+        num_hit_tokens = (len(hits) + len(host_hits)) * bm.block_size
+        if not bm.allocate_slots(request, request.num_tokens - num_hit_tokens, hits, host_hits):
             return False
         request.num_computed_tokens = num_hit_tokens
-        request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
         self._order[request.request_id] = next(self._seq)
-        self.stats.prompt_tokens += request.num_prompt_tokens
-        self.stats.prefix_cache_queries += request.num_prompt_tokens
-        self.stats.prefix_cache_hits += num_hit_tokens
+        self._count_admission(request, num_hit_tokens, len(host_hits))
         return True
 
     def admit_prefilled(self, request_id: str, first_token: int) -> Request:
@@ -160,17 +174,25 @@ class Scheduler:
         return bool(self.requests)
 
     def has_schedulable(self) -> bool:
-        """Work a step could do now; requests waiting for their KV are not."""
-        return bool(self.waiting or self.running)
+        """Work a step could do now (copies between the tiers count); requests waiting
+        for their KV are not."""
+        return bool(self.waiting or self.running or self.swapped
+                    or self.block_manager.has_copies)
 
     # ---- one step ---------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """The next step; its copies between the tiers (out.kv_copies) run before its
+        forward pass, and update() is called after it."""
         budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
         steady = self._steady
-        if steady is not None and steady.holds(self.running, self.waiting, budget):
+        if steady is not None and steady.holds(self.running, self.waiting or self.swapped,
+                                               budget):
             out = steady.schedule()
             if out is not None:
+                if bm.has_copies:
+                    out.kv_copies = bm.take_copies()
                 return out
         out = SchedulerOutput()
         if self.config.policy == "priority":
@@ -179,18 +201,29 @@ class Scheduler:
             prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
             budget = self._schedule_running(prefills, budget, out)
             budget = self._admit_waiting(budget, out)
-            decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-            self._schedule_running(decodes, budget, out)
+            scheduled = set(map(id, out.requests))  # admitted one token short
+            decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1
+                       and id(r) not in scheduled]
+            budget = self._schedule_running(decodes, budget, out)
+            # after the decodes: blocks they need are never taken for a resumption
+            self._resume_swapped(budget, out)
         else:
             budget = self._schedule_running(list(self.running), budget, out)
+            budget = self._resume_swapped(budget, out)
             self._admit_waiting(budget, out)
         out.total_num_scheduled_tokens = sum(out.num_scheduled)
         out.num_running = len(self.running)
+        if bm.has_copies:
+            out.kv_copies = bm.take_copies()
         return out
 
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance progress counters, append sampled tokens, finish what stopped (the
-        stop rule: Request.check_stop, for every path)."""
+        stop rule: Request.check_stop, for every path). The copies taken so far ran
+        (a forward pass followed them on every rank): their blocks are unpinned."""
+        bm = self.block_manager
+        if out.requests or not bm.copies_on_other_ranks:
+            bm.release_copies()
         steady = self._steady
         if out.steady and steady is not None \
                 and not (result.logprobs or result.top_logprobs or result.failed):
@@ -366,6 +399,33 @@ class Scheduler:
             out.spec_token_ids[request.request_id] = drafts
         return n
 
+    def _resume_swapped(self, budget: int, out: SchedulerOutput) -> int:
+        """Swapped requests back into the batch, in rank order, before any new one:
+        their blocks copied back (or found still cached), their next tokens scheduled.
+        None in a step that had to preempt."""
+        if not self.swapped or out.preempted_request_ids:
+            return budget
+        cfg, bm, stats = self.config, self.block_manager, self.stats
+        threshold = cfg.long_prefill_token_threshold
+        while self.swapped and budget > 0:
+            if cfg.max_num_seqs and len(self.running) >= cfg.max_num_seqs:
+                break
+            request = min(self.swapped, key=self._rank)
+            n = min(request.num_tokens - request.num_computed_tokens, budget,
+                    threshold or budget)
+            copied = bm.swap_in(request, n)
+            if copied < 0:
+                break
+            self.swapped.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            stats.num_swapped_in += 1
+            stats.num_blocks_swapped_in += copied
+            out.requests.append(request)
+            out.num_scheduled.append(n)
+            budget -= n
+        return budget
+
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         if out.preempted_request_ids:
             return budget  # no room for newcomers in a step that had to preempt
@@ -374,30 +434,35 @@ class Scheduler:
         while self.waiting and budget > 0:
             request = (min(self.waiting, key=self._rank) if cfg.policy == "priority"
                        else self.waiting[0])
+            if self.swapped and not self._overdue(request):
+                break  # swapped requests resume first
             full = cfg.max_num_seqs and len(self.running) >= cfg.max_num_seqs
             if full and not self._overdue(request):
                 break
             hits = bm.get_computed_blocks(request)
-            num_hit_tokens = len(hits) * bm.block_size
+            host_hits = bm.get_host_hits(request, len(hits))
+            num_hit_tokens = (len(hits) + len(host_hits)) * bm.block_size
             n = request.num_tokens - num_hit_tokens
             if cfg.long_prefill_token_threshold:
                 n = min(n, cfg.long_prefill_token_threshold)
             n = min(n, budget)
-            if full or not bm.allocate_slots(request, n, hits):
+            if full or not bm.allocate_slots(request, n, hits, host_hits):
                 if not self._overdue(request):
                     break
-                budget += self._preempt_for(request, n, out)
+                # the room its chunk and its host hits' blocks take
+                budget += self._preempt_for(request, n + len(host_hits) * bm.block_size, out)
                 if not out.preempted_request_ids:
                     break
                 hits = bm.get_computed_blocks(request)  # the victim's freeing moved none
-                num_hit_tokens = len(hits) * bm.block_size
+                host_hits = bm.get_host_hits(request, len(hits))
+                num_hit_tokens = (len(hits) + len(host_hits)) * bm.block_size
                 n = min(request.num_tokens - num_hit_tokens, budget,
                         cfg.long_prefill_token_threshold or budget)
-                if not bm.allocate_slots(request, n, hits):
+                if not bm.allocate_slots(request, n, hits, host_hits):
                     break
-                self._admit(request, n, num_hit_tokens, out)
+                self._admit(request, n, num_hit_tokens, len(host_hits), out)
                 break  # one admission by the rule a step; nobody else after a preemption
-            self._admit(request, n, num_hit_tokens, out)
+            self._admit(request, n, num_hit_tokens, len(host_hits), out)
             budget -= n
         return budget
 
@@ -415,6 +480,8 @@ class Scheduler:
         next chunk of `request` past its prefix hits)."""
         bm = self.block_manager
         need = -(-tokens // bm.block_size)
+        # (a victim's blocks are free again within the step whether it is recomputed
+        # or swapped: a swap's copies run before the forward pass that writes them)
         candidates = [r for r in self.running
                       if r.num_tokens - r.num_computed_tokens == 1 and r.num_preemptions == 0
                       and self._rank(r)[0] >= self._rank(request)[0]
@@ -425,33 +492,52 @@ class Scheduler:
         self.stats.num_preemptions_for_waiting += 1
         return self._preempt(victim, out)
 
-    def _admit(self, request: Request, n: int, num_hit_tokens: int,
+    def _admit(self, request: Request, n: int, num_hit_tokens: int, num_host_hits: int,
                out: SchedulerOutput) -> None:
-        """Into the running batch with blocks for its next n tokens."""
+        """Into the running batch with blocks for its next n tokens (num_hit_tokens
+        found cached, num_host_hits blocks of them loaded from the host tier)."""
         self.waiting.remove(request)
-        first_admission = request.num_preemptions == 0
         request.num_computed_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        if first_admission:
-            request.num_cached_tokens = num_hit_tokens
-            self.stats.prompt_tokens += request.num_prompt_tokens
-            self.stats.prefix_cache_queries += request.num_prompt_tokens
-            self.stats.prefix_cache_hits += num_hit_tokens
+        if request.num_preemptions == 0:
+            self._count_admission(request, num_hit_tokens, num_host_hits)
+        else:
+            self.stats.num_host_blocks_loaded += num_host_hits
         out.requests.append(request)
         out.num_scheduled.append(n)
 
+    def _count_admission(self, request: Request, num_hit_tokens: int,
+                         num_host_hits: int) -> None:
+        """A request's first admission (or reservation): its prefix hits."""
+        stats, host_tokens = self.stats, num_host_hits * self.block_manager.block_size
+        request.num_cached_tokens = num_hit_tokens
+        request.num_host_cached_tokens = host_tokens
+        stats.prompt_tokens += request.num_prompt_tokens
+        stats.prefix_cache_queries += request.num_prompt_tokens
+        stats.prefix_cache_hits += num_hit_tokens
+        stats.host_prefix_cache_hits += host_tokens
+        stats.num_host_blocks_loaded += num_host_hits
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> int:
-        """Recompute-style preemption; returns the budget it gave back this step."""
+        """Preemption, by swap or recompute (preemption_mode); returns the budget it
+        gave back this step."""
         self.running.remove(request)
-        self.block_manager.free(request)
         request.spec_token_ids = []
         out.spec_token_ids.pop(request.request_id, None)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.stats.num_preemptions += 1
-        self.waiting.insert(0, request)
+        stats = self.stats
+        stats.num_preemptions += 1
+        if self._swaps(request) and self.block_manager.swap_out(request):
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+            stats.num_swapped_out += 1
+            stats.num_blocks_swapped_out += len(request.host_block_ids)
+        else:
+            self.block_manager.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self.waiting.insert(0, request)
         out.preempted_request_ids.append(request.request_id)
         for i, scheduled in enumerate(out.requests):
             if scheduled is request:
@@ -459,11 +545,26 @@ class Scheduler:
                 return out.num_scheduled.pop(i)
         return 0
 
+    def _swaps(self, request: Request) -> bool:
+        """Whether a victim's KV goes to the swap area (else it is recomputed): a mode
+        that swaps, KV computed and none arriving in this step's copies, and under
+        auto the cheaper way."""
+        bm = self.block_manager
+        if not self._can_swap or request.num_computed_tokens == 0 or (
+                bm.loading and not bm.loading.isdisjoint(request.block_ids)):
+            return False
+        if self.config.preemption_mode == "swap" or self.swap_is_cheaper is None:
+            return True
+        tokens = request.num_computed_tokens
+        return self.swap_is_cheaper(tokens, bm.blocks_needed(tokens))
+
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

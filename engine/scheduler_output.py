@@ -7,6 +7,19 @@ from pdserve.engine.request import Request
 
 
 @dataclass
+class KVCopies:
+    """A step's copies between the device's KV blocks and host memory's
+    (engine/host_pool.py), run before its forward pass, to_host first: a swap-out, a
+    block stored in the prefix tier; then to_device: a swap-in, a prefix-tier hit
+    loaded. Every block named is pinned until the step's copies ran."""
+    to_host: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    to_device: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+
+    def __bool__(self) -> bool:
+        return bool(self.to_host or self.to_device)
+
+
+@dataclass
 class SchedulerOutput:
     # Batch order. requests[i] computes num_scheduled[i] tokens starting at its
     # num_computed_tokens, into the KV slots of its block_ids.
@@ -19,6 +32,12 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_running: int = 0  # running requests once scheduled: all in `requests` when equal
     steady: bool = False  # every running request decodes one token (Scheduler's fast path)
+    kv_copies: KVCopies | None = None  # host-memory copies run before the forward pass
+
+    @property
+    def has_work(self) -> bool:
+        """A forward pass to run, or copies."""
+        return bool(self.requests or self.kv_copies)
 
     @property
     def is_empty(self) -> bool:
@@ -59,6 +78,16 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of those, tokens served from the cache
     num_preemptions: int = 0
     num_preemptions_for_waiting: int = 0  # of those, by the waiting-timeout rule
+    # Swap preemption (preemption_mode swap or auto): requests swapped out and back
+    # in, and their blocks.
+    num_swapped_out: int = 0
+    num_swapped_in: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    # The host prefix tier: prompt tokens served from it (counted in prefix_cache_hits
+    # too) and the blocks loaded back from it.
+    host_prefix_cache_hits: int = 0
+    num_host_blocks_loaded: int = 0
     # Speculative decoding, under vLLM's names: verification steps of one request,
     # the draft tokens they verified and accepted, and accepted drafts by position
     # (index j: steps whose j-th draft was accepted).

@@ -97,7 +97,7 @@ def steps_ahead(scheduler: Scheduler) -> int:
     nothing waiting, every running request one token behind with no stop token or
     logprobs to check, none reaching its end, and KV blocks free for every token."""
     running = scheduler.running
-    if scheduler.waiting or not running \
+    if scheduler.waiting or scheduler.swapped or not running \
             or len(running) > scheduler.config.max_num_batched_tokens:
         return 0
     steps = None

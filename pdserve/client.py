@@ -62,6 +62,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    host_cached_prompt_tokens: int = 0  # of those, from a host-memory prefix tier
 
 
 @dataclass
@@ -129,7 +130,8 @@ def _request(prompt, request_id: str, sampling_params: SamplingParams | None,
 
 def _chunk(r: pb.GenerateResponse) -> CompletionChunk:
     usage = (Usage(r.usage.prompt_tokens, r.usage.completion_tokens,
-                   r.usage.cached_prompt_tokens) if r.HasField("usage") else None)
+                   r.usage.cached_prompt_tokens, r.usage.host_cached_prompt_tokens)
+             if r.HasField("usage") else None)
     tm = r.timings
     timings = (Timings(tm.ttft_seconds, tm.e2e_seconds, tm.predicted_ttft_seconds or None,
                        tm.predicted_tpot_seconds or None) if r.HasField("timings") else None)

@@ -20,6 +20,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.host_kv_cache import check_host_memory
 from pdserve.engine.kv_cache import bytes_per_block
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_path import resolve_model_path
@@ -320,6 +321,10 @@ def launch(engine_config: EngineConfig, pools: PoolSpec = PoolSpec(),
     engine_config = replace(engine_config, model=str(model_dir))
     check_tensor_parallel_sizes(ModelConfig.from_dir(model_dir), engine_config, pools,
                                 router_config)
+    # Host KV memory, against this host (each worker checks its own as it starts).
+    check_host_memory(engine_config.cache.swap_space, engine_config.cache.kv_offloading_size,
+                      max(pools.tensor_parallel_size(role, engine_config.tensor_parallel_size)
+                          for role in ("prefill", "decode")))
     router_id = new_router_id()
     registry = registry_for(router_config.shared, router_id)
     shared = None

@@ -83,6 +83,7 @@ class Flight:
     # Prompt tokens a prefill worker's prefix cache served: its usage's cached tokens
     # when its KV was sent (the decode worker's own count does not see them).
     num_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0  # of those, from its host tier
     migrations: int = 0  # times it moved off a failed worker
     failure: str = ""  # why it last moved
     # The id its workers know it by: its own, and after each move (replay, or live) a

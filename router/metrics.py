@@ -51,6 +51,26 @@ class RouterMetrics:
                 ("preemptions_for_waiting", "num_preemptions_for_waiting",
                  "Preemptions the waiting timeout made: a request past its share of its "
                  "TTFT SLO admitted in a running decode's place (cumulative)"),
+                ("swapped", "num_requests_swapped",
+                 "Requests preempted with their KV swapped to host memory"),
+                ("num_swapped_out", "num_requests_swapped_out",
+                 "Preemptions that swapped the request's KV out (cumulative)"),
+                ("num_swapped_in", "num_requests_swapped_in",
+                 "Swapped requests resumed (cumulative)"),
+                ("num_blocks_swapped_out", "num_blocks_swapped_out",
+                 "KV blocks copied to the host swap area (cumulative)"),
+                ("num_blocks_swapped_in", "num_blocks_swapped_in",
+                 "KV blocks copied back from the host swap area (cumulative)"),
+                ("cpu_usage", "cpu_cache_usage_perc",
+                 "Host KV memory usage, swap area and prefix tier (1 = full)"),
+                ("host_prefix_cache_hits", "cpu_prefix_cache_hits",
+                 "Prompt tokens served from the host prefix tier (cumulative)"),
+                ("host_blocks_stored", "cpu_prefix_cache_blocks_stored",
+                 "KV blocks written into the host prefix tier (cumulative)"),
+                ("host_blocks_evicted", "cpu_prefix_cache_blocks_evicted",
+                 "KV blocks dropped from the host prefix tier for room (cumulative)"),
+                ("host_blocks_loaded", "cpu_prefix_cache_blocks_loaded",
+                 "KV blocks loaded back from the host prefix tier (cumulative)"),
             )}
         self._step_seconds = Histogram("pdserve:step_duration_seconds",
                                        "Engine step duration (forward pass included)",
@@ -160,6 +180,12 @@ class RouterMetrics:
         series["kv_usage"].set(1 - t.free_blocks / t.num_blocks if t.num_blocks else 0)
         series["preemptions"].set(t.num_preemptions)
         series["preemptions_for_waiting"].set(t.num_preemptions_for_waiting)
+        for name in ("swapped", "num_swapped_out", "num_swapped_in", "num_blocks_swapped_out",
+                     "num_blocks_swapped_in", "host_prefix_cache_hits", "host_blocks_stored",
+                     "host_blocks_evicted", "host_blocks_loaded"):
+            series[name].set(getattr(t, name))
+        series["cpu_usage"].set(t.host_used_blocks / t.host_num_blocks
+                                if t.host_num_blocks else 0)
         for step in t.steps:
             series["steps"].observe(step.duration_s)
         if t.prefix_stored:

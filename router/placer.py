@@ -145,19 +145,38 @@ class Placer:
         """The policy's decision on a snapshot of now, in which the workers in `avoid`
         take nothing new. hashes: prompt_hashes(req), where it is decided repeatedly."""
         ids, bs = req.prompt_token_ids, self.model.block_size
-        hits = (self.models.prefixes.hits((hashes or self.prompt_hashes(req))())
-                if self.models.prefixes and self.config.routing.prefix_aware else {})
-        cached = {w: n * bs for w, n in hits.items()}
+        cached, host_load_s = self._prefix_hits(hashes or self.prompt_hashes(req))
         view = RequestView(num_prompt_tokens=len(ids), blocks_needed=blocks_for(len(ids) + 1, bs),
                            refused=refused, slo=req.slo, priority=req.params.priority,
                            max_tokens=req.params.max_tokens, cached_tokens=cached,
-                           sequence=next(self._placed),
+                           host_load_s=host_load_s, sequence=next(self._placed),
                            waited_s=max(self.clock.time() - req.arrival_time, 0.0))
         decision = decide(view, self.snapshot(avoid), self.config.routing.routing_policy)
         if cached and not isinstance(decision, Reject):
             computes = decision.worker if isinstance(decision, Colocate) else decision.prefill
             self.metrics.placed_prefix(cached.get(computes, 0), max(cached.values()))
         return decision
+
+    def _prefix_hits(self, hashes: Callable[[], list[bytes]]
+                     ) -> tuple[dict[str, int], dict[str, float]]:
+        """Worker -> the prompt's leading tokens it holds, on its device or after that
+        in its host tier (as its block manager looks: the device first, then the host
+        tier from where the device's hits end), and the seconds loading the host
+        part takes there."""
+        models = self.models
+        if not self.config.routing.prefix_aware or not (models.prefixes or models.host_prefixes):
+            return {}, {}
+        bs, prompt = self.model.block_size, hashes()
+        device = models.prefixes.hits(prompt) if models.prefixes else {}
+        host = models.host_prefixes.hits(prompt) if models.host_prefixes else {}
+        cached = {w: n * bs for w, n in device.items()}
+        load_s: dict[str, float] = {}
+        for w, n in host.items():
+            extra = n - device.get(w, 0)
+            if extra > 0:
+                cached[w] = n * bs
+                load_s[w] = extra * models.host_load_s.get(w, 0.0)
+        return cached, load_s
 
     def snapshot(self, avoid: frozenset[str] = frozenset()) -> ClusterState:
         """Every worker's state now, as the policy sees it, with the TPOT budgets of

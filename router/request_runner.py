@@ -118,7 +118,8 @@ class RequestRunner:
         if delta.finished and delta.num_cached_tokens < flight.num_cached_tokens:
             # the usage (on the last delta; the first, the router's, has it too)
             # counts its prefill worker's prefix hit
-            delta = replace(delta, num_cached_tokens=flight.num_cached_tokens)
+            delta = replace(delta, num_cached_tokens=flight.num_cached_tokens,
+                            num_host_cached_tokens=flight.num_host_cached_tokens)
         if delta.token_ids:
             if flight.first_token_at is None:
                 flight.first_token_at = self.clock.time()
@@ -223,8 +224,10 @@ class RequestRunner:
                                     result.kv_bytes_sent, result.transfer_seconds,
                                     self.clock.monotonic())
         self.metrics.prompt_tokens.inc(num_tokens)
-        flight.num_cached_tokens = max(flight.num_cached_tokens, min(
-            result.num_cached_tokens, len(flight.req.prompt_token_ids)))
+        cached = min(result.num_cached_tokens, len(flight.req.prompt_token_ids))
+        if cached > flight.num_cached_tokens:
+            flight.num_cached_tokens = cached
+            flight.num_host_cached_tokens = min(result.num_host_cached_tokens, cached)
         self._start(flight, result.first_token)
         return self._first_delta(flight, result)
 
@@ -244,7 +247,8 @@ class RequestRunner:
                            text=text, logprobs=logprobs, finished=False,
                            num_prompt_tokens=len(req.prompt_token_ids),
                            num_output_tokens=flight.num_output_tokens + 1, top_logprobs=tops,
-                           num_cached_tokens=flight.num_cached_tokens)
+                           num_cached_tokens=flight.num_cached_tokens,
+                           num_host_cached_tokens=flight.num_host_cached_tokens)
         return first, len(text)
 
     async def _reserve(self, flight: Flight, worker: WorkerHandle) -> Reservation | None:

@@ -86,8 +86,10 @@ class PrefillResult:
     # The transfer's exposed part: the last prefill step's end -> KV confirmed.
     transfer_seconds: float = 0.0
     # Prompt tokens the prefill worker's prefix cache served: the request's cached
-    # tokens (usage), which the decode side, its KV sent, cannot see.
+    # tokens (usage), which the decode side, its KV sent, cannot see; of those, the
+    # ones loaded from its host tier.
     num_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,7 @@ class TokenDelta:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0  # of num_cached_tokens, loaded from the host tier
     num_output_tokens: int = 0
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # {token: logprob}
     error: str | None = None  # finish_reason "error": what failed
@@ -199,15 +202,44 @@ class WorkerTelemetry:
     max_num_seqs: int = 0
     # Of num_preemptions, those the waiting timeout made (cumulative).
     num_preemptions_for_waiting: int = 0
+    # Host memory (engine/host_pool.py). Swap preemption: requests swapped out now,
+    # and cumulative requests and blocks swapped out and back in. The host prefix
+    # tier: prompt tokens served from it, blocks stored, evicted and loaded back
+    # (cumulative). Host blocks in all (swap area and tier) and in use.
+    swapped: int = 0
+    num_swapped_out: int = 0
+    num_swapped_in: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    host_prefix_cache_hits: int = 0
+    host_blocks_stored: int = 0
+    host_blocks_evicted: int = 0
+    host_blocks_loaded: int = 0
+    host_num_blocks: int = 0
+    host_used_blocks: int = 0
+    # The host prefix tier's block hashes stored / dropped since the last report (its
+    # net change, as prefix_stored / prefix_evicted are the device's), and what
+    # loading one block from it back to the device takes (measured at start).
+    host_prefix_stored: tuple[bytes, ...] = ()
+    host_prefix_evicted: tuple[bytes, ...] = ()
+    host_load_s_per_block: float = 0.0
 
     def merged(self, later: "WorkerTelemetry") -> "WorkerTelemetry":
         """`later`'s gauges with both reports' steps, and their events' net change."""
-        stored, evicted = net_prefix_events(
-            [(h, True) for h in self.prefix_stored] + [(h, False) for h in self.prefix_evicted]
-            + [(h, True) for h in later.prefix_stored]
-            + [(h, False) for h in later.prefix_evicted])
+        stored, evicted = _merged_events(self.prefix_stored, self.prefix_evicted,
+                                         later.prefix_stored, later.prefix_evicted)
+        host_stored, host_evicted = _merged_events(
+            self.host_prefix_stored, self.host_prefix_evicted, later.host_prefix_stored,
+            later.host_prefix_evicted)
         return replace(later, steps=self.steps + later.steps, prefix_stored=stored,
-                       prefix_evicted=evicted)
+                       prefix_evicted=evicted, host_prefix_stored=host_stored,
+                       host_prefix_evicted=host_evicted)
+
+
+def _merged_events(stored, evicted, later_stored, later_evicted):
+    return net_prefix_events([(h, True) for h in stored] + [(h, False) for h in evicted]
+                             + [(h, True) for h in later_stored]
+                             + [(h, False) for h in later_evicted])
 
 
 def net_prefix_events(events) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:

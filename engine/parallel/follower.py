@@ -19,7 +19,7 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_path import resolve_model_path
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.parallel.group import TensorParallelGroup
-from pdserve.engine.parallel.messages import Forward, InitKVCache, RankExport, Shutdown
+from pdserve.engine.parallel.messages import CopyKV, Forward, InitKVCache, RankExport, Shutdown
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,10 @@ class Follower:
                     if self.kv is not None and message.exports else None
                 self.runner.run_step(message.step, None, send)
                 steps += 1
+            elif isinstance(message, CopyKV):
+                self.runner.copy_kv(message.copies)
             elif isinstance(message, InitKVCache):
-                self.runner.init_kv_cache(message.num_blocks)
+                self.runner.init_kv_cache(message.num_blocks, message.num_host_blocks)
                 if self.kv is not None:
                     self.kv.attach(self.runner.kv_caches)
             elif isinstance(message, Shutdown):

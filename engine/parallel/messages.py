@@ -4,12 +4,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from pdserve.engine.scheduler_output import KVCopies
 from pdserve.engine.step_buffers import StepInputs
 
 
 @dataclass(frozen=True)
 class InitKVCache:
     num_blocks: int  # as rank 0's block manager counts them (its scratch block apart)
+    num_host_blocks: int = 0  # host memory's (the swap area and the prefix tier)
+
+
+@dataclass(frozen=True)
+class CopyKV:
+    """A step's copies between device and host KV blocks, each rank its own shard's,
+    before the step's Forward."""
+    copies: KVCopies
 
 
 @dataclass(frozen=True)
@@ -47,4 +56,4 @@ class Shutdown:
     pass
 
 
-RankMessage = InitKVCache | Forward | Shutdown
+RankMessage = InitKVCache | CopyKV | Forward | Shutdown

@@ -10,9 +10,8 @@ from pathlib import Path
 
 from pdserve import env
 from pdserve.bench.driver import BACKENDS
-
-WORKLOADS = ("random", "sharegpt-like", "azure-conv", "azure-code", "prefix-shared",
-             "conversations", "file")
+from pdserve.bench.sessions import MAX_TURNS, SessionShape
+from pdserve.bench.workloads import WORKLOADS
 
 
 def add_bench_parser(sub) -> None:
@@ -40,8 +39,12 @@ def add_bench_parser(sub) -> None:
     run.add_argument("--num-workers", type=int, default=1,
                      help="goodput is divided by this: requests per second per worker "
                      "(default: %(default)s)")
+    run.add_argument("--max-model-len", type=int, default=None,
+                     help="sessions: the context a turn's prompt and reply must fit; a "
+                     "session ends before a turn that would not (grpc: asked of the "
+                     "server; openai: unset means 32768 x --scale)")
     add_load_flags(run)
-    add_workload_flags(run, default_name="bench")
+    add_workload_flags(run, default_name="bench", sessions=True)
     run.set_defaults(func=_run)
 
     compare = kinds.add_parser("compare", help="disaggregated vs colocated goodput per "
@@ -81,15 +84,20 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
                    "worker with >= 90%% SLO attainment")
 
 
-def add_workload_flags(p: argparse.ArgumentParser, default_name: str) -> None:
+def add_workload_flags(p: argparse.ArgumentParser, default_name: str,
+                       sessions: bool = False) -> None:
+    """sessions: whether --workload sessions (turns sent as earlier ones end) is one."""
     load = p.add_argument_group("workload")
-    load.add_argument("--workload", choices=WORKLOADS, default="random",
+    load.add_argument("--workload", default="random",
+                      choices=WORKLOADS if sessions else [w for w in WORKLOADS
+                                                          if w != "sessions"],
                       help="prompt and output lengths (default: %(default)s)")
     load.add_argument("--dataset-path", default=None,
                       help="JSONL of {prompt | prompt_token_ids, max_tokens, timestamp?} "
                       "for --workload file")
     load.add_argument("--num-prompts", type=int, default=100,
-                      help="requests per run (default: %(default)s)")
+                      help="requests per run (sessions: sessions per run) "
+                      "(default: %(default)s)")
     load.add_argument("--scale", type=float, default=1.0,
                       help="shrink every length to fit a small model's context "
                       "(default: %(default)s)")
@@ -103,6 +111,13 @@ def add_workload_flags(p: argparse.ArgumentParser, default_name: str) -> None:
     load.add_argument("--prefix-share", type=float, default=0.5,
                       help="prefix-shared: share of prompts that start with a common prefix "
                       "(default: %(default)s)")
+    if sessions:
+        load.add_argument("--session-turns", type=float, default=SessionShape.mean_turns,
+                          help="sessions: mean turns per session, 1 + geometric, at most "
+                          f"{MAX_TURNS} (default: %(default)s)")
+        load.add_argument("--think-time", type=float, default=SessionShape.think_s,
+                          help="sessions: mean seconds from a turn's end to the next "
+                          "turn's send, exponential (default: %(default)s)")
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma arrivals' shape: 1 = Poisson, < 1 burstier "
                       "(default: %(default)s)")
@@ -119,16 +134,25 @@ def add_workload_flags(p: argparse.ArgumentParser, default_name: str) -> None:
                      help="no progress bar (there is none when stderr is not a terminal)")
 
 
-def workload_of(args: argparse.Namespace, vocab: int, lazy: bool = False):
-    """Run i's prompts, drawn with seed + 1 + i (a sweep's warm-up is i = -1): a list,
-    or (lazy) an iterator that draws each when it is asked for."""
+def workload_of(args: argparse.Namespace, vocab: int, lazy: bool = False,
+                max_model_len: int | None = None):
+    """Run i's prompts (or sessions), drawn with seed + 1 + i (a sweep's warm-up is
+    i = -1): a list, or (lazy) an iterator that draws each when it is asked for.
+    max_model_len: the model's context, which sessions' turns must fit."""
     from pdserve.bench.workloads import iter_workload, make_workload
+
+    shape = None
+    if args.workload == "sessions":
+        try:
+            shape = SessionShape(args.session_turns, args.think_time, max_model_len)
+        except ValueError as err:
+            raise SystemExit(f"pdserve: {err}") from None
 
     def workload(i: int):
         return (iter_workload if lazy else make_workload)(
             args.workload, args.num_prompts, vocab, args.seed + 1 + i, args.scale,
             args.input_len, args.output_len, args.range_ratio, args.prefix_share,
-            path=args.dataset_path)
+            path=args.dataset_path, sessions=shape)
     return workload
 
 
@@ -138,11 +162,13 @@ def _run(args: argparse.Namespace) -> int:
     from pdserve.bench.sweep import sweep
 
     slo = SLO.parse(args.goodput)
-    vocab = args.vocab_size
-    if vocab is None and args.backend == "grpc":
+    vocab, context = args.vocab_size, args.max_model_len
+    if args.backend == "grpc" and (vocab is None or (
+            context is None and args.workload == "sessions")):
         from pdserve.client import Client
         with Client(args.target, api_key=args.api_key, ca_file=args.ca_file) as client:
-            vocab = client.model_info().vocab_size
+            info = client.model_info()
+        vocab, context = vocab or info.vocab_size, context or info.max_model_len or None
     vocab = vocab or 1000
     cfg = driver.RunConfig(args.backend, args.target, args.model, args.request_rate,
                            args.burstiness, args.max_concurrency, args.seed,
@@ -151,10 +177,11 @@ def _run(args: argparse.Namespace) -> int:
                            progress=not args.quiet)
     meta = run_meta(args, backend=args.backend, target=args.target)
     if args.sweep:
-        result = asyncio.run(sweep(workload_of(args, vocab), cfg, args.sweep, slo,
-                                   args.num_workers))
+        result = asyncio.run(sweep(workload_of(args, vocab, max_model_len=context), cfg,
+                                   args.sweep, slo, args.num_workers))
     else:
-        records, duration = asyncio.run(driver.run(workload_of(args, vocab)(-1), cfg))
+        records, duration = asyncio.run(driver.run(
+            workload_of(args, vocab, max_model_len=context)(-1), cfg))
         result = summarize(records, duration, slo, args.num_workers)
     publish(args, result, meta)
     return 0
@@ -166,6 +193,8 @@ def run_meta(args: argparse.Namespace, **fields) -> dict:
         "workload", "num_prompts", "scale", "request_rate", "burstiness", "max_concurrency",
         "goodput", "seed", "num_workers")}}
     meta["request_rate"] = str(meta["request_rate"])
+    if args.workload == "sessions":
+        meta.update(session_turns=args.session_turns, think_time=args.think_time)
     return meta
 
 

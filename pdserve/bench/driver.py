@@ -3,10 +3,14 @@
 Backends: pdserve's gRPC API (the SDK's AsyncClient, retries off so overload counts
 as a rejection) or any OpenAI-compatible HTTP server (/v1/completions, streaming).
 Requests go out at their arrival times, optionally capped at --max-concurrency.
+Sessions (sessions.py) start at their arrival times and send each turn once the one
+before has ended and its think time has passed; --max-concurrency then caps the
+sessions under way (users), not their requests.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 import time
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from pdserve.bench import require_extra
 from pdserve.bench.arrivals import arrival_times, trace_times
 from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.sessions import Session, play
 from pdserve.bench.workloads import BenchRequest
 from pdserve.progress import bar as progress_bar
 
@@ -46,9 +51,12 @@ class RunConfig:
             raise ValueError("max_concurrency must be >= 0")
 
 
-async def run(requests: list[BenchRequest], cfg: RunConfig) -> tuple[list[RequestRecord], float]:
-    """Sends every request; returns their records and the wall time of the run."""
-    if requests and all(r.timestamp is not None for r in requests):
+async def run(requests: list[BenchRequest | Session],
+              cfg: RunConfig) -> tuple[list[RequestRecord], float]:
+    """Sends every request and plays every session; returns their records (a
+    session's turns in order) and the wall time of the run."""
+    if requests and all(isinstance(r, BenchRequest) and r.timestamp is not None
+                        for r in requests):
         offsets = trace_times([r.timestamp for r in requests])
     else:
         offsets = arrival_times(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
@@ -57,24 +65,27 @@ async def run(requests: list[BenchRequest], cfg: RunConfig) -> tuple[list[Reques
     async with _backend(cfg) as send:
         start = time.perf_counter()
 
-        async def one(req: BenchRequest, offset: float) -> RequestRecord:
+        async def one(item: BenchRequest | Session, offset: float) -> list[RequestRecord]:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            if cap is not None:
-                async with cap:
-                    record = await send(req)
-            else:
-                record = await send(req)
-            bar.update(1)
-            return record
+            records: list[RequestRecord] = []
 
-        records = await asyncio.gather(*[one(r, o) for r, o in zip(requests, offsets)])
+            async def sent(req: BenchRequest, reply: list[int] | None = None) -> RequestRecord:
+                records.append(await send(req, reply))
+                return records[-1]
+            async with cap if cap is not None else contextlib.nullcontext():
+                await (play(item, sent) if isinstance(item, Session) else sent(item))
+            bar.update(1)
+            return records
+
+        ended = await asyncio.gather(*[one(r, o) for r, o in zip(requests, offsets)])
         duration = time.perf_counter() - start
     bar.close()
-    return list(records), duration
+    return [record for records in ended for record in records], duration
 
 
 class _backend:
-    """An async context giving `send(request) -> RequestRecord` for the backend."""
+    """An async context giving `send(request, reply=None) -> RequestRecord` for the
+    backend (reply: a list the output token ids go to)."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -101,20 +112,25 @@ class _backend:
         else:
             await self._client.aclose()
 
-    async def _send_grpc(self, req: BenchRequest) -> RequestRecord:
+    async def _send_grpc(self, req: BenchRequest,
+                         reply: list[int] | None = None) -> RequestRecord:
+        """reply (given): the output token ids are put there."""
         from pdserve.client import OverloadedError
-        record = RequestRecord(time.perf_counter())
+        record = RequestRecord(time.perf_counter(), session=req.session, turn=req.turn)
         try:
             async for chunk in self._client.generate_stream(
                     req.prompt, max_tokens=req.max_tokens, temperature=0, ignore_eos=True,
                     slo_ttft_ms=self.cfg.slo_ttft_ms, slo_tpot_ms=self.cfg.slo_tpot_ms):
                 now = time.perf_counter()
                 record.token_times += [now] * len(chunk.token_ids)
+                if reply is not None:
+                    reply += chunk.token_ids
                 if chunk.token_ids and record.first_output_time is None:
                     record.first_output_time = now
                 if chunk.usage is not None:
                     record.num_prompt_tokens = chunk.usage.prompt_tokens
                     record.num_cached_tokens = chunk.usage.cached_prompt_tokens
+                    record.num_host_cached_tokens = chunk.usage.host_cached_prompt_tokens
                 if chunk.timings is not None:
                     record.predicted_ttft = chunk.timings.predicted_ttft_s
                     record.predicted_tpot = chunk.timings.predicted_tpot_s
@@ -126,7 +142,10 @@ class _backend:
             record.error = f"{type(exc).__name__}: {exc}"
         return record
 
-    async def _send_openai(self, req: BenchRequest) -> RequestRecord:
+    async def _send_openai(self, req: BenchRequest,
+                           reply: list[int] | None = None) -> RequestRecord:
+        """reply (given): the output token ids are put there, where the server sends
+        them (`return_token_ids`)."""
         body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
                 "stream": True, "ignore_eos": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True}}
@@ -135,7 +154,7 @@ class _backend:
         headers = {name: f"{value:g}" for name, value in (
             ("x-slo-ttft-ms", self.cfg.slo_ttft_ms), ("x-slo-tpot-ms", self.cfg.slo_tpot_ms))
             if value is not None}
-        record = RequestRecord(time.perf_counter())
+        record = RequestRecord(time.perf_counter(), session=req.session, turn=req.turn)
         try:
             async with self._client.stream("POST", "/v1/completions", json=body,
                                            headers=headers) as response:
@@ -150,14 +169,15 @@ class _backend:
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    _take_sse_chunk(record, json.loads(line[6:]), time.perf_counter())
+                    _take_sse_chunk(record, json.loads(line[6:]), time.perf_counter(), reply)
             record.end_time = time.perf_counter()
         except Exception as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         return record
 
 
-def _take_sse_chunk(record: RequestRecord, chunk: dict, now: float) -> None:
+def _take_sse_chunk(record: RequestRecord, chunk: dict, now: float,
+                    reply: list[int] | None = None) -> None:
     if chunk.get("usage"):
         record.num_prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
         details = chunk["usage"].get("prompt_tokens_details") or {}
@@ -166,6 +186,8 @@ def _take_sse_chunk(record: RequestRecord, chunk: dict, now: float) -> None:
         # Servers without token ids in chunks: one non-empty text chunk ~ one token.
         ids = choice.get("token_ids")
         n = len(ids) if ids is not None else (1 if choice.get("text") else 0)
+        if reply is not None and ids is not None:
+            reply += ids
         record.token_times += [now] * n
         if choice.get("text") and record.first_output_time is None:
             record.first_output_time = now

@@ -5,6 +5,9 @@ TPOT = (e2e - TTFT) / (output tokens - 1); every gap
 between consecutive tokens is an inter-token latency (a chunk of k tokens counts as k
 tokens arriving together). A request counts toward goodput only if it finished and
 met every limit given; failures and rejections are counted, never dropped.
+
+A sessions run (sessions.py) is also reported by turn number: TTFT and the prefix
+caches' hits by tier, for turns 1, 2, 3 and 4 on.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+TURNS = ("1", "2", "3", "4+")  # the by-turn report's buckets
 
 
 @dataclass
@@ -30,6 +34,9 @@ class RequestRecord:
     predicted_ttft: float | None = None
     predicted_tpot: float | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the server's prefix cache
+    num_host_cached_tokens: int = 0  # of those, the ones its host-memory tier held
+    session: int | None = None  # sessions workload: the request's session
+    turn: int | None = None  # and its turn number there, from 1
 
     @property
     def ok(self) -> bool:
@@ -101,7 +108,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO,
     (the simulator's workers); else from each record's token times."""
     done = [r for r in records if r.ok]
     good = sum(slo.met(r) for r in records)
-    return {
+    summary = {
         "requests": len(records), "completed": len(done),
         "failed": sum(1 for r in records if r.error is not None),
         "rejected": sum(1 for r in records if r.rejected),
@@ -124,6 +131,48 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO,
             "ttft": _relative_error([(r.predicted_ttft, r.ttft) for r in done]),
             "tpot": _relative_error([(r.predicted_tpot, r.tpot) for r in done])},
     }
+    if any(r.turn is not None for r in records):
+        summary.update(sessions=session_counts(records), by_turn=by_turn(records))
+    return summary
+
+
+def session_counts(records: list[RequestRecord]) -> dict:
+    """Sessions, their turns sent, and those that ended at a turn that did not
+    complete (failed or refused) rather than as drawn."""
+    last: dict[int, RequestRecord] = {}
+    for r in records:
+        if r.session is not None and (r.session not in last or r.turn > last[r.session].turn):
+            last[r.session] = r
+    return {"sessions": len(last), "turns": sum(r.turn is not None for r in records),
+            "ended_by_failure": sum(not r.ok for r in last.values())}
+
+
+def by_turn(records: list[RequestRecord]) -> dict:
+    """Turn number (TURNS: 4 and later together) -> its requests, TTFT of those
+    completed, and their prompt tokens the prefix caches served, by tier."""
+    buckets: dict[str, list[RequestRecord]] = {name: [] for name in TURNS}
+    for r in records:
+        if r.turn is not None:
+            buckets[TURNS[min(r.turn, len(TURNS)) - 1]].append(r)
+    return {name: _turn_figures(rs) for name, rs in buckets.items()}
+
+
+def _turn_figures(records: list[RequestRecord]) -> dict:
+    done = [r for r in records if r.ok]
+    prompt = sum(r.num_prompt_tokens for r in done)
+    cached = {tier: sum(cached_by_tier(r)[tier] for r in done) for tier in ("device", "host")}
+    return {"requests": len(records), "completed": len(done),
+            "ttft_ms": _stats([r.ttft for r in done if r.ttft is not None]),
+            "prompt_tokens": prompt, "cached_tokens": cached,
+            "prefix_hit_share": {tier: n / max(1, prompt) for tier, n in cached.items()}}
+
+
+def cached_by_tier(r: RequestRecord) -> dict[str, int]:
+    """The request's prefix-cache hits by tier: num_cached_tokens counts them all,
+    num_host_cached_tokens those from host memory (0 where a server does not say:
+    every hit counts as the device's)."""
+    return {"device": r.num_cached_tokens - r.num_host_cached_tokens,
+            "host": r.num_host_cached_tokens}
 
 
 def _relative_error(pairs: list[tuple[float | None, float | None]]) -> dict:

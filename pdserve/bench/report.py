@@ -46,8 +46,29 @@ def text_block(s: dict, slo_text: str = "") -> str:
         for name, e in errors.items():
             row(f"Median {name.upper()} error:", e["p50"], "{:<10.3f}")
             row(f"P90 {name.upper()} error:", e["p90"], "{:<10.3f}")
+    if "by_turn" in s:
+        lines.append("{s:{c}^{n}}".format(s="Sessions by turn (TTFT ms, prefix hits)",
+                                          n=_RULE, c="-"))
+        row("Sessions:", s["sessions"]["sessions"])
+        row("Sessions ended by a failed turn:", s["sessions"]["ended_by_failure"])
+        lines += by_turn_table(s["by_turn"])
     lines.append("=" * _RULE)
     return "\n".join(lines)
+
+
+def by_turn_table(turns: dict) -> list[str]:
+    """A line per turn bucket: requests, TTFT p50 and p90, and the share of prompt
+    tokens each prefix-cache tier served."""
+    def ms(v):
+        return "n/a" if v is None else f"{v:.1f}"
+
+    lines = [f"{'turn':<5}{'requests':>9}{'TTFT p50':>10}{'TTFT p90':>10}{'device':>8}"
+             f"{'host':>7}"]
+    for name, t in turns.items():
+        share = t["prefix_hit_share"]
+        lines.append(f"{name:<5}{t['requests']:>9}{ms(t['ttft_ms']['p50']):>10}"
+                     f"{ms(t['ttft_ms']['p90']):>10}{share['device']:>8.3f}{share['host']:>7.3f}")
+    return lines
 
 
 def markdown(s: dict) -> str:

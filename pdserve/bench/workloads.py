@@ -11,9 +11,12 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from pdserve.router.policy.prefix_index import block_hashes
+
+if TYPE_CHECKING:
+    from pdserve.bench.sessions import Session, SessionShape
 
 _Z99 = 2.3263478740408408  # standard normal 99th percentile
 
@@ -23,6 +26,8 @@ class BenchRequest:
     prompt: str | list[int]  # token ids, or text the server tokenizes
     max_tokens: int
     timestamp: float | None = None  # seconds from the start, from a trace file
+    session: int | None = None  # sessions workload: the session's number
+    turn: int | None = None  # and the turn's in it, from 1
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,10 @@ PROFILES = {
 }
 
 
-WORKLOADS = ("random", *PROFILES, "prefix-shared", "conversations", "file")
+WORKLOADS = ("random", *PROFILES, "prefix-shared", "conversations", "sessions", "file")
 
 
-def make_workload(*args, **kwargs) -> list[BenchRequest]:
+def make_workload(*args, **kwargs) -> list[BenchRequest | Session]:
     """iter_workload's requests (the same arguments), as a list."""
     return list(iter_workload(*args, **kwargs))
 
@@ -56,17 +61,23 @@ def make_workload(*args, **kwargs) -> list[BenchRequest]:
 def iter_workload(name: str, num: int, vocab_size: int, seed: int = 0, scale: float = 1.0,
                   input_len: int = 1024, output_len: int = 128, range_ratio: float = 0.0,
                   prefix_share: float = 0.5, prefix_len: int = 256,
-                  path: str | None = None) -> Iterable[BenchRequest]:
+                  path: str | None = None, sessions: SessionShape | None = None,
+                  ) -> Iterable[BenchRequest | Session]:
     """make_workload's requests one at a time, each drawn when it is asked for (the
     same ones, in the same order): a long simulated run holds only the prompts in
     flight, not the whole run's. A file is read whole (a list): its timestamps, if it
-    has them, set the arrivals."""
+    has them, set the arrivals. Workload 'sessions' gives `num` Sessions (sessions.py),
+    drawn as `sessions` says, whose turns the drivers send."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}: {', '.join(WORKLOADS)}")
     if name == "file":
         if path is None:
             raise ValueError("workload 'file' needs a JSONL path")
         return load_jsonl(path)
+    if name == "sessions":
+        from pdserve.bench.sessions import SessionShape, iter_sessions
+        return iter_sessions(num, random.Random(seed), range(4, vocab_size), scale,
+                             sessions or SessionShape())
     return _draw(name, num, random.Random(seed), range(4, vocab_size), scale, input_len,
                  output_len, range_ratio, prefix_share, prefix_len)
 
@@ -117,7 +128,7 @@ def conversations(num: int, rng: random.Random, tokens, scale: float) -> Iterato
     turns are about that many requests apart (its last turn has usually finished)."""
     def new():
         return {"prompt": tokens(_FIRST_MESSAGE.sample(rng, scale)),
-                "turns": 1 + _geometric(rng, 1 / _MEAN_TURNS)}
+                "turns": 1 + geometric(rng, 1 / _MEAN_TURNS)}
 
     context = max(2, int(_FIRST_MESSAGE.maximum * scale))  # prompt and reply, at most
     live = [new() for _ in range(_LIVE_CONVERSATIONS)]
@@ -133,7 +144,7 @@ def conversations(num: int, rng: random.Random, tokens, scale: float) -> Iterato
             live[i] = new()  # it ended, or its next turn would not fit the context
 
 
-def _geometric(rng: random.Random, p: float) -> int:
+def geometric(rng: random.Random, p: float) -> int:
     """Failures before the first success, each try succeeding with probability p."""
     n = 0
     while rng.random() >= p:

@@ -15,7 +15,8 @@ model, its time by a profile (docs/simulator.md).
                       steps at a time
     moves.py          live migration's calls on a simulated worker
     tokens.py         where sampled tokens come from: synthetic, or the real model's
-    driver.py         a bench workload sent to the router at its arrival times
+    driver.py         a bench workload sent to the router at its arrival times (a
+                      session's later turns as the ones before end)
     itl.py            ItlHistogram: inter-token gaps counted where the workers make them
     virtual_time.py   VirtualTimeLoop, whose clock jumps to the next timer; LoopClock,
                       the router's clock on it; sim_collector, the GC's thresholds

@@ -44,6 +44,7 @@ class Accelerator:
     tp_link: str  # what joins a node's devices: a tensor-parallel worker's collectives
     tp_link_bytes_per_s: float  # per device, one direction
     tp_link_latency_s: float  # one collective's fixed cost
+    host_link_bytes_per_s: float = 64e9  # device <-> host memory, one direction (PCIe)
 
 
 # Vendor datasheet figures (dense bf16; SXM parts). The link is one 400 Gb/s NIC
@@ -51,15 +52,17 @@ class Accelerator:
 # Between a node's devices: NVLink 4 (H100/H200 SXM) is 900 GB/s a GPU in both
 # directions, NVLink 3 (A100 SXM) 600 GB/s; the L40S has no NVLink: PCIe 4.0 x16,
 # 64 GB/s both ways. A collective's fixed cost is of NCCL's small-message order.
+# Device <-> host memory (swap, the host prefix tier): PCIe 5.0 x16 on H100/H200 SXM
+# (64 GB/s each way), 4.0 x16 on A100 and L40S (32 GB/s).
 ACCELERATORS = {
     "h100": Accelerator("NVIDIA H100 SXM 80GB", 989e12, 3.35e12, 80e9, 50e9, 1e-3,
                         "NVLink 4", 450e9, 10e-6),
     "h200": Accelerator("NVIDIA H200 SXM 141GB", 989e12, 4.8e12, 141e9, 50e9, 1e-3,
                         "NVLink 4", 450e9, 10e-6),
     "a100": Accelerator("NVIDIA A100 SXM 80GB", 312e12, 2.04e12, 80e9, 25e9, 1e-3,
-                        "NVLink 3", 300e9, 10e-6),
+                        "NVLink 3", 300e9, 10e-6, 32e9),
     "l40s": Accelerator("NVIDIA L40S 48GB", 362e12, 0.864e12, 48e9, 25e9, 1e-3,
-                        "PCIe 4.0 x16", 32e9, 20e-6),
+                        "PCIe 4.0 x16", 32e9, 20e-6, 32e9),
 }
 
 
@@ -238,6 +241,7 @@ def analytic_profile(model_name: str, config: dict, accelerator: str,
         num_kv_blocks=int(kv_room // rank_block), block_size=block_size,
         kv_bytes_per_block=kv_bytes_per_block, max_model_len=model.max_position_embeddings,
         vocab_size=model.vocab_size, tensor_parallel_size=n,
+        host_copy_s_per_block=rank_block / (accel.host_link_bytes_per_s * eff.link),
         # A worker's ranks share one node (STRICT_PACK): its disk reads the model once.
         startup_s=eff.startup_fixed_s + roof.weight_bytes / eff.weight_load_bytes_per_s,
         notes=(f"a model, not a measurement: {accel.name} at {accel.peak_flops / 1e12:g} "
@@ -251,6 +255,8 @@ def analytic_profile(model_name: str, config: dict, accelerator: str,
                f"KV transfer over {accel.link_bytes_per_s * 8 / 1e9:g} Gb/s, layer by layer: "
                "the last layer's share exposed, plus the handshake",
                f"{roof.layer_params / 1e9:.2f}B layer parameters, bf16 weights and KV",
+               f"device <-> host copies (swap, host prefix tier) at "
+               f"{accel.host_link_bytes_per_s / 1e9:g} GB/s a device each way",
                *parallel,
                f"a new worker starts in {eff.startup_fixed_s:g} s of set-up plus its "
                f"weights read at {eff.weight_load_bytes_per_s / 1e9:g} GB/s"))

@@ -29,7 +29,7 @@ def add_sim_parser(sub) -> None:
         "reports.")
     add_cluster_flags(sim)
     add_load_flags(sim)
-    add_workload_flags(sim, default_name="sim")
+    add_workload_flags(sim, default_name="sim", sessions=True)
     sim.set_defaults(func=_sim)
     kinds = sim.add_subparsers(dest="sim_command", metavar="{plan}")
     plan = kinds.add_parser(
@@ -144,7 +144,8 @@ def setup_of(args: argparse.Namespace, pools: PoolSpec | None = None, profile=No
                          routing=RoutingSpec(**cli_flags.values(args, RoutingSpec)),
                          **cli_flags.values(args, RouterConfig, only=RouterConfig.flags())),
                      scheduler=SchedulerConfig(**cli_flags.values(args, SchedulerConfig)),
-                     prefix_caching=args.enable_prefix_caching, seed=args.seed)
+                     prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                     swap_space=args.swap_space, kv_offloading_size=args.kv_offloading_size)
     except ValueError as err:
         raise SystemExit(f"pdserve sim: {err}") from None
 
@@ -167,10 +168,12 @@ def _sim(args: argparse.Namespace) -> int:
 
     setup, load = setup_of(args), load_of(args)
     args.num_workers = setup.num_workers
-    workload = workload_of(args, setup.profile.vocab_size, lazy=True)
+    workload = workload_of(args, setup.profile.vocab_size, lazy=True,
+                           max_model_len=setup.profile.max_model_len)
     began = time.perf_counter()
     runs = len(args.sweep) if args.sweep else 1
-    with bar(args.num_prompts * runs, "simulated requests", "req", args.quiet) as ended:
+    total = None if args.workload == "sessions" else args.num_prompts * runs  # turns: drawn
+    with bar(total, "simulated requests", "req", args.quiet) as ended:
         def on_end(_record) -> None:
             ended.update(1)
         if args.sweep:

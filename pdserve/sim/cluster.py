@@ -35,13 +35,16 @@ class SimCluster:
                  seed: int = 0, tokens: Callable[[str], TokenSource] | None = None,
                  tokenizer: Tokenizer | None = None, eos_token_ids: tuple[int, ...] = (),
                  model_name: str | None = None, router_id: str = ROUTER_ID,
-                 registry: PoolRegistry | None = None, prefill_profile: Profile | None = None):
+                 registry: PoolRegistry | None = None, prefill_profile: Profile | None = None,
+                 host_gib: tuple[float, float] = (0.0, 0.0)):
         """tokens(worker_id): each worker's token source (default: synthetic);
         tokenizer: the router's (default: none, token ids only); registry: the
         router's (default: what router_config.shared asks for; a pool of simulated
         workers lives in one process: other replicas cannot attach to it);
         prefill_profile: the workers started as prefill workers' (another
-        tensor_parallel_size), where it differs from `profile`."""
+        tensor_parallel_size), where it differs from `profile`; host_gib: host memory
+        per device for the swap area and the prefix tier (--swap-space,
+        --kv-offloading-size)."""
         if prefill_profile is not None and (
                 prefill_profile.kv_bytes_per_block, prefill_profile.block_size,
                 prefill_profile.max_model_len, prefill_profile.vocab_size) != (
@@ -53,6 +56,7 @@ class SimCluster:
         self.prefill_profile = prefill_profile
         self.router_config = replace(router_config, adaptive=pools.mode == "adaptive")
         self.prefix_caching, self.seed, self.tokens = prefix_caching, seed, tokens
+        self.host_gib = host_gib
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self.model = ModelInfo(name=model_name or profile.name,
                                max_model_len=profile.max_model_len,
@@ -110,8 +114,19 @@ class SimCluster:
                            seed=zlib.crc32(f"{self.seed}:{worker_id}".encode()),
                            tokens=self.tokens(worker_id) if self.tokens else None,
                            prefix_caching=self.prefix_caching,
-                           eos_token_ids=self.eos_token_ids, itl=self.itl)
+                           eos_token_ids=self.eos_token_ids, itl=self.itl,
+                           host_blocks=host_blocks(profile, *self.host_gib))
         return worker
+
+
+def host_blocks(profile: Profile, swap_gib: float, offloading_gib: float) -> tuple[int, int]:
+    """A worker's swap area and host prefix tier in blocks: GiB per device over the
+    bytes of one rank's share of a block."""
+    rank_block = profile.kv_bytes_per_block / profile.tensor_parallel_size
+    if not rank_block:
+        return 0, 0
+    return (int(swap_gib * (1 << 30) // rank_block),
+            int(offloading_gib * (1 << 30) // rank_block))
 
 
 def _handle(worker: SimWorker) -> WorkerHandle:

@@ -2,7 +2,9 @@
 a server: requests go out at their arrival times (the same arrival processes and
 trace timestamps), optionally capped in flight, each with the run's SLOs; its
 first token and its end are recorded in virtual time, in a bench RequestRecord, so
-the same summary and reports follow."""
+the same summary and reports follow. Sessions (bench/sessions.py) start at their
+arrival times and send each turn once the one before has ended and its think time
+has passed on the virtual clock; max_concurrency then caps sessions under way."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +13,7 @@ from typing import Callable, Iterable
 
 from pdserve.bench.arrivals import arrivals, trace_times
 from pdserve.bench.metrics import SLO, RequestRecord
+from pdserve.bench.sessions import Session, play
 from pdserve.bench.workloads import BenchRequest
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
@@ -45,33 +48,43 @@ class Load:
     slo: SLO = SLO()  # sent with every request, as bench run sends its --goodput
 
 
-async def drive(router: Router, requests: Iterable[BenchRequest], load: Load,
+async def drive(router: Router, requests: Iterable[BenchRequest | Session], load: Load,
                 until: Callable[[RequestRecord], bool] | None = None,
                 ) -> tuple[list[RequestRecord], float]:
-    """Sends every request; returns their records, in the requests' order, and the
-    run's duration (virtual seconds from the first send to the last request's end).
+    """Sends every request and plays every session; returns their records, in the
+    requests' order (a session's turns in order), and the run's duration (virtual
+    seconds from the first send to the last request's end).
     One sender walks the requests (a list, or an iterator drawing each as it is due)
     and starts each at its time: the loop holds the requests in flight and one timer,
     not one sleeping task per request of the run. `until(record)`, called as each
     request ends, returning True stops the run there: nothing more is sent, the
     requests in flight are cancelled, and only the records of those that ended return."""
     loop = asyncio.get_running_loop()
-    if isinstance(requests, list) and requests and all(r.timestamp is not None
-                                                       for r in requests):
+    if isinstance(requests, list) and requests and all(
+            isinstance(r, BenchRequest) and r.timestamp is not None for r in requests):
         offsets: Iterable[float] = trace_times([r.timestamp for r in requests])
     else:
         offsets = arrivals(load.request_rate, load.burstiness, load.seed)
     cap = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     slo = Slo.from_ms(load.slo.ttft_ms, load.slo.tpot_ms)
-    records: list[RequestRecord | None] = []
+    records: list[list[RequestRecord]] = []  # item i's: a request's, or a session's turns'
     in_flight: set[asyncio.Task] = set()
     stopped = asyncio.Event()
 
-    async def one(i: int, req: BenchRequest) -> None:
+    async def send(i: int, request_id: str, req: BenchRequest,
+                   reply: list[int] | None = None) -> RequestRecord:
+        record = await _send(router, request_id, req, slo, reply)
+        records[i].append(record)
+        if until is not None and until(record):
+            stopped.set()
+        return record
+
+    async def one(i: int, item: BenchRequest | Session) -> None:
         try:
-            records[i] = await _send(router, f"sim-{i}", req, slo)
-            if until is not None and until(records[i]):
-                stopped.set()
+            if isinstance(item, Session):
+                await play(item, lambda req, reply: send(i, f"sim-{i}-{req.turn}", req, reply))
+            else:
+                await send(i, f"sim-{i}", item)
         finally:
             if cap is not None:
                 cap.release()
@@ -84,7 +97,7 @@ async def drive(router: Router, requests: Iterable[BenchRequest], load: Load,
             await cap.acquire()  # in arrival order, as a bench client's queue
         if stopped.is_set():
             break
-        records.append(None)
+        records.append([])
         task = loop.create_task(one(i, req))
         in_flight.add(task)
         task.add_done_callback(in_flight.discard)
@@ -97,13 +110,15 @@ async def drive(router: Router, requests: Iterable[BenchRequest], load: Load,
         for task in in_flight:
             task.cancel()
         await rest
-        return [r for r in records if r is not None], loop.time() - start
-    return records, loop.time() - start
+    return [record for ended in records for record in ended], loop.time() - start
 
 
-async def _send(router: Router, request_id: str, req: BenchRequest, slo: Slo) -> RequestRecord:
+async def _send(router: Router, request_id: str, req: BenchRequest, slo: Slo,
+                reply: list[int] | None = None) -> RequestRecord:
+    """reply (given): the output token ids are put there."""
     now = router.clock.time
-    record = SimRecord(now(), num_prompt_tokens=len(req.prompt))
+    record = SimRecord(now(), num_prompt_tokens=len(req.prompt), session=req.session,
+                       turn=req.turn)
     if isinstance(req.prompt, str):
         raise InvalidRequestError("prompt", "the simulator takes token-id prompts")
     params = SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True)
@@ -117,8 +132,11 @@ async def _send(router: Router, request_id: str, req: BenchRequest, slo: Slo) ->
                     record.predicted_ttft = getattr(placed, "ttft_s", None)
                     record.predicted_tpot = getattr(placed, "tpot_s", None)
                 record.output_tokens += len(delta.token_ids)
+                if reply is not None:
+                    reply += delta.token_ids
             if delta.finished:
                 record.num_cached_tokens = delta.num_cached_tokens
+                record.num_host_cached_tokens = delta.num_host_cached_tokens
         record.end_time = now()
     except OverloadedError:
         record.rejected = True

@@ -288,6 +288,7 @@ def measure(config: EngineConfig, *, transfer: bool = True, repeats: int = 3) ->
         rounds = engine_rounds(engine)
         steps = fit_steps(measure_steps(engine, repeats=repeats))
         cache = _cache_fields(engine)
+        host_copy_s = host_copy_seconds(engine)
         model_name = Path(engine.config.model).name
     finally:
         stop_engine(engine, ranks)
@@ -310,16 +311,32 @@ def measure(config: EngineConfig, *, transfer: bool = True, repeats: int = 3) ->
         name=f"{model_name} on {config.device if tp == 1 else f'{tp} x {config.device}'} "
              f"({machine})", source="measured", tensor_parallel_size=tp,
         step_cost=steps.cost, transfer_cost=transfer_cost, step_noise=steps.noise,
-        startup_s=startup_s,
+        startup_s=startup_s, host_copy_s_per_block=host_copy_s,
         notes=(f"machine: {machine}, {os.cpu_count()} CPUs, {platform.platform()}",
                (f"torch {torch.__version__}, intra-op threads: {torch.get_num_threads()}, "
                 f"dtype {config.resolved_dtype}"),
                (f"{steps.num_samples} steps measured: {len(rounds)} rounds x {repeats}, "
                 f"after a warm-up; the fit's median relative error {steps.median_error:.1%}"),
                transfer_note,
+               f"device <-> host copies (swap, host prefix tier): {host_copy_s * 1e6:.1f} us "
+               "a block each way, measured on rank 0's shard (the others copy theirs "
+               "alongside)",
                f"start-up: the engine loaded in {startup_s:.1f} s in this process (a "
                "cluster worker's own process and placement come on top)"),
         **cache)
+
+
+def host_copy_seconds(engine: LLMEngine, num_blocks: int = 16) -> float:
+    """One block's copy between the device and host memory, one way (the mean of the
+    two ways, each the least of three tries over num_blocks blocks), on this engine's
+    rank: what swap preemption and the host prefix tier pay a block."""
+    from pdserve.engine.host_kv_cache import HostKVCache
+
+    runner = engine.runner
+    host = HostKVCache(runner.model_config, num_blocks, runner.block_size, runner.device,
+                       runner.dtype)
+    store_s, load_s = host.seconds_per_block(runner.kv_caches, num_blocks)
+    return (store_s + load_s) / 2
 
 
 def _cache_fields(engine: LLMEngine) -> dict:

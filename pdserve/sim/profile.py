@@ -12,7 +12,8 @@ On disk it is JSON (docs/simulator.md):
                    "decode_context_s"},
      "transfer_cost": {"latency_s", "per_byte_s"},
      "num_kv_blocks", "block_size", "kv_bytes_per_block", "max_model_len",
-     "vocab_size", "tensor_parallel_size", "step_noise", "startup_s", "notes": [...]}
+     "vocab_size", "tensor_parallel_size", "step_noise", "startup_s",
+     "host_copy_s_per_block", "notes": [...]}
 
 A worker of tensor_parallel_size N takes N devices; its num_kv_blocks and
 kv_bytes_per_block are the worker's (each block's bytes over all its ranks)."""
@@ -46,6 +47,10 @@ class Profile:
     # A new worker's seconds from being asked for to its engine loaded (process, device,
     # weights, KV allocation): a simulated worker waits this long before it serves.
     startup_s: float = 0.0
+    # One block copied between device and host memory, one way (each rank its own
+    # share, in parallel): what swapping and the host prefix tier cost. 0: unknown
+    # (a profile from before they existed), and then free.
+    host_copy_s_per_block: float = 0.0
     notes: tuple[str, ...] = ()  # how it was made: the machine, or the model's assumptions
 
     def __post_init__(self) -> None:
@@ -57,8 +62,8 @@ class Profile:
                 raise ValueError(f"{name} must be >= 1")
         if self.kv_bytes_per_block < 0 or not 0 <= self.step_noise < 1:
             raise ValueError("kv_bytes_per_block must be >= 0 and step_noise in [0, 1)")
-        if not self.startup_s >= 0:
-            raise ValueError("startup_s must be a number >= 0")
+        if not self.startup_s >= 0 or not self.host_copy_s_per_block >= 0:
+            raise ValueError("startup_s and host_copy_s_per_block must be numbers >= 0")
         costs = list(asdict(self.step_cost).values()) + list(asdict(self.transfer_cost).values())
         if any(not c >= 0 for c in costs):
             raise ValueError("every step and transfer cost must be a number >= 0")

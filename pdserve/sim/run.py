@@ -26,6 +26,10 @@ class Setup:
     router: RouterConfig = RouterConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     prefix_caching: bool = True
+    # Host memory per device, GiB (--swap-space, --kv-offloading-size): each worker's
+    # swap area and host prefix tier, in its blocks.
+    swap_space: float = 0.0
+    kv_offloading_size: float = 0.0
     seed: int = 0  # the workers' step noise
     # The prefill pool's workers where they differ from the others (another
     # tensor_parallel_size); None: `profile` for every worker.
@@ -67,6 +71,7 @@ def run_requests(setup: Setup, requests: Iterable[BenchRequest], load: Load,
     when `until` stopped it: drive's), the virtual seconds it ran, and the cluster."""
     cluster = SimCluster(setup.profile, setup.pools, setup.router, setup.scheduler,
                          prefix_caching=setup.prefix_caching, seed=setup.seed,
+                         host_gib=(setup.swap_space, setup.kv_offloading_size),
                          prefill_profile=setup.prefill_profile)
 
     async def run() -> tuple[list, float]:

@@ -37,6 +37,8 @@ from pdserve.engine import steady_batch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.host_pool import HostBlockPool
+from pdserve.engine.preemption_cost import recompute_seconds
 from pdserve.engine.profile import startup_rounds
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampling_params import SamplingParams
@@ -97,6 +99,7 @@ class _Prefill:
     done: asyncio.Future  # its PrefillResult
     started_at: float | None = None  # when first scheduled
     num_cached_tokens: int = 0  # its prompt's prefix-cache hit here
+    num_host_cached_tokens: int = 0  # of which, from the host tier
 
 
 class SimWorker:
@@ -105,18 +108,32 @@ class SimWorker:
                  peers: dict[str, "SimWorker"] | None = None, *, seed: int = 0,
                  tokens: TokenSource | None = None, prefix_caching: bool = True,
                  eos_token_ids: tuple[int, ...] = (), itl: ItlHistogram | None = None,
-                 transfer: TransferConfig = TransferConfig()):
+                 transfer: TransferConfig = TransferConfig(),
+                 host_blocks: tuple[int, int] = (0, 0)):
         """peers: address -> worker, shared by a cluster's workers (a transfer lands
         on its target through it); this worker adds itself. seed: its step noise.
         itl: where the gaps between its requests' tokens are counted. transfer: the
-        KV transfer's settings (its begin lease bounds what aborts are remembered)."""
+        KV transfer's settings (its begin lease bounds what aborts are remembered).
+        host_blocks: its host memory's (swap area, prefix tier) blocks: the same
+        scheduler swaps and serves host hits, each copy at the profile's
+        host_copy_s_per_block (preemption_mode auto prices a swap with it against the
+        profile's recompute, as an engine against its own)."""
         self.worker_id, self.profile = worker_id, profile
         # Roles, ownership and aborts as every worker keeps them, in virtual time.
         self.core = WorkerCore(worker_id, role, lambda: asyncio.get_running_loop().time(),
                                transfer.begin_lease_s)
-        self.blocks = BlockManager(profile.num_kv_blocks, profile.block_size, prefix_caching)
+        host = HostBlockPool(*host_blocks) if any(host_blocks) else None
+        if host is not None:
+            host.load_s_per_block = profile.host_copy_s_per_block
+        self.blocks = BlockManager(profile.num_kv_blocks, profile.block_size, prefix_caching,
+                                   host=host)
         self.blocks.record_prefix_events = True  # reported in telemetry, as a real worker's
-        self.scheduler = Scheduler(scheduler, self.blocks)
+        copy_s = profile.host_copy_s_per_block
+        self.scheduler = Scheduler(
+            scheduler, self.blocks, swap_is_cheaper=lambda tokens, n: (
+                2 * n * copy_s < recompute_seconds(profile.step_cost, tokens)),
+            clock=lambda: asyncio.get_running_loop().time())  # the waiting timeout's
+        self._copy_debt_s = 0.0  # copies run after a step (stores): paid by the next one
         self.tokens = tokens or SyntheticTokens(profile.vocab_size)
         self.peers = {} if peers is None else peers
         self.peers[worker_id] = self  # its address is its id
@@ -198,20 +215,28 @@ class SimWorker:
             if steady >= 2:
                 await self._coast(steady)
                 return True
+        self._flush_copies()
         out = self.scheduler.schedule()
-        if out.is_empty:
+        if not out.has_work:
             return False
+        copies_s = self._copies_s(out.kv_copies) + self._copy_debt_s
+        self._copy_debt_s = 0.0
+        if out.is_empty:  # copies alone
+            await asyncio.sleep(copies_s)
+            self.scheduler.update(out, ModelRunnerOutput())
+            return True
         shape, began = StepShape.of(out), self._now
         for request in out.requests:
             job = self._prefills.get(request.request_id)
             if job is not None and job.started_at is None:
                 job.started_at = began
-        duration = self.profile.step_cost.duration(shape) * self._spread()
+        duration = self.profile.step_cost.duration(shape) * self._spread() + copies_s
         await asyncio.sleep(duration)
         result = self.tokens.execute(out)
         end = self._now
         self._send_kv(out, result)  # before update frees the prompts' blocks
         finished = self.scheduler.update(out, result)
+        self._flush_copies()
         self._steps.append(StepTiming(shape=shape, duration_s=duration, end_time=end))
         deltas = []
         for request in out.requests:
@@ -228,6 +253,19 @@ class SimWorker:
         if publish:
             self._publish(deltas)
         return True
+
+    def _copies_s(self, copies) -> float:
+        if not copies:
+            return 0.0
+        return (len(copies.to_host) + len(copies.to_device)) * self.profile.host_copy_s_per_block
+
+    def _flush_copies(self) -> None:
+        """Copies named outside a step's schedule (stores of the blocks a step or a
+        coast filled, loads of a reservation's host hits) run now, as an engine runs
+        them after its step; their time is added to the next step's."""
+        if self.blocks.has_copies:
+            self._copy_debt_s += self._copies_s(self.blocks.take_copies())
+            self.blocks.release_copies()
 
     async def _coast(self, steps: int) -> None:
         """The steady batch's next `steps` steps (at most MAX_STRETCH_S of them) as
@@ -326,9 +364,11 @@ class SimWorker:
         self.core.require(call)
 
     def _request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 arrival_time: float, outputs: tuple[int, ...] = ()) -> Request:
+                 arrival_time: float, outputs: tuple[int, ...] = (),
+                 ttft_slo_s: float | None = None) -> Request:
         """Validated as the engine validates a request, before anything changes.
-        outputs: a moved request's tokens so far (Job.output_token_ids)."""
+        outputs: a moved request's tokens so far (Job.output_token_ids); ttft_slo_s:
+        its SLO, as the router sends it (the scheduler's waiting timeout)."""
         if request_id in self.scheduler.requests or request_id in self._prefills:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         check_fits(len(prompt), params.max_tokens, len(outputs), self.profile.max_model_len,
@@ -336,7 +376,7 @@ class SimWorker:
         return Request(request_id=request_id, prompt_token_ids=list(prompt),
                        sampling_params=params, arrival_time=arrival_time,
                        eos_token_ids=self._eos, max_model_len=self.profile.max_model_len,
-                       output_token_ids=list(outputs))
+                       output_token_ids=list(outputs), ttft_slo_s=ttft_slo_s)
 
     # ---- WorkerClient -----------------------------------------------------------------
 
@@ -364,7 +404,7 @@ class SimWorker:
             return None  # its abort overtook this call
         self.core.check_unclaimed(rid)
         request = self._request(rid, job.prompt_token_ids, job.sampling_params,
-                                job.arrival_time, job.output_token_ids)
+                                job.arrival_time, job.output_token_ids, job.ttft_slo_s)
         self._cut()  # the blocks a stretch in flight took are taken
         if not self.scheduler.reserve(request):
             return None
@@ -379,7 +419,7 @@ class SimWorker:
         self._check("prefill")
         prompt = job.job
         request = self._request(job.request_id, prompt.prompt_token_ids, job.params,
-                                prompt.arrival_time, prompt.output_token_ids)
+                                prompt.arrival_time, prompt.output_token_ids, prompt.ttft_slo_s)
         self.paired.add(job.target.receiver_address)  # opened on first use, as a real one
         entry = self._prefills[job.request_id] = _Prefill(
             job, asyncio.get_running_loop().create_future())
@@ -404,7 +444,7 @@ class SimWorker:
         rid = job.request_id
         self.core.check_unclaimed(rid)
         request = self._request(rid, job.prompt_token_ids, job.sampling_params,
-                                job.arrival_time, job.output_token_ids)
+                                job.arrival_time, job.output_token_ids, job.ttft_slo_s)
         self.core.claim(rid, subscriber)
         added = asyncio.get_running_loop().create_future()
 
@@ -531,6 +571,7 @@ class SimWorker:
         seconds = self.transfer_seconds(nbytes, self.peers.get(target.receiver_address))
         first_token = request.output_token_ids[-1] if request.output_token_ids else None
         job.num_cached_tokens = request.num_cached_tokens
+        job.num_host_cached_tokens = request.num_host_cached_tokens
         asyncio.get_running_loop().call_later(
             seconds, self._transferred, job, first_token, nbytes, seconds)
 
@@ -552,7 +593,8 @@ class SimWorker:
                 request_id=rid, first_token=first_token, first_logprob=None,
                 first_top_logprobs=None, kv_bytes_sent=nbytes,
                 prefill_seconds=self._now - started, transfer_seconds=seconds,
-                num_cached_tokens=job.num_cached_tokens))
+                num_cached_tokens=job.num_cached_tokens,
+                num_host_cached_tokens=job.num_host_cached_tokens))
 
     def _landed(self, request_id: str) -> bool:
         """The decode side: a transfer's KV is in; False if it no longer expects it."""
@@ -579,6 +621,7 @@ def _delta(request: Request, new_tokens: int) -> TokenDelta:
                       finish_reason=request.finish_reason.value if request.finish_reason
                       else None, num_prompt_tokens=request.num_prompt_tokens,
                       num_cached_tokens=request.num_cached_tokens,
+                      num_host_cached_tokens=request.num_host_cached_tokens,
                       num_output_tokens=request.num_output_tokens,
                       top_logprobs=request.output_top_logprobs[-new_tokens:] if new else [],
                       error=request.error)

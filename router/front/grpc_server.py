@@ -73,7 +73,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                     response.usage.CopyFrom(pb.Usage(
                         prompt_tokens=len(accepted.prompt_token_ids),
                         completion_tokens=completion,
-                        cached_prompt_tokens=delta.num_cached_tokens))
+                        cached_prompt_tokens=delta.num_cached_tokens,
+                        host_cached_prompt_tokens=delta.num_host_cached_tokens))
                     response.timings.CopyFrom(_timings(accepted, self.router, first_at))
                 yield response
         except InvalidRequestError as err:  # found once workers were asked (KV capacity)

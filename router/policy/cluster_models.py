@@ -2,7 +2,8 @@
 PromptShare per worker (fitted on, and measured from, the steps each telemetry
 report carries), a Calibrator per worker (learned from its finished requests), a
 TransferModel per (prefill, decode) pair (fitted on completed transfers), the
-prefix index (from the reports' prefix-cache events). A worker that leaves or restarts is forgotten.
+prefix indexes of the device caches and of the host tiers (from the reports'
+prefix-cache events) and what loading a block from each worker's host tier takes. A worker that leaves or restarts is forgotten.
 
 A worker's step model is seeded by the first steps seen of it (its start-up profile,
 when this router was there to see it) and forgets steps older than STEP_MAX_AGE_S:
@@ -39,6 +40,8 @@ class ClusterModels:
         self.calibrators: dict[str, Calibrator] = {}
         self.transfers: dict[tuple[str, str], TransferModel] = {}
         self.prefixes = PrefixIndex()
+        self.host_prefixes = PrefixIndex()
+        self.host_load_s: dict[str, float] = {}  # worker -> seconds a block, from its host tier
         self._transfer_costs: dict[tuple[str, str], TransferCost] = {}
         self._aged_at = float("-inf")
 
@@ -54,6 +57,10 @@ class ClusterModels:
             model.observe(t.steps)
         if t.prefix_stored or t.prefix_evicted:
             self.prefixes.update(t.worker_id, t.prefix_stored, t.prefix_evicted)
+        if t.host_prefix_stored or t.host_prefix_evicted:
+            self.host_prefixes.update(t.worker_id, t.host_prefix_stored, t.host_prefix_evicted)
+        if t.host_load_s_per_block:
+            self.host_load_s[t.worker_id] = t.host_load_s_per_block
         cost = model.cost(now=t.time)
         share = self.prompt_shares.get(t.worker_id)
         if share is None:
@@ -130,6 +137,8 @@ class ClusterModels:
         self.prompt_shares.pop(worker_id, None)
         self.calibrators.pop(worker_id, None)
         self.prefixes.forget(worker_id)
+        self.host_prefixes.forget(worker_id)
+        self.host_load_s.pop(worker_id, None)
         gone = [key for key in self.transfers if worker_id in key]
         for key in gone:
             del self.transfers[key]

@@ -251,8 +251,10 @@ class RequestView:
     slo: Slo = Slo()
     priority: int = 0  # lower runs first (SamplingParams.priority)
     max_tokens: int = 16
-    # Worker id -> leading prompt tokens found in its prefix cache (others: none).
+    # Worker id -> leading prompt tokens found in its prefix cache, device or host
+    # tier (others: none), and the seconds loading its host tier's part takes.
     cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    host_load_s: Mapping[str, float] = field(default_factory=dict)
     sequence: int = 0  # the router's count of requests placed (round robin)
     # Seconds since it arrived (its TTFT counts them): a request that waited for
     # capacity has that much less of its TTFT SLO left.

@@ -175,6 +175,7 @@ class _Side:
         self.w, self._request, self._state = w, request, state
         self._cost, self.load = state.step_cost(w), state.load(w)
         self.cached = request.cached_tokens.get(w.worker_id, 0)
+        self.host_load_s = request.host_load_s.get(w.worker_id, 0.0)  # of those, from host
         self.decode_seqs = self.load.decode_seqs
         self._harms: dict[tuple[bool, bool], _Harm] = {}
 
@@ -183,7 +184,8 @@ class _Side:
         """Computing the prompt here, from now: behind the queued prompts, and not
         before a slot frees when max_num_seqs requests run here (slot_wait)."""
         r = self._request
-        queued = ttft_seconds(self._cost, self.load, r.num_prompt_tokens, self.cached)
+        queued = ttft_seconds(self._cost, self.load, r.num_prompt_tokens, self.cached) \
+            + self.host_load_s
         if not self.slot_wait:
             return queued
         return max(queued, self.slot_wait + self.idle_ttft)
@@ -233,7 +235,8 @@ class _Side:
     @_once
     def idle_ttft(self) -> float:
         """Computing the prompt here with nothing queued or running."""
-        return ttft_seconds(self._cost, _IDLE, self._request.num_prompt_tokens, self.cached)
+        return ttft_seconds(self._cost, _IDLE, self._request.num_prompt_tokens,
+                            self.cached) + self.host_load_s
 
     @_once
     def sends(self) -> tuple[float, "_Harm | None"]:

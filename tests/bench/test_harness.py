@@ -119,10 +119,13 @@ def test_jsonl_trace(tmp_path):
 
 def test_openai_ttft_waits_for_the_first_visible_text():
     from pdserve.bench.driver import _take_sse_chunk
-    record = RequestRecord(10.0)
-    _take_sse_chunk(record, {"choices": [{"text": "", "token_ids": [5]}]}, 10.1)
-    _take_sse_chunk(record, {"choices": [{"text": "Hi", "token_ids": [6]}]}, 10.3)
-    assert record.num_output_tokens == 2
+    record, reply = RequestRecord(10.0), []
+    _take_sse_chunk(record, {"choices": [{"text": "", "token_ids": [5]}]}, 10.1, reply)
+    _take_sse_chunk(record, {"choices": [{"text": "Hi", "token_ids": [6]}]}, 10.3, reply)
+    assert record.num_output_tokens == 2 and reply == [5, 6]
+    silent = []  # a server that sends no token ids: a session puts filler in their place
+    _take_sse_chunk(RequestRecord(10.0), {"choices": [{"text": "Hi"}]}, 10.1, silent)
+    assert silent == []
     assert record.ttft == pytest.approx(0.3)  # not 0.1: nothing was readable then
     _take_sse_chunk(record, {"choices": [], "usage": {
         "prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}}, 10.4)

@@ -149,3 +149,65 @@ def test_the_waiting_timeout_preempts_a_decode_and_every_output_stays_exact(arch
         done.update({o.request_id: o.outputs.token_ids for o in engine.step() if o.finished})
     assert engine.stats.num_preemptions_for_waiting >= 1
     assert_matches_hf(llm, oracle, prompts, [done[str(i)] for i in range(len(prompts))])
+
+
+def host_gib(model_dir, num_blocks: int, block_size: int = 16) -> float:
+    """GiB of host memory holding num_blocks of the model's KV (one rank, float32)."""
+    from pdserve.engine.kv_cache import bytes_per_block
+    from pdserve.engine.model_config import ModelConfig
+    model = ModelConfig.from_dir(model_dir)
+    return num_blocks * bytes_per_block(model, block_size, torch.float32) / (1 << 30)
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_swap_preemption(arch, mode):
+    """test_preemption's pressure with a swap area: victims resume from host memory
+    (under auto, those whose copy the engine's own fit prices below their recompute)
+    and every output equals HF's; nothing is left in either tier after."""
+    model_dir, oracle = arch
+    llm = LLM(str(model_dir), num_kv_blocks=20, swap_space=host_gib(model_dir, 64),
+              preemption_mode=mode)
+    prompts = random_prompts(llm.engine.model_config.vocab_size, seed=3)
+    outputs = run(llm, prompts)
+    stats = llm.engine.stats
+    assert stats.num_preemptions > 0 and stats.num_swapped_in == stats.num_swapped_out
+    assert stats.num_swapped_out > 0 or mode == "auto"
+    assert llm.engine.block_manager.num_free_blocks == 20
+    assert llm.engine.block_manager.host.num_used_blocks == 0
+    assert_matches_hf(llm, oracle, prompts, outputs)
+
+
+def test_swap_preemption_with_chunked_prefill_and_speculative_decoding(arch):
+    """Victims swapped mid-prompt (chunks of 24) and mid-verification (n-gram drafts,
+    on prompts that repeat themselves so drafts are accepted) resume exactly."""
+    model_dir, oracle = arch
+    llm = LLM(str(model_dir), num_kv_blocks=24, swap_space=host_gib(model_dir, 64),
+              preemption_mode="swap", long_prefill_token_threshold=24,
+              max_num_batched_tokens=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    prompts = [p[:12] * (len(p) // 12) + p[len(p) // 12 * 12:] if len(p) >= 24 else p
+               for p in random_prompts(llm.engine.model_config.vocab_size, seed=6)]
+    outputs = run(llm, prompts)
+    stats = llm.engine.stats
+    assert stats.num_swapped_out > 0 and stats.spec_decode_num_accepted_tokens > 0
+    assert llm.engine.block_manager.num_free_blocks == 24
+    assert_matches_hf(llm, oracle, prompts, outputs)
+
+
+def test_host_prefix_tier(arch):
+    """A device cache that keeps one prompt's blocks at a time: run again, each prompt
+    finds its prefix in the host tier, loads it, counts it as cached (host part apart)
+    and still equals HF."""
+    model_dir, oracle = arch
+    llm = LLM(str(model_dir), num_kv_blocks=16, kv_offloading_size=host_gib(model_dir, 128))
+    prompts = random_prompts(llm.engine.model_config.vocab_size, seed=2)
+    first = [llm.generate([p], [greedy(n)])[0] for p, n in zip(prompts, MAX_TOKENS)]
+    second = [llm.generate([p], [greedy(n)])[0] for p, n in zip(prompts, MAX_TOKENS)]
+    expected_hits = [(len(p) - 1) // 16 * 16 for p in prompts]
+    assert [o.num_cached_tokens for o in second] == expected_hits
+    assert sum(o.num_host_cached_tokens for o in second) >= sum(expected_hits) // 2
+    assert llm.engine.stats.host_prefix_cache_hits == sum(
+        o.num_host_cached_tokens for o in first + second)
+    assert_matches_hf(llm, oracle, prompts, [o.token_ids for o in first])
+    assert_matches_hf(llm, oracle, prompts, [o.token_ids for o in second])

@@ -248,3 +248,24 @@ def test_speculative_decoding_with_a_draft_on_rank_0_equals_hf(llama_dir, tmp_pa
         assert_matches_hf(SimpleNamespace(engine=engine), oracle, prompts, outputs)
         stats = engine.scheduler.stats  # drafts were verified, and some kept
         assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_swap_and_the_host_prefix_tier_copy_every_ranks_shard(llama_dir):
+    """At TP 2 every rank copies its own KV heads between device and host: victims
+    swapped out and back in, then every prompt again, its prefix loaded from the host
+    tier, equal HF's."""
+    from tests.engine.test_hf_oracle import host_gib
+    oracle = Oracle(llama_dir)
+    with threaded_engine(EngineConfig.from_kwargs(
+            str(llama_dir), num_kv_blocks=20, tensor_parallel_size=2, preemption_mode="swap",
+            swap_space=host_gib(llama_dir, 64), kv_offloading_size=host_gib(llama_dir, 128))) \
+            as engine:
+        prompts = random_prompts(engine.model_config.vocab_size, seed=3)
+        first = generate(engine, prompts)
+        assert engine.stats.num_swapped_out > 0
+        again = generate(engine, prompts)  # (request ids reused: the first are done)
+        assert engine.stats.host_prefix_cache_hits > 0
+        scorer = SimpleNamespace(engine=engine)
+        assert_matches_hf(scorer, oracle, prompts, first)
+        assert_matches_hf(scorer, oracle, prompts, again)
+        assert engine.block_manager.num_free_blocks == 20

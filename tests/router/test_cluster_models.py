@@ -2,6 +2,8 @@
 telemetry events, the transfer and step fits."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pdserve.engine.block_manager import BlockManager
@@ -187,3 +189,27 @@ def test_a_pair_whose_transfers_were_inflated_is_chosen_again_once_they_age_out(
     models.age_transfers(now=29.0 + 61.0)  # d0's last transfer is past the max age
     assert models.transfer_costs[("p", "d0")] == DEFAULT_TRANSFER_COST
     assert placed(models) == Disaggregate("p", "d0")
+
+
+def test_host_tier_events_index_the_host_tier_apart_with_its_load_cost():
+    """A worker's host tier is indexed apart from its device cache; the placer counts
+    a prompt's host blocks past its device hits as cached, priced at the worker's
+    measured load time."""
+    from types import SimpleNamespace
+
+    from pdserve.router.placer import Placer
+    prompt = list(range(100, 165))
+    hashes = block_hashes(prompt, 16)  # 4 blocks
+    models = ClusterModels()
+    models.reported(replace(telemetry(stored=hashes[:1]), host_prefix_stored=tuple(hashes),
+                            host_load_s_per_block=0.002))
+    assert models.prefixes.hits(hashes) == {"w": 1}
+    assert models.host_prefixes.hits(hashes) == {"w": 4}
+    placer = SimpleNamespace(models=models, model=MODEL, config=RouterConfig())
+    cached, load_s = Placer._prefix_hits(placer, lambda: hashes)
+    assert cached == {"w": 64} and load_s == {"w": pytest.approx(3 * 0.002)}
+    models.reported(replace(telemetry(), host_prefix_evicted=tuple(hashes[2:])))
+    cached, load_s = Placer._prefix_hits(placer, lambda: hashes)
+    assert cached == {"w": 32} and load_s == {"w": pytest.approx(0.002)}
+    models.forget("w")
+    assert models.host_prefixes.hits(hashes) == {} and "w" not in models.host_load_s

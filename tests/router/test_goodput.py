@@ -121,6 +121,24 @@ def test_a_prefix_hit_on_one_prefill_worker_wins():
     assert decision.ttft_s == pytest.approx((10 + 6.4 + 2 + 64) * MS)
 
 
+def test_a_host_tier_hit_is_priced_at_its_load_time():
+    """p1 holds the prefix on its device, p0 in its host tier: both skip computing it,
+    p0 pays loading its 60 blocks (0.5 ms each here), so p1 wins; with a load slower
+    than computing the prefix, no hit at all (p2) beats p0's."""
+    s = state(worker("p0", "prefill"), worker("p1", "prefill"), worker("d", "decode"),
+              transfer={("p0", "d"): FAST, ("p1", "d"): FAST})
+    both = RequestView(1024, 65, slo=Slo(ttft_s=0.5, tpot_s=0.05), max_tokens=101,
+                       cached_tokens={"p0": 960, "p1": 960}, host_load_s={"p0": 60 * 0.5 * MS})
+    assert decide(both, s) == Disaggregate("p1", "d")
+    alone = replace(both, cached_tokens={"p0": 960}, host_load_s={"p0": 60 * 0.5 * MS})
+    decision = decide(alone, s)
+    assert decision == Disaggregate("p0", "d")
+    # 64 tokens computed (6.4 ms) + 1 step + 30 ms of loads; 64 blocks sent
+    assert decision.ttft_s == pytest.approx((10 + 6.4 + 30 + 2 + 64) * MS)
+    slow = replace(alone, host_load_s={"p0": 60 * 2 * MS})  # 120 ms > 96 ms to compute
+    assert decide(slow, s) == Disaggregate("p1", "d")
+
+
 def test_the_decode_workers_own_hits_are_not_transferred():
     s = state(worker("p", "prefill"), worker("d0", "decode"), worker("d1", "decode"),
               transfer={("p", "d0"): FAST, ("p", "d1"): FAST})

@@ -101,3 +101,39 @@ def test_preemptions_by_the_waiting_timeout_are_a_gauge_of_their_own():
         num_preemptions_for_waiting=3))
     assert _samples(metrics, "pdserve:num_preemptions_for_waiting", "worker") == {("w",): 3}
     assert _samples(metrics, "pdserve:num_preemptions", "worker") == {("w",): 5}
+
+
+def test_swap_and_host_tier_figures_reach_the_gauges_from_a_real_engine(llama_dir):
+    """An engine swapping under pressure and serving prefixes from its host tier: its
+    telemetry (engine/telemetry.py, as a worker sends it) carries the figures, and the
+    router exports them under vLLM-style names."""
+    from pdserve import LLM, SamplingParams
+    from pdserve.engine.telemetry import report
+    from tests.engine.test_hf_oracle import host_gib, random_prompts
+    llm = LLM(str(llama_dir), num_kv_blocks=20, preemption_mode="swap",
+              swap_space=host_gib(llama_dir, 64), kv_offloading_size=host_gib(llama_dir, 64))
+    engine = llm.engine
+    engine.block_manager.record_prefix_events = True
+    prompts = random_prompts(engine.model_config.vocab_size, seed=3)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    llm.generate(prompts, [params] * len(prompts))
+    llm.generate(prompts, [params] * len(prompts))
+    t = report("w", "both", engine.scheduler, 0.0, ())
+    stats, host = engine.stats, engine.block_manager.host
+    assert t.num_swapped_out == stats.num_swapped_out > 0
+    assert t.num_blocks_swapped_in == stats.num_blocks_swapped_in
+    assert t.host_prefix_cache_hits == stats.host_prefix_cache_hits > 0
+    assert t.host_blocks_stored == host.num_stored > 0
+    assert t.host_num_blocks == host.num_blocks and t.host_load_s_per_block > 0
+    assert len(t.host_prefix_stored) == host.num_prefix_blocks_held
+    metrics = RouterMetrics("m")
+    metrics.observe_worker(t)
+    for name, value in (("num_requests_swapped_out", t.num_swapped_out),
+                        ("num_blocks_swapped_out", t.num_blocks_swapped_out),
+                        ("num_blocks_swapped_in", t.num_blocks_swapped_in),
+                        ("num_requests_swapped", 0),
+                        ("cpu_prefix_cache_hits", t.host_prefix_cache_hits),
+                        ("cpu_prefix_cache_blocks_stored", t.host_blocks_stored),
+                        ("cpu_prefix_cache_blocks_loaded", t.host_blocks_loaded),
+                        ("cpu_cache_usage_perc", t.host_used_blocks / t.host_num_blocks)):
+        assert _samples(metrics, f"pdserve:{name}", "worker") == {("w",): value}, name

@@ -147,3 +147,54 @@ def test_cancelled_requests_and_a_decode_worker_leaving_leave_nothing_on_any_ran
         ranks_of_d2 = {d2.address, *(link.address(5) for link in d2.links)}
         assert not ranks_of_d2 & set(p2.sender.receivers)
         assert all(not link.sender.receivers for link in p2.links)
+
+
+def test_swap_and_the_host_tier_in_both_roles_equal_hf(llama_dir):
+    """P TP 1 -> D TP 2, both with host memory. Four requests decode at once on a
+    decode worker too small for all of them: victims are swapped out and back in.
+    Two other prompts then push every block of the first four out of both workers'
+    device caches, and the first four come again: the prefill worker loads their
+    prefixes from its host tier and transfers them; the decode worker reserves them
+    with its own host hits counted as cached (not sent). Every output equals HF's,
+    and both workers end with every block free."""
+    from tests.engine.test_hf_oracle import host_gib
+    oracle = Oracle(llama_dir)
+    scorer = SimpleNamespace(engine=LLMEngine.from_kwargs(str(llama_dir),
+                                                          kv_cache_memory_bytes=KV_BYTES))
+    prompts = random_prompts(scorer.engine.model_config.vocab_size, seed=5)[:4]
+    others = [[7 + i] * 60 for i in range(2)]  # 4 blocks each, nothing shared
+    tier = host_gib(llama_dir, 256)
+
+    def config(size: int, blocks: int) -> EngineConfig:
+        return EngineConfig.from_kwargs(
+            str(llama_dir), num_kv_blocks=blocks, tensor_parallel_size=size,
+            preemption_mode="swap", swap_space=tier, kv_offloading_size=tier)
+
+    def serve(tag: str, prompts, max_tokens) -> list[list[int]]:
+        """Each prompt prefilled in turn (reserved, prefilled, started); then every
+        one decodes at once."""
+        jobs = [Job(request_id=f"{tag}{i}", prompt_token_ids=prompt,
+                    sampling_params=greedy(n), arrival_time=time.time())
+                for i, (prompt, n) in enumerate(zip(prompts, max_tokens))]
+        for job in jobs:
+            reservation = d2.reserve(job).result(60)
+            assert reservation is not None
+            if tag == "again" and len(job.prompt_token_ids) > 16:  # a full block: a hit
+                assert reservation.num_cached_blocks > 0
+            result = p1.prefill(PrefillJob(job=job, target=reservation)).result(120)
+            d2.start(job.request_id, result.first_token).result(60)
+        return [streams.wait(job.request_id, 120) for job in jobs]
+    with ExitStack() as stack:
+        streams = Streams()
+        p1 = stack.enter_context(threaded_worker("p1", config(1, 4), TRANSFER, "prefill"))
+        d2 = stack.enter_context(threaded_worker("d2", config(2, 8), TRANSFER, "decode",
+                                                 on_batch=streams))
+        assert_matches_hf(scorer, oracle, prompts, serve("first", prompts, MAX_TOKENS))
+        assert d2.loop.call(lambda e: e.stats.num_swapped_out).result(30) > 0
+        for i, prompt in enumerate(others):
+            serve(f"other{i}", [prompt], [1])
+        assert_matches_hf(scorer, oracle, prompts, serve("again", prompts, MAX_TOKENS))
+        for worker in (p1, d2):
+            hits = worker.loop.call(lambda e: e.stats.host_prefix_cache_hits).result(30)
+            assert hits > 0, f"{worker.worker_id} found no prefix in its host tier"
+            assert _clean(worker), f"{worker.worker_id} holds blocks"
