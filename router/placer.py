@@ -21,6 +21,7 @@ from pdserve.router.errors import OverloadedError
 from pdserve.router.lifecycle import Accepted, Flight, until
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_info import ModelInfo
+from pdserve.router.policy.budget_rows import int64_priority
 from pdserve.router.policy.cluster_models import ClusterModels
 from pdserve.router.policy.cluster_state import ClusterState, RequestView
 from pdserve.router.policy.decide import decide
@@ -147,7 +148,8 @@ class Placer:
         ids, bs = req.prompt_token_ids, self.model.block_size
         cached, host_load_s = self._prefix_hits(hashes or self.prompt_hashes(req))
         view = RequestView(num_prompt_tokens=len(ids), blocks_needed=blocks_for(len(ids) + 1, bs),
-                           refused=refused, slo=req.slo, priority=req.params.priority,
+                           refused=refused, slo=req.slo,
+                           priority=int64_priority(req.params.priority),
                            max_tokens=req.params.max_tokens, cached_tokens=cached,
                            host_load_s=host_load_s, sequence=next(self._placed),
                            waited_s=max(self.clock.time() - req.arrival_time, 0.0))

@@ -95,6 +95,20 @@ MaxTokens = json_int(ge=1)
 TopLogprobs = json_int(ge=0, le=MAX_TOP_LOGPROBS)
 
 
+class ResponseFormatText(BaseModel):
+    """The one response_format served yet: plain text (json_object and json_schema,
+    structured outputs, are refused with a 400 rather than ignored)."""
+    model_config = ConfigDict(strict=True)
+    type: Literal["text"]
+
+
+def unsupported(what: str):
+    """A known OpenAI (or vLLM) field this server does not implement: only its absence
+    (or null) passes, so a request relying on it gets a 400 naming it instead of an
+    answer that silently ignored it."""
+    return Field(None, description=f"not supported yet: {what}; only null")
+
+
 class _Sampling(_SamplingFields):
     # OpenAI fields we do not use are accepted (extra="ignore", inherited).
     model: str | None = None
@@ -112,6 +126,15 @@ class _Sampling(_SamplingFields):
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(
         None, description="not supported: only an empty map")
     min_tokens: JsonInt = Field(0, ge=0, le=0, description="not supported: only 0")
+    response_format: ResponseFormatText | None = Field(
+        None, description='only {"type": "text"}: structured outputs (json_object, '
+        'json_schema) are not supported yet')
+    # vLLM's structured-output extras: refused, never ignored.
+    structured_outputs: None = unsupported("structured outputs")
+    guided_json: None = unsupported("structured outputs")
+    guided_regex: None = unsupported("structured outputs")
+    guided_choice: None = unsupported("structured outputs")
+    guided_grammar: None = unsupported("structured outputs")
     # pdserve's: the request's SLOs (over the headers x-slo-ttft-ms / x-slo-tpot-ms).
     slo_ttft_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS, description=(
         "time-to-first-token SLO in ms; unset: the x-slo-ttft-ms header, else the "
@@ -145,6 +168,8 @@ class CompletionRequest(_Sampling):
     logprobs: TopLogprobs | None = Field(
         None, description="the chosen token's logprob and this many top logprobs")
     echo: Literal[False] = Field(False, description="not supported: only false")
+    suffix: None = unsupported("suffix")
+    prompt_logprobs: None = unsupported("prompt logprobs")
 
     def sampling_params(self) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs is not None, self.logprobs or 0)
@@ -164,10 +189,25 @@ class CompletionRequest(_Sampling):
         return self.prompt
 
 
+class TextPart(BaseModel):
+    """A chat message's content part: text (other parts, images, are refused)."""
+    model_config = ConfigDict(strict=True)
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: str
+    content: str | Annotated[list[TextPart], Field(min_length=1)] = Field(
+        description="text, or a list of text parts (joined by newlines, as vLLM joins "
+        "them)")
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
 
 
 class ChatRequest(_Sampling):
@@ -175,16 +215,26 @@ class ChatRequest(_Sampling):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+    # Tool calling is not served yet: no tools, or tool_choice "none", only.
+    tools: Annotated[list[dict], Field(max_length=0)] | None = Field(
+        None, description="not supported yet: tool calling; only an empty list")
+    tool_choice: Literal["none"] | None = Field(
+        None, description='not supported yet: tool calling; only "none"')
+    functions: Annotated[list[dict], Field(max_length=0)] | None = Field(
+        None, description="not supported yet (deprecated tool calling); only an empty list")
+    function_call: Literal["none"] | None = Field(
+        None, description='not supported yet (deprecated tool calling); only "none"')
 
     def check_size(self, limits: PromptLimits) -> None:
-        limits.check_chars("messages", sum(len(m.content) for m in self.messages))
+        limits.check_chars("messages", sum(len(m.text) for m in self.messages))
 
     def template_messages(self) -> list[dict]:
-        """The messages as the chat template takes them, checked."""
+        """The messages as the chat template takes them (content parts joined),
+        checked."""
         for i, message in enumerate(self.messages):
-            check_text(f"messages[{i}].content", message.content)
+            check_text(f"messages[{i}].content", message.text)
             check_text(f"messages[{i}].role", message.role)
-        return [m.model_dump() for m in self.messages]
+        return [{"role": m.role, "content": m.text} for m in self.messages]
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:

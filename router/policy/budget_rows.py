@@ -61,7 +61,7 @@ class BudgetRows:
             self._compact()
         i, first = self._n, request.first_token_at
         self._n += 1
-        self._priority[i], self._tpot[i] = request.priority, tpot
+        self._priority[i], self._tpot[i] = int64_priority(request.priority), tpot
         self._max_tokens[i], self._done[i] = request.max_tokens, request.num_output_tokens
         self._first[i], self._live[i] = math.nan if first is None else first, True
         if first is None:
@@ -142,3 +142,12 @@ class BudgetRows:
         self._row = {id(r): i for i, r in enumerate(self._requests)}
         self._pending = {i for i in range(len(keep)) if math.isnan(self._first[i])}
         self._n = len(keep)
+
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def int64_priority(priority: int) -> int:
+    """A request's priority as the int64 arrays hold it: any integer is accepted
+    (SamplingParams leaves it unbounded), one past 64 bits ranks as the bound."""
+    return min(max(priority, _INT64[0]), _INT64[1])
