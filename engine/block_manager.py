@@ -178,7 +178,7 @@ class BlockManager:
         start = len(owned)
         owned.extend(self._pop_free() for _ in range(num_new))
         if host_hits:
-            self._load(request, host_hits, owned[start:start + len(host_hits)])
+            self._load(host_hits, owned[start:start + len(host_hits)])
         return True
 
     # ---- host memory: copies between the tiers ------------------------------------
@@ -220,15 +220,8 @@ class BlockManager:
         request.num_computed_tokens = computed
         assert allocated, "can_swap_in bounds what allocate_slots takes"
         copied = host_ids[len(hits):]
-        to_device, pins = self._copies.to_device, self._pending
-        for host_id, device_id in zip(copied, request.block_ids[len(hits):]):
-            to_device.append((host_id, device_id))
-            self._touch(device_id)
-            pins[0].append(device_id)
-            self.loading.add(device_id)
-        self.host.pin(copied)
-        pins[1].extend(copied)
-        self.host.free_swap(host_ids)
+        self._load(copied, request.block_ids[len(hits):len(host_ids)])
+        self.host.free_swap(host_ids)  # (the copied ones once their copies ran)
         # Its blocks are made findable by the scheduler's update, once copied back.
         return len(copied)
 
@@ -281,7 +274,9 @@ class BlockManager:
         self._pending[1].append(host_id)
         self._copies.to_host.append((block.block_id, host_id))
 
-    def _load(self, request: Request, host_ids: list[int], device_ids: list[int]) -> None:
+    def _load(self, host_ids: list[int], device_ids: list[int]) -> None:
+        """Host blocks copied into device blocks before the next forward pass: both
+        pinned until then, the device blocks never swapped out before they are filled."""
         to_device, pins = self._copies.to_device, self._pending
         for host_id, device_id in zip(host_ids, device_ids):
             to_device.append((host_id, device_id))

@@ -89,7 +89,7 @@ def test_play_sends_each_turn_after_the_last_ended_and_its_think_time_and_stops_
 
         async def send(turn, reply):
             record = RequestRecord(loop.time(), session=turn.session, turn=turn.turn)
-            await asyncio.sleep(0.5 + turn.session * 0.1)  # the server's time
+            await asyncio.sleep(0.5 + turn.session * 0.1)  # the server's time, on the virtual clock
             record.end_time = loop.time()
             if (turn.session, turn.turn) == (failing, 2):
                 record.error = "boom"

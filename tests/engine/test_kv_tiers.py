@@ -70,6 +70,25 @@ class Memory:
         return out, finished
 
 
+def two_growing(s: Scheduler) -> Memory:
+    """Two requests of 8 tokens decoding 12 more each, on a Memory of 4-token blocks:
+    in 6 blocks they cannot both finish, and the second is preempted."""
+    s.add_request(request("first", 8, max_tokens=12))
+    s.add_request(request("second", 8, max_tokens=12))
+    return Memory(4)
+
+
+def a_then_b(s: Scheduler) -> Memory:
+    """'a' (13 tokens: 3 full blocks, stored in the host tier), then 'b' (21 tokens)
+    whose blocks push a's out of a 6-block device: a's prefix is in the tier alone."""
+    memory = Memory(4)
+    s.add_request(request("a", 13, max_tokens=1))
+    drain(s, memory)
+    s.add_request(request("b", 21, max_tokens=1, first_token=500))
+    drain(s, memory)
+    return memory
+
+
 def drain(s: Scheduler, memory: Memory, limit: int = 500) -> list:
     outs = []
     for _ in range(limit):
@@ -84,9 +103,7 @@ def test_swap_preemption_resumes_from_host_memory_before_new_requests(caching):
     """Without prefix caching every block comes back from host memory; with it, the
     blocks the device still caches are taken from there instead."""
     s = make(num_blocks=6, swap=16, preemption_mode="swap", caching=caching)
-    memory = Memory(4)
-    s.add_request(request("first", 8, max_tokens=12))
-    s.add_request(request("second", 8, max_tokens=12))
+    memory = two_growing(s)
     memory.run(s)
     victims = []
     while not victims:
@@ -119,9 +136,7 @@ def test_swap_preemption_resumes_from_host_memory_before_new_requests(caching):
 
 def test_a_full_swap_area_falls_back_to_recompute_and_no_request_fails():
     s = make(num_blocks=6, swap=1, preemption_mode="swap")
-    memory = Memory(4)
-    s.add_request(request("first", 8, max_tokens=12))
-    s.add_request(request("second", 8, max_tokens=12))
+    memory = two_growing(s)
     finished = []
     for _ in range(100):
         if not s.has_unfinished():
@@ -140,9 +155,7 @@ def test_auto_swaps_when_the_copy_is_cheaper(cheaper, swapped):
         asked.append((tokens, blocks))
         return cheaper
     s = make(num_blocks=6, swap=16, preemption_mode="auto", swap_is_cheaper=swap_is_cheaper)
-    memory = Memory(4)
-    s.add_request(request("first", 8, max_tokens=12))
-    s.add_request(request("second", 8, max_tokens=12))
+    memory = two_growing(s)
     drain(s, memory)
     assert s.stats.num_preemptions >= 1 and s.stats.num_swapped_out == swapped
     tokens, blocks = asked[0]
@@ -151,18 +164,14 @@ def test_auto_swaps_when_the_copy_is_cheaper(cheaper, swapped):
 
 def test_recompute_mode_never_swaps():
     s = make(num_blocks=6, swap=16, preemption_mode="recompute")
-    memory = Memory(4)
-    s.add_request(request("first", 8, max_tokens=12))
-    s.add_request(request("second", 8, max_tokens=12))
+    memory = two_growing(s)
     drain(s, memory)
     assert s.stats.num_preemptions >= 1 and s.stats.num_swapped_out == 0
 
 
 def test_an_aborted_swapped_request_frees_its_host_blocks():
     s = make(num_blocks=6, swap=16, preemption_mode="swap")
-    memory = Memory(4)
-    s.add_request(request("first", 8, max_tokens=12))
-    s.add_request(request("second", 8, max_tokens=12))
+    memory = two_growing(s)
     while not s.swapped:
         memory.run(s)
     s.finish_requests(["second"], FinishReason.ABORT)
@@ -177,9 +186,7 @@ def test_a_swapped_out_block_is_no_one_elses_until_its_copy_ran():
     reserve blocks) the blocks a swap-out still copies are not free; once the step
     computed, they are."""
     s = make(num_blocks=6, swap=16, preemption_mode="swap")
-    memory = Memory(4)
-    s.add_request(request("first", 8, max_tokens=12))
-    s.add_request(request("second", 8, max_tokens=12))
+    memory = two_growing(s)
     memory.run(s)
     while True:
         out = s.schedule()
@@ -220,18 +227,14 @@ def test_the_host_tier_stores_blocks_as_computed_and_serves_them_back():
     third request, repeating the first, loads them from the host tier (counted as
     cached tokens, the host part apart) and reads what the first computed."""
     s = make(num_blocks=6, prefix=16)
-    memory = Memory(4)
-    s.add_request(request("a", 13, max_tokens=1))
-    drain(s, memory)
-    assert s.block_manager.host.num_stored == 3  # 3 full blocks, stored as cached
-    s.add_request(request("b", 21, max_tokens=1, first_token=500))  # evicts a's blocks
-    drain(s, memory)
+    memory = a_then_b(s)
     s.add_request(request("c", 13, max_tokens=1))
     out, _ = memory.run(s)  # Memory checks c reads a's KV in the loaded blocks
     c = out.requests[0]
     assert scheduled(out)["c"] == 1  # 12 of 13 tokens served from the host tier
     assert c.num_cached_tokens == c.num_host_cached_tokens == 12
     assert s.stats.host_prefix_cache_hits == 12 and s.stats.num_host_blocks_loaded == 3
+    assert s.block_manager.host.num_stored == 3 + 5  # a's 3 full blocks, then b's 5
     assert len(out.kv_copies.to_device) == 3
 
 
@@ -256,11 +259,7 @@ def test_a_reservation_counts_and_loads_host_hits():
     those tokens counted as cached (its prefill worker need not send them); the loads
     run with the next step."""
     s = make(num_blocks=6, prefix=16)
-    memory = Memory(4)
-    s.add_request(request("a", 13, max_tokens=1))
-    drain(s, memory)
-    s.add_request(request("b", 21, max_tokens=1, first_token=500))
-    drain(s, memory)
+    memory = a_then_b(s)
     r = request("remote", 13, max_tokens=2)
     assert s.reserve(r)
     assert r.num_cached_tokens == r.num_host_cached_tokens == 12
@@ -406,9 +405,7 @@ def test_a_swap_in_never_takes_a_cached_block_past_its_computed_tokens():
 
 def test_a_reservation_waits_while_a_request_is_swapped():
     s = make(num_blocks=6, swap=16, preemption_mode="swap")
-    memory = Memory(4)
-    s.add_request(request("first", 8, max_tokens=12))
-    s.add_request(request("second", 8, max_tokens=12))
+    memory = two_growing(s)
     while not s.swapped:
         memory.run(s)
     assert not s.reserve(request("remote", 4, max_tokens=1, first_token=900))
@@ -420,11 +417,7 @@ def test_blocks_with_loads_pending_are_not_swapped_out_before_they_are_filled():
     """A reservation's host hits are loaded with the next step; a block whose load is
     still pending is never copied out (it would copy what was there before)."""
     s = make(num_blocks=6, swap=16, prefix=16, preemption_mode="swap")
-    memory = Memory(4)
-    s.add_request(request("a", 13, max_tokens=1))
-    drain(s, memory)
-    s.add_request(request("b", 21, max_tokens=1, first_token=500))
-    drain(s, memory)
+    memory = a_then_b(s)
     r = request("remote", 13, max_tokens=2)
     assert s.reserve(r)
     loading = set(s.block_manager.loading)
