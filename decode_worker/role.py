@@ -56,7 +56,7 @@ class DecodeRole:
             if self.core.overtaken(job.request_id):
                 return None  # its abort overtook this call
             request = engine.reserve_remote(job.request_id, job.prompt_token_ids,
-                                            job.sampling_params, job.arrival_time,
+                                            job.params_here(False), job.arrival_time,
                                             output_token_ids=job.output_token_ids,
                                             text_sent=job.text_sent)
             if request is None:
@@ -78,7 +78,7 @@ class DecodeRole:
     def submit(self, job: Job) -> Future:
         """Colocated mode: run the whole request here, prefill (chunked) included."""
         return self.loop.call(lambda engine: engine.add_request(
-            job.request_id, job.prompt_token_ids, job.sampling_params, job.arrival_time,
+            job.request_id, job.prompt_token_ids, job.params_here(True), job.arrival_time,
             output_token_ids=job.output_token_ids, text_sent=job.text_sent,
             ttft_slo_s=job.ttft_slo_s) and None)
 
@@ -127,7 +127,11 @@ def deltas(outputs: list[RequestOutput]) -> list[TokenDelta]:
                        num_cached_tokens=o.num_cached_tokens,
                        num_host_cached_tokens=o.num_host_cached_tokens,
                        num_output_tokens=o.num_output_tokens,
-                       top_logprobs=o.new_top_logprobs, error=o.error)
+                       top_logprobs=o.new_top_logprobs, error=o.error,
+                       # sent once, with the first token (not again for a moved one)
+                       prompt_logprobs=o.prompt_logprobs
+                       if o.new_token_ids and o.num_output_tokens == len(o.new_token_ids)
+                       else None)
             for o in outputs]
 
 

@@ -35,6 +35,8 @@ offline LLM and the capacity simulator. It imports no Ray, gRPC or HTTP.
                          verification; a sampling row that fails ends only its request
     sampler.py           vLLM's order of penalties and truncations, logprobs; a seeded
                          request's k-th token drawn from (seed, k) wherever sampled
+    structured_outputs.py  xgrammar: constraints checked and compiled (cached), each
+                         request's matcher synced to its tokens, batched token masks
     spec_decode/         speculative decoding: proposers (n-gram, draft model), verify
     engine.py            LLMEngine: add_request / step / abort, the colocated loop
     engine_loop.py       an engine on its own thread: calls between steps, outputs one

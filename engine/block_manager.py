@@ -121,8 +121,9 @@ class BlockManager:
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Leading full blocks of `request` already in the cache (at least one token
-        is always left to compute, so the step still yields logits)."""
-        if not self.enable_prefix_caching:
+        is always left to compute, so the step still yields logits). None for a
+        request asking for prompt logprobs: its prompt is computed whole."""
+        if not self.enable_prefix_caching or request.scores_prompt:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_hashes(request, max_blocks)
@@ -141,7 +142,7 @@ class BlockManager:
     def get_host_hits(self, request: Request, num_device_hits: int) -> list[int]:
         """The host prefix tier's blocks continuing the request's leading device hits
         (get_computed_blocks'), as far as they match."""
-        if not self._prefix_tier:
+        if not self._prefix_tier or request.scores_prompt:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_hashes(request, max_blocks)  # (get_computed_blocks' already, as a rule)

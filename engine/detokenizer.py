@@ -9,9 +9,14 @@ _CONTEXT_TOKENS = 5
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...]):
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...],
+                 min_tokens: int = 0):
+        """min_tokens: stop strings are looked for once more outputs than this are out
+        (vLLM's rule)."""
         self.tokenizer = tokenizer
         self.token_ids = list(prompt_token_ids)
+        self.num_prompt = len(prompt_token_ids)
+        self.min_tokens = min_tokens
         self.prefix_offset = max(len(prompt_token_ids) - _CONTEXT_TOKENS, 0)
         self.read_offset = len(prompt_token_ids)
         self.stop = stop
@@ -55,7 +60,8 @@ class Detokenizer:
         self.text += delta
         # Only the new text and the stop-length tail before it can hold a new match;
         # of several matches the earliest wins.
-        matches = [(at, stop) for stop in self.stop
+        stop_strings = self.stop if len(self.token_ids) - self.num_prompt > self.min_tokens else ()
+        matches = [(at, stop) for stop in stop_strings
                    if (at := self.text.find(stop, max(before - len(stop) + 1, 0))) != -1]
         if matches:
             at, stop = min(matches)

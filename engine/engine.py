@@ -38,8 +38,9 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.spec_decode.proposer import build_proposer
 from pdserve.engine.step_shape import StepShape, StepTiming
+from pdserve.engine.structured_outputs import Grammars
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.validation import check_fits, prompt_token_ids
+from pdserve.engine.validation import check_fits, check_vocab, prompt_token_ids
 from pdserve.worker.core import admit_started
 from pdserve.worker.messages import Paused
 
@@ -73,7 +74,12 @@ class LLMEngine:
         self.max_model_len = max_model_len_of(config, self.model_config)
         self.eos_token_ids = self.model_config.eos_token_ids or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len, tp_group)
+        # Structured outputs: the grammars compiled for this vocabulary, and the
+        # requests' matchers (the sampler masks with them).
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
+                                 self.eos_token_ids)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, tp_group,
+                                  self.grammars)
         # Speculative decoding's proposer (a draft model loads here, before the KV
         # cache is sized: its weights and its KV per block count against the budget).
         self.proposer = build_proposer(config, self.model_config, self.max_model_len)
@@ -134,6 +140,15 @@ class LLMEngine:
         self.scheduler.add_request(request)
         self._track(request, text_sent)
         return request
+
+    def prepare(self, params: SamplingParams) -> None:
+        """What a request's parameters need before it enters the engine, done now:
+        its structured-output constraint compiled (cached). Thread-safe; a worker calls
+        it off the engine's thread and state lock (a new schema takes milliseconds,
+        the first one a second), so adding the request then costs a cache lookup.
+        Raises InvalidRequestError naming structured_outputs."""
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
 
     def reserve_remote(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams | None = None,
@@ -304,6 +319,8 @@ class LLMEngine:
         check_fits(len(token_ids), params.max_tokens, len(output_token_ids),
                    self.max_model_len, bm.num_blocks, bm.block_size)
         outputs = self._prompt_token_ids(list(output_token_ids)) if output_token_ids else []
+        check_vocab(params, self.model_config.vocab_size)
+        self.prepare(params)  # a cache lookup where the worker prepared it
         arrival = time.time() if arrival_time is None else arrival_time
         return Request(request_id, token_ids, params, arrival,
                        eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
@@ -311,7 +328,8 @@ class LLMEngine:
 
     def _track(self, request: Request, text_sent: int = 0) -> None:
         detokenizer = Detokenizer(self.tokenizer, request.prompt_token_ids,
-                                  request.sampling_params.stop)
+                                  request.sampling_params.stop,
+                                  request.sampling_params.min_tokens)
         if request.output_token_ids:
             detokenizer.resume(request.output_token_ids, text_sent)
         self._tracked[request.request_id] = _Tracked(request, detokenizer,
@@ -359,7 +377,8 @@ class LLMEngine:
             metrics=metrics,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
-            num_host_cached_tokens=request.num_host_cached_tokens, error=request.error)
+            num_host_cached_tokens=request.num_host_cached_tokens, error=request.error,
+            prompt_logprobs=request.prompt_logprobs)
 
     def _apply_aborts(self) -> list[RequestOutput]:
         ids = []

@@ -29,6 +29,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler_output import KVCopies, ModelRunnerOutput, SchedulerOutput, Verified
 from pdserve.engine.step_buffers import StepBuffers, StepInputs
+from pdserve.engine.structured_outputs import Grammars, GrammarViolation
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # forward_tokens: chunks up to this long are the step's few-token sequences (a draft
@@ -39,8 +40,9 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 group: TensorParallelGroup | None = None):
-        """group: this rank's tensor-parallel group (None: the whole model, here)."""
+                 group: TensorParallelGroup | None = None, grammars: Grammars | None = None):
+        """group: this rank's tensor-parallel group (None: the whole model, here).
+        grammars: the structured-output state of the rank that samples."""
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.resolved_dtype]
         self.group = group
@@ -72,7 +74,7 @@ class ModelRunner:
         self.scratch_block = 0  # set with the cache: a block no request owns
         self.kv_caches: list[torch.Tensor] = []
         self.host_cache: HostKVCache | None = None  # host memory's blocks, if any
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, grammars)
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """After the weights are in place, so a device budget counts what is left. One
@@ -162,9 +164,13 @@ class ModelRunner:
         logits = self.forward_logits(batch, samplers, on_layer_done, out.spec_token_ids,
                                      rank_exports)
         result = ModelRunnerOutput()
+        verified = len(samplers) + sum(len(out.spec_token_ids[r.request_id]) + 1
+                                       for r in verifiers)
+        if verified < logits.shape[0]:
+            self._prompt_logprobs(logits[verified:], batch, verifiers)
         if verifiers:
-            self._verify(logits[len(samplers):], verifiers, out.spec_token_ids, result)
-            logits = logits[:len(samplers)]
+            self._verify(logits[len(samplers):verified], verifiers, out.spec_token_ids, result)
+        logits = logits[:len(samplers)]
         if not samplers:
             return result
         try:
@@ -179,6 +185,35 @@ class ModelRunner:
             if top is not None:
                 result.top_logprobs[rid] = top
         return result
+
+    def _prompt_logprobs(self, logits: torch.Tensor, batch: list[tuple[Request, int]],
+                         verifiers: list[Request]) -> None:
+        """logits: the rows after the sampled and verified ones, one per prompt position
+        whose next token's logprob a request asks for (the order _prepare gave them):
+        each logprob, rank and top logprobs kept on the request (Request.prompt_logprobs; a
+        recomputed prompt writes the same values again)."""
+        rows = torch.log_softmax(logits, dim=-1)
+        targets, wanted = [], []  # per row: the prompt token, and (request, its position)
+        for request, n in batch:
+            if request in verifiers:
+                continue
+            start = request.num_computed_tokens
+            for pos in request.prompt_logprob_positions(start, n):
+                targets.append(request.prompt_token_ids[pos + 1])
+                wanted.append((request, pos + 1))
+        chosen = rows.gather(1, torch.tensor(targets, device=rows.device).unsqueeze(1))
+        ranks = ((rows > chosen).sum(dim=1) + 1).tolist()
+        k = max(r.sampling_params.prompt_logprobs for r, _ in wanted)
+        top = rows.topk(k) if k else None
+        values = chosen.squeeze(1).tolist()
+        indices = top.indices.tolist() if k else None
+        top_values = top.values.tolist() if k else None
+        for j, ((request, pos), value) in enumerate(zip(wanted, values)):
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = [None] * request.num_prompt_tokens
+            n = request.sampling_params.prompt_logprobs
+            request.prompt_logprobs[pos] = (value, ranks[j], dict(
+                zip(indices[j][:n], top_values[j][:n])) if n else {})
 
     def _verify(self, logits: torch.Tensor, verifiers: list[Request],
                 drafts: dict[str, list[int]], result: ModelRunnerOutput) -> None:
@@ -207,6 +242,7 @@ class ModelRunner:
         None failing alone, or all of several, means the error is not one request's:
         re-raised."""
         rows = []
+        own = 0  # failures that are the request's by their kind (its grammar left)
         for i, request in enumerate(samplers):
             try:
                 rows.append((request, *(column[0] for column in
@@ -215,7 +251,8 @@ class ModelRunner:
                 log.exception("sampling failed for request %s alone", request.request_id)
                 first = (str(exc).strip().splitlines() or [""])[0][:200]
                 failed[request.request_id] = f"sampling failed: {type(exc).__name__}: {first}"
-        if not failed or (len(failed) == len(samplers) > 1):
+                own += isinstance(exc, GrammarViolation)
+        if not failed or (len(failed) == len(samplers) > 1 and own < len(failed)):
             failed.clear()  # no row, or every row: not one request's doing
             raise batch_error
         return rows
@@ -291,6 +328,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
+        prompt_indices: list[int] = []  # rows giving prompt logprobs (Request's order)
         query_lens: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
@@ -305,6 +343,8 @@ class ModelRunner:
             slots.append(blocks[pos // bs] * bs + pos % bs)
             if pos + 1 == request.num_tokens:
                 logits_indices.append(num_decodes)
+            if request.scores_prompt and pos in request.prompt_logprob_positions(pos, 1):
+                prompt_indices.append(num_decodes)
             num_decodes += 1
             seq_lens.append(pos + 1)
             tables.append(blocks)
@@ -340,11 +380,15 @@ class ModelRunner:
             slots.extend(blocks[p // bs] * bs + p % bs for p in span)
             if start + n == request.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
+            if request.scores_prompt:
+                first = len(input_ids) - n - start
+                prompt_indices.extend(first + p
+                                      for p in request.prompt_logprob_positions(start, n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(blocks)
         return StepInputs(input_ids=input_ids, positions=positions, slots=slots,
-                          logits_indices=logits_indices + verify_indices,
+                          logits_indices=logits_indices + verify_indices + prompt_indices,
                           query_lens=query_lens, seq_lens=seq_lens, block_ids=tables,
                           num_decodes=num_grouped, num_decode_tokens=num_decode_tokens)
 

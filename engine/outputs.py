@@ -56,6 +56,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (both tiers)
     num_host_cached_tokens: int = 0  # of those, loaded from the host prefix tier
     error: str | None = None  # finish_reason "error": what failed
+    # SamplingParams.prompt_logprobs, once the prompt is computed: per prompt position
+    # (logprob, rank, {token: logprob} top ones), None at position 0.
+    prompt_logprobs: list[tuple[float, int, dict[int, float]] | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -57,6 +57,10 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     # Swapped out: the host swap blocks holding its computed blocks, in order.
     host_block_ids: list[int] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: per prompt position, (the token's logprob after
+    # those before it, its rank there (1: the most likely), the top ones there
+    # {token: logprob}); position 0 has none.
+    prompt_logprobs: list[tuple[float, int, dict[int, float]] | None] | None = None
     # Speculative decoding: draft tokens proposed for the next step, taken (and
     # cleared) by the scheduler when it schedules the request.
     spec_token_ids: list[int] = field(default_factory=list)
@@ -64,6 +68,7 @@ class Request:
     num_tokens: int = field(init=False)  # prompt + output tokens
     max_num_tokens: int = field(init=False)  # where max_tokens / the context stops it
     stop_token_set: frozenset[int] = field(init=False)  # eos (unless ignored) + stop ids
+    scores_prompt: bool = field(init=False)  # asks for prompt logprobs
 
     def __post_init__(self) -> None:
         params = self.sampling_params
@@ -72,6 +77,7 @@ class Request:
         self.max_num_tokens = min(limit, self.max_model_len or limit)
         eos = () if params.ignore_eos else self.eos_token_ids
         self.stop_token_set = frozenset(eos) | frozenset(params.stop_token_ids)
+        self.scores_prompt = params.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -88,6 +94,14 @@ class Request:
     @property
     def priority(self) -> int:
         return self.sampling_params.priority
+
+    def prompt_logprob_positions(self, start: int, num_tokens: int) -> range:
+        """Of the positions start .. start + num_tokens computed in a step, those whose
+        logits give a prompt token's logprob (the next position's token): none unless
+        the request asks for prompt logprobs."""
+        if not self.scores_prompt:
+            return range(0)
+        return range(start, min(start + num_tokens, len(self.prompt_token_ids) - 1))
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_token_ids)

@@ -1,7 +1,9 @@
-"""Turn logits into tokens: penalties, greedy, temperature, min-p, top-k, top-p,
-per-request seeds. The order is vLLM's: penalties on the raw logits (greedy sees them
-too), then temperature, then the truncations. Logprobs are of the raw logits, as
-vLLM reports by default.
+"""Turn logits into tokens: structured outputs, logit bias, min_tokens, penalties,
+greedy, temperature, min-p, top-k, top-p, per-request seeds. The order is vLLM's: a
+structured request's grammar mask first (its logprobs see it), then the logit bias,
+min_tokens' mask of the stop tokens and the penalties (greedy sees them too), then
+temperature, then the truncations. Logprobs are of the logits before the bias and
+penalties, as vLLM reports by default.
 
 A seeded request's k-th output token is drawn with noise hashed from (seed, k)
 (`race_noise`), in one batched pass for all rows on the logits' device, so it does not
@@ -17,6 +19,7 @@ import torch
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.spec_decode import rejection_sampler
+from pdserve.engine.structured_outputs import Grammars
 
 _MASK64 = (1 << 64) - 1
 
@@ -30,28 +33,38 @@ def token_seed(seed: int, index: int) -> int:
 
 
 class Sampler:
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, grammars: Grammars | None = None):
+        """grammars: this worker's structured-output state (None: a rank that does not
+        sample, or an engine without a tokenizer)."""
         self._default = torch.Generator().manual_seed(seed)
         self._seeded = torch.Generator()
+        self.grammars = grammars
         # The distinct prompt tokens of requests with a repetition penalty, built once
         # per request rather than every step (a 2k-token prompt costs ~0.3 ms to set up).
         self._prompt_ids: dict[str, torch.Tensor] = {}
+        self._biases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # logit_bias
 
     def forget(self, request_id: str) -> None:
         self._prompt_ids.pop(request_id, None)
+        self._biases.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.forget(request_id)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]
                ) -> tuple[list[int], list[float | None], list[dict[int, float] | None]]:
         """logits: [N, vocab] float32, row i for requests[i] -> per row one token, its
         logprob and the top logprobs {token: logprob} (None where not asked)."""
         params = [r.sampling_params for r in requests]
+        structured = [i for i, p in enumerate(params) if p.structured_outputs is not None]
+        if structured:  # host work first: on a GPU the step's kernels still run
+            self._grammars().mask(logits, structured, [requests[i] for i in structured])
         raw = logits
-        penalized = [i for i, p in enumerate(params) if p.penalized]
-        if penalized:
+        adjusted = [i for i, (r, p) in enumerate(zip(requests, params))
+                    if _adjusts(p, len(r.output_token_ids))]
+        if adjusted:
             logits = logits.clone()
-            for i in penalized:
-                _penalize(logits[i], params[i], self._distinct_prompt(requests[i], logits),
-                          requests[i].output_token_ids)
+            for i in adjusted:
+                self._adjust(logits[i], requests[i], requests[i].output_token_ids)
         chosen = logits.argmax(dim=-1)
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:  # on the device: one host sync for greedy and drawn rows together
@@ -63,7 +76,7 @@ class Sampler:
         tops: list[dict[int, float] | None] = [None] * len(params)
         wanted = [i for i, p in enumerate(params) if p.logprobs]
         if wanted:
-            rows = torch.log_softmax(raw[wanted], dim=-1)
+            rows = _logprobs(raw[wanted])
             chosen = torch.tensor([tokens[i] for i in wanted], device=raw.device)
             values = rows.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
             for j, (i, value) in enumerate(zip(wanted, values)):
@@ -83,16 +96,18 @@ class Sampler:
         `argmax`: the rows' argmax, when the caller has it for a whole batch."""
         p = request.sampling_params
         output = request.output_token_ids
-        if p.penalized:
-            prompt_ids = self._distinct_prompt(request, logits)
-
+        if p.structured_outputs is not None:  # each row under the state after its drafts
+            self._grammars().verify_masks(logits, request, drafts)
+            argmax = None  # the batch's were of the unmasked rows
+        adjusts = _adjusts(p, len(output))
+        if adjusts:
             def row(j: int) -> torch.Tensor:  # as plain decoding sees it: drafts as output
-                penalized = logits[j].clone()
-                _penalize(penalized, p, prompt_ids, output + drafts[:j])
-                return penalized
+                adjusted = logits[j].clone()
+                self._adjust(adjusted, request, output + drafts[:j])
+                return adjusted
         else:
             row = logits.__getitem__
-        if p.greedy and not p.penalized:
+        if p.greedy and not adjusts:
             best = argmax if argmax is not None else logits.argmax(dim=-1).tolist()
             sample_at = best.__getitem__
         elif p.greedy:
@@ -104,7 +119,7 @@ class Sampler:
         run = rejection_sampler.verify(drafts, sample_at)
         if not p.logprobs:
             return run, None, None
-        rows = torch.log_softmax(logits[:len(run)], dim=-1)
+        rows = _logprobs(logits[:len(run)])
         chosen = torch.tensor(run, device=logits.device).unsqueeze(1)
         logprobs = rows.gather(1, chosen).squeeze(1).tolist()
         if not p.top_logprobs:
@@ -161,12 +176,58 @@ class Sampler:
         collapsed = x.nan_to_num(nan=float("-inf")).argmax(-1)
         return torch.where(torch.isfinite(probs).all(-1), drawn, collapsed)
 
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            raise ValueError("structured outputs need the engine's tokenizer")
+        return self.grammars
+
+    def _adjust(self, row: torch.Tensor, request: Request, output: Sequence[int]) -> None:
+        """In place on one row of logits, before `output` (the request's outputs, and
+        a verification's drafts before this row): the logit bias, the stop tokens
+        masked while fewer than min_tokens are out, the penalties."""
+        p = request.sampling_params
+        if p.logit_bias:
+            ids, values = self._bias(request, row.device)
+            row[ids] += values
+        if len(output) < p.min_tokens and request.stop_token_set:
+            stops = list(request.stop_token_set)
+            kept = row[stops].clone() if p.structured_outputs is not None else None
+            row[stops] = float("-inf")
+            if kept is not None and not torch.isfinite(row).any():
+                row[stops] = kept  # its grammar is complete: only an end is left
+        if p.penalized:
+            _penalize(row, p, self._distinct_prompt(request, row), output)
+
+    def _bias(self, request: Request, device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = self._biases.get(request.request_id)
+        if bias is None:
+            items = request.sampling_params.logit_bias
+            bias = self._biases[request.request_id] = (
+                torch.tensor(list(items), dtype=torch.long, device=device),
+                torch.tensor(list(items.values()), dtype=torch.float32, device=device))
+        return bias
+
     def _distinct_prompt(self, request: Request, logits: torch.Tensor) -> torch.Tensor:
         ids = self._prompt_ids.get(request.request_id)
         if ids is None:
             ids = torch.tensor(request.prompt_token_ids, device=logits.device).unique()
             self._prompt_ids[request.request_id] = ids
         return ids
+
+
+# vLLM's floor for a logprob: a token masked out (a grammar's, -inf) is reported as
+# this, a number JSON can carry.
+MIN_LOGPROB = -9999.0
+
+
+def _logprobs(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, dim=-1).clamp_(min=MIN_LOGPROB)
+
+
+def _adjusts(p: SamplingParams, num_output: int) -> bool:
+    """Whether a request's logits are changed before sampling (Sampler._adjust)."""
+    return p.penalized or p.logit_bias is not None or p.min_tokens > num_output
 
 
 def race_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -29,6 +29,12 @@ from pdserve.engine.request import FinishReason, Request, RequestStatus
 from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from pdserve.engine.steady_batch import SteadyBatch
 
+# The most prompt positions a step computes logits for, for prompt logprobs: each is a
+# vocabulary-wide row (151k floats for Qwen2: 256 rows, 155 MB, and a copy for the
+# log-softmax), beyond the rows sampling takes. A scoring prompt's chunks are cut to
+# what is left of it.
+PROMPT_LOGPROB_ROWS = 256
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
@@ -49,6 +55,7 @@ class Scheduler:
             and host.num_swap_blocks > 0
         self.swap_is_cheaper = swap_is_cheaper
         self.requests: dict[str, Request] = {}
+        self._scored_rows = PROMPT_LOGPROB_ROWS  # this step's left (_score)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # preempted with their KV in host memory
@@ -195,6 +202,7 @@ class Scheduler:
                     out.kv_copies = bm.take_copies()
                 return out
         out = SchedulerOutput()
+        self._scored_rows = PROMPT_LOGPROB_ROWS
         if self.config.policy == "priority":
             self.running.sort(key=self._rank)
         if self.config.prioritize_prefill:
@@ -367,6 +375,8 @@ class Scheduler:
                 n = threshold
             if n > budget:
                 n = budget
+            if request.scores_prompt and not (n := self._score(n)):
+                continue
             fits = computed + n <= len(request.block_ids) * bs
             while not fits and not bm.allocate_slots(request, n):
                 victim = max(self.running, key=self._rank)
@@ -413,6 +423,8 @@ class Scheduler:
             request = min(self.swapped, key=self._rank)
             n = min(request.num_tokens - request.num_computed_tokens, budget,
                     threshold or budget)
+            if request.scores_prompt and not (n := self._score(n)):
+                break
             copied = bm.swap_in(request, n)
             if copied < 0:
                 break
@@ -446,6 +458,8 @@ class Scheduler:
             if cfg.long_prefill_token_threshold:
                 n = min(n, cfg.long_prefill_token_threshold)
             n = min(n, budget)
+            if request.scores_prompt and not (n := self._score(n)):
+                break
             if full or not bm.allocate_slots(request, n, hits, host_hits):
                 if not self._overdue(request):
                     break
@@ -458,6 +472,8 @@ class Scheduler:
                 num_hit_tokens = (len(hits) + len(host_hits)) * bm.block_size
                 n = min(request.num_tokens - num_hit_tokens, budget,
                         cfg.long_prefill_token_threshold or budget)
+                if request.scores_prompt:
+                    n = self._score(n) or 1
                 if not bm.allocate_slots(request, n, hits, host_hits):
                     break
                 self._admit(request, n, num_hit_tokens, len(host_hits), out)
@@ -465,6 +481,14 @@ class Scheduler:
             self._admit(request, n, num_hit_tokens, len(host_hits), out)
             budget -= n
         return budget
+
+    def _score(self, n: int) -> int:
+        """A chunk of a request scoring its prompt (prompt logprobs: a vocabulary-wide
+        logits row per token), cut to the rows this step has left of
+        PROMPT_LOGPROB_ROWS, which it takes; 0: none left (it waits for the next)."""
+        n = min(n, self._scored_rows)
+        self._scored_rows -= n
+        return n
 
     def _overdue(self, request: Request) -> bool:
         """Waiting for its first token past its share of its TTFT SLO."""

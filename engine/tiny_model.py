@@ -15,9 +15,22 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
+# ChatML, with tools as Qwen2.5's template writes them (Hermes: the tools' JSON in a
+# system block, calls in <tool_call> blocks, results in <tool_response> blocks).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{{ bos_token }}"
+    "{% if tools %}{{ '<|im_start|>system\n# Tools\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\nCall a function as <tool_call>\n{\"name\": <name>, \"arguments\": "
+    "<args-json>}\n</tool_call><|im_end|>\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + m['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') }}"
+    "{% for call in m['tool_calls'] or [] %}"
+    "{{ '\n<tool_call>\n' + ({'name': call['function']['name'], "
+    "'arguments': call['function']['arguments']} | tojson) + '\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 

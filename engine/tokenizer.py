@@ -24,6 +24,11 @@ class Tokenizer:
         self.eos_token_id = self._tk.token_to_id(self.eos_token) if self.eos_token else None
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` object (xgrammar reads its vocabulary)."""
+        return self._tk
+
+    @property
     def vocab_size(self) -> int:
         return self._tk.get_vocab_size(with_added_tokens=True)
 
@@ -40,28 +45,39 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """tools: OpenAI's tool definitions, as HF's `tools` argument passes them."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         return self._chat_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools)
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> str:
         """apply_chat_template for a request's messages: a template that refuses them
         (HF templates call raise_exception, e.g. on roles that do not alternate) or
         fails on them is a 400 naming `messages`."""
         try:
-            return self.apply_chat_template(messages)
-        except TemplateError as err:
+            return self.apply_chat_template(messages, add_generation_prompt, tools)
+        except (TemplateError, TypeError) as err:
+            reason = getattr(err, "message", None) or str(err) or type(err).__name__
             raise InvalidRequestError("messages", f"the chat template refused them: "
-                                      f"{err.message or type(err).__name__}") from None
+                                      f"{reason}"[:300]) from None
 
     @functools.cached_property
     def _chat_template(self):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_exception  # as HF's renderer has it
+        env.filters["tojson"] = _tojson  # HF's: plain JSON, not HTML-escaped Markup
         return env.from_string(self.chat_template)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """HF transformers' `tojson` for chat templates (tools are rendered with it)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
 
 
 def _raise_exception(message: str):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.block_manager import blocks_for
 from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 
 
@@ -74,6 +75,16 @@ def check_fits(num_prompt: int, max_tokens: int, num_outputs: int, max_model_len
     if num_outputs >= max_tokens:
         raise InvalidRequestError("output_token_ids", f"{num_outputs} tokens generated "
                                   f"already: max_tokens {max_tokens} leaves none")
+
+
+def check_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """The token ids a request's sampling names (logit_bias' keys) within the
+    vocabulary: the router checks before placing it, every engine again."""
+    if params.logit_bias:
+        beyond = [t for t in params.logit_bias if t >= vocab_size]
+        if beyond:
+            raise InvalidRequestError("logit_bias", f"token id {beyond[0]} is beyond the "
+                                      f"vocabulary of {vocab_size}")
 
 
 def _no_room(num_prompt: int, max_model_len: int) -> str:

@@ -75,6 +75,16 @@ class CompletionChunk:
     usage: Usage | None
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # {token: logprob}
     timings: Timings | None = None  # on the last chunk
+    # prompt_logprobs asked for: on the first chunk, per prompt token (None for the
+    # first) its PromptLogprob (logprob, rank, top {token: logprob}).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    logprob: float
+    rank: int  # of the prompt token there (1: the most likely)
+    top: dict[int, float]
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,7 @@ class Completion:
     ttft_s: float | None = None  # measured by the client
     e2e_s: float | None = None
     timings: Timings | None = None  # the server's
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # asked for: per prompt token
 
     def add(self, chunk: CompletionChunk, started: float) -> None:
         if self.ttft_s is None and chunk.token_ids:
@@ -114,6 +125,8 @@ class Completion:
             self.usage = chunk.usage
         if chunk.timings is not None:
             self.timings = chunk.timings
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
 
 
 def _request(prompt, request_id: str, sampling_params: SamplingParams | None,
@@ -135,10 +148,12 @@ def _chunk(r: pb.GenerateResponse) -> CompletionChunk:
     tm = r.timings
     timings = (Timings(tm.ttft_seconds, tm.e2e_seconds, tm.predicted_ttft_seconds or None,
                        tm.predicted_tpot_seconds or None) if r.HasField("timings") else None)
+    prompt = [PromptLogprob(p.logprob, p.rank, dict(zip(p.top.token_ids, p.top.logprobs)))
+              if p.HasField("logprob") else None for p in r.prompt_logprobs]
     return CompletionChunk(r.request_id, list(r.token_ids), r.text, list(r.logprobs),
                            _FINISH.get(r.finish_reason), usage,
                            [dict(zip(t.token_ids, t.logprobs)) for t in r.top_logprobs],
-                           timings)
+                           timings, prompt or None)
 
 
 def _error(err: grpc.RpcError) -> PdserveError:

@@ -405,7 +405,8 @@ class PrefillRole:
             first_top_logprobs=out.top_logprobs[-1] if out.top_logprobs else None,
             kv_bytes_sent=kv_bytes, prefill_seconds=now - started,
             transfer_seconds=now - entry.computed_at, num_cached_tokens=out.num_cached_tokens,
-            num_host_cached_tokens=out.num_host_cached_tokens))
+            num_host_cached_tokens=out.num_host_cached_tokens,
+            prompt_logprobs=out.prompt_logprobs))
 
     def _resolve(self, request_id: str, result=None, error=None) -> None:
         entry = self._jobs.pop(request_id, None)

@@ -7,10 +7,11 @@ import functools
 import itertools
 import uuid
 
+from pdserve.engine import structured_outputs
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.validation import PromptLimits, check_length, prompt_token_ids
+from pdserve.engine.validation import PromptLimits, check_length, check_vocab, prompt_token_ids
 from pdserve.router.clock import Clock
 from pdserve.router.lifecycle import Accepted
 from pdserve.router.model_info import ModelInfo
@@ -37,9 +38,13 @@ class Intake:
         return PromptLimits(self.model.max_model_len, self.model.max_model_len * chars)
 
     async def accept(self, prompt, params: SamplingParams, request_id: str = "",
-                     owner: str = "", slo: Slo = Slo()) -> Accepted:
+                     owner: str = "", slo: Slo = Slo(),
+                     constraint_field: str = "structured_outputs") -> Accepted:
         """Text that cannot fit the context is refused before tokenizing, and long text
-        is tokenized off the event loop, which serves every other request meanwhile."""
+        is tokenized off the event loop, which serves every other request meanwhile.
+        constraint_field: where the request's structured-output constraint came from
+        (response_format, say), named by the 400 when it cannot be compiled."""
+        await self._check_constraint(params, constraint_field)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("prompt", "must be token ids: this router has no "
@@ -54,18 +59,56 @@ class Intake:
 
     async def accept_chat(self, messages: list[dict], params: SamplingParams,
                           request_id: str = "", owner: str = "",
-                          slo: Slo = Slo()) -> Accepted:
-        """The chat template applied to checked messages, then as accept()."""
+                          slo: Slo = Slo(),
+                          constraint_field: str = "structured_outputs",
+                          tools: list[dict] | None = None) -> Accepted:
+        """The chat template applied to checked messages (and the tools the model may
+        call, HF's `tools`), then as accept()."""
         if self.tokenizer is None:
             raise InvalidRequestError("messages", "this router has no tokenizer")
+        await self._check_constraint(params, constraint_field)
         chars = sum(len(m["content"]) for m in messages)
         self.limits.check_chars("messages", chars)
-        ids = await self._tokenize(chars, self._chat_token_ids, messages)
+        ids = await self._tokenize(chars, self._chat_token_ids, messages, tools)
         return self._accepted(ids, params, request_id, owner, slo)
 
-    def _chat_token_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.render_chat(messages)
-        return self.tokenizer.encode(text, add_special_tokens=False)  # the template has them
+    def _chat_token_ids(self, messages: list[dict], tools: list[dict] | None = None,
+                        add_special_tokens: bool = False,
+                        add_generation_prompt: bool = True) -> list[int]:
+        text = self.tokenizer.render_chat(messages, tools, add_generation_prompt)
+        # The template writes the special tokens itself.
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                       tools: list[dict] | None = None, add_special_tokens: bool | None = None,
+                       add_generation_prompt: bool = True) -> list[int]:
+        """vLLM's /tokenize: the token ids a prompt (or chat messages, through the
+        template) becomes, as a request's would."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", "this router has no tokenizer")
+        if prompt is not None:
+            return await self._tokenize(len(prompt), self.tokenizer.encode, prompt,
+                                        True if add_special_tokens is None else add_special_tokens)
+        chars = sum(len(m["content"]) for m in messages)
+        return await self._tokenize(chars, self._chat_token_ids, messages, tools,
+                                    bool(add_special_tokens), add_generation_prompt)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """vLLM's /detokenize (special tokens kept, as vLLM's)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("tokens", "this router has no tokenizer")
+        beyond = [t for t in token_ids if t >= self.model.vocab_size]
+        if beyond:
+            raise InvalidRequestError("tokens", f"token id {beyond[0]} is beyond the "
+                                      f"vocabulary of {self.model.vocab_size}")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    async def _check_constraint(self, params: SamplingParams, field: str) -> None:
+        """A structured-output constraint that cannot compile is a 400 before placing
+        (in a thread: xgrammar's first import and a large schema take a while)."""
+        if params.structured_outputs is not None:
+            await asyncio.get_running_loop().run_in_executor(
+                None, structured_outputs.check, params.structured_outputs, field)
 
     async def _tokenize(self, chars: int, fn, *args) -> list[int]:
         if chars <= _INLINE_TOKENIZE_CHARS:
@@ -75,6 +118,7 @@ class Intake:
     def _accepted(self, ids: list[int], params: SamplingParams, request_id: str,
                   owner: str, slo: Slo) -> Accepted:
         check_length(len(ids), params.max_tokens, self.model.max_model_len)
+        check_vocab(params, self.model.vocab_size)
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} "
                                       "characters")

@@ -237,7 +237,8 @@ class RequestRunner:
         req = flight.req
         text = ""
         if self.tokenizer is not None:
-            detokenizer = Detokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop)
+            detokenizer = Detokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop,
+                                      req.params.min_tokens)
             if flight.output_token_ids:
                 detokenizer.resume(flight.output_token_ids, flight.text_sent)
             text = detokenizer.append([result.first_token])[0]
@@ -248,7 +249,9 @@ class RequestRunner:
                            num_prompt_tokens=len(req.prompt_token_ids),
                            num_output_tokens=flight.num_output_tokens + 1, top_logprobs=tops,
                            num_cached_tokens=flight.num_cached_tokens,
-                           num_host_cached_tokens=flight.num_host_cached_tokens)
+                           num_host_cached_tokens=flight.num_host_cached_tokens,
+                           prompt_logprobs=None if flight.output_token_ids
+                           else result.prompt_logprobs)
         return first, len(text)
 
     async def _reserve(self, flight: Flight, worker: WorkerHandle) -> Reservation | None:

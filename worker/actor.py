@@ -30,6 +30,7 @@ import ray
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import exit_for_restart
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.telemetry import IDLE_REPORT_INTERVAL_S
 from pdserve.kv_transfer import TransferConfig
 from pdserve.worker.messages import (
@@ -153,8 +154,16 @@ class WorkerActor:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def _prepared(self, params: SamplingParams, call):
+        """call() once the job's parameters are prepared (a structured-output grammar
+        compiled) in a thread, so neither this event loop nor the engine waits."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.worker.prepare, params)
+        return await call()
+
     async def prefill(self, job: PrefillJob) -> PrefillResult:
-        return await asyncio.wrap_future(self.worker.prefill(job))
+        return await self._prepared(job.params, lambda: asyncio.wrap_future(
+            self.worker.prefill(job)))
 
     async def connect(self, receiver_addresses: list[str]) -> None:
         await asyncio.to_thread(self.worker.connect, receiver_addresses)
@@ -163,15 +172,15 @@ class WorkerActor:
         await asyncio.to_thread(self.worker.disconnect, receiver_addresses)
 
     async def reserve(self, job: Job, subscriber: str = "") -> Reservation | None:
-        reservation = await self._owned(job.request_id, subscriber, lambda: asyncio.wrap_future(
-            self.worker.reserve(job)))
+        reservation = await self._owned(job.request_id, subscriber, lambda: self._prepared(
+            job.sampling_params, lambda: asyncio.wrap_future(self.worker.reserve(job))))
         if reservation is None:
             self.core.release(job.request_id)
         return reservation
 
     async def submit(self, job: Job, subscriber: str = "") -> None:
-        await self._owned(job.request_id, subscriber, lambda: asyncio.wrap_future(
-            self.worker.submit(job)))
+        await self._owned(job.request_id, subscriber, lambda: self._prepared(
+            job.sampling_params, lambda: asyncio.wrap_future(self.worker.submit(job))))
 
     async def start(self, request_id: str, first_token: int) -> None:
         await asyncio.wrap_future(self.worker.start(request_id, first_token))
@@ -179,8 +188,8 @@ class WorkerActor:
     # ---- live migration (decode_worker/moves.py) ---------------------------------
 
     async def take_over(self, job: Job, subscriber: str = "") -> Reservation | None:
-        reservation = await self._owned(job.request_id, subscriber, lambda: asyncio.wrap_future(
-            self.worker.take_over(job)))
+        reservation = await self._owned(job.request_id, subscriber, lambda: self._prepared(
+            job.sampling_params, lambda: asyncio.wrap_future(self.worker.take_over(job))))
         if reservation is None:
             self.core.release(job.request_id)
         return reservation

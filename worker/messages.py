@@ -44,6 +44,16 @@ class Job:
     # a running decode once it waited past a share of it (the waiting timeout).
     ttft_slo_s: float | None = None
 
+    def params_here(self, computes_prompt: bool) -> SamplingParams:
+        """What a worker runs it with: prompt logprobs only where the prompt is
+        computed for its first token (a prefill or colocated worker, before any output).
+        A decode worker scoring it again (its prompt recomputed after a preemption, with
+        no prefix-cache hit) would do it for nobody."""
+        params = self.sampling_params
+        if params.prompt_logprobs is None or (computes_prompt and not self.output_token_ids):
+            return params
+        return replace(params, prompt_logprobs=None)
+
 
 @dataclass(frozen=True)
 class PrefillJob:
@@ -59,9 +69,12 @@ class PrefillJob:
         """What the prefill worker runs the prompt with: only the first token is
         sampled there (after those a migrated request generated before); stop
         conditions are the decode side's."""
-        return replace(self.job.sampling_params,
-                       max_tokens=len(self.job.output_token_ids) + 1, stop=(),
-                       stop_token_ids=(), ignore_eos=True)
+        params, done = self.job.params_here(True), len(self.job.output_token_ids)
+        # Under min_tokens its token may not be a stop token: the sampler masks the
+        # stop tokens, which therefore stay known (and so cannot end it early here).
+        stops = {} if params.min_tokens > done else {"stop_token_ids": (), "ignore_eos": True}
+        return replace(params, max_tokens=done + 1, stop=(),
+                       min_tokens=min(params.min_tokens, done + 1), **stops)
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,8 @@ class PrefillResult:
     # ones loaded from its host tier.
     num_cached_tokens: int = 0
     num_host_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: computed here, with the prompt.
+    prompt_logprobs: list[tuple[float, int, dict[int, float]] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +166,8 @@ class TokenDelta:
     # With finish_reason "error": this worker failed the request, not the request
     # itself (it was freed here): the router may place it again (migration by replay).
     worker_failed: bool = False
+    # SamplingParams.prompt_logprobs, with the first token (RequestOutput's).
+    prompt_logprobs: list[tuple[float, int, dict[int, float]] | None] | None = None
 
     @staticmethod
     def not_resumed(request_id: str, exc: Exception) -> "TokenDelta":
@@ -166,7 +183,8 @@ class TokenDelta:
         """This delta followed by `later`, as one (for a consumer that fell behind)."""
         return replace(later, token_ids=self.token_ids + later.token_ids,
                        text=self.text + later.text, logprobs=self.logprobs + later.logprobs,
-                       top_logprobs=self.top_logprobs + later.top_logprobs)
+                       top_logprobs=self.top_logprobs + later.top_logprobs,
+                       prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.profile import profile
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.telemetry import gauges, report
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig
 from pdserve.prefill_worker.role import PrefillRole
@@ -95,6 +96,11 @@ class Worker:
         return self.receiver.address
 
     # ---- the roles' calls -------------------------------------------------------
+
+    def prepare(self, params: SamplingParams) -> None:
+        """A job's parameters prepared before its call (LLMEngine.prepare): the actor
+        runs this in a thread of its own, off the engine's thread and state lock."""
+        self.loop.engine.prepare(params)
 
     def prefill(self, job: PrefillJob) -> Future:
         self.core.require("prefill")

@@ -3,10 +3,14 @@ OpenAPI document, body parsing), the gRPC server, API keys, the admin API, and
 RouterServer, which runs a Router with its front ends on an event loop of its own.
 
     http_server.py      the OpenAI-compatible HTTP server (FastAPI): completions, chat
-                        completions, models, health, ready, live, metrics; errors as
-                        OpenAI-shaped JSON (400 naming the field, 429, 503)
+                        completions, tokenize, detokenize, models, health, ready, live,
+                        metrics; errors as OpenAI-shaped JSON (400 naming the field, 429,
+                        503)
     openai_protocol.py  the OpenAI request bodies, their sampling fields derived from
-                        SamplingParams, and the error body
+                        SamplingParams, structured outputs (response_format,
+                        structured_outputs, guided_*), and the error body
+    tool_calls.py       tools and tool_choice: the constraint a forced call puts on the
+                        output, Hermes <tool_call> blocks read back, whole or streamed
     openapi.py          the OpenAPI document, made to tell the truth: every status a
                         route answers, the served model's limits in the schemas
     body_parser.py      request bodies parsed and validated off the event loop (large

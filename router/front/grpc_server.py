@@ -68,7 +68,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                     request_id=accepted.request_id, token_ids=delta.token_ids, text=delta.text,
                     logprobs=delta.logprobs, finish_reason=_FINISH[delta.finish_reason],
                     top_logprobs=[pb.TopLogprobs(token_ids=list(top), logprobs=list(top.values()))
-                                  for top in delta.top_logprobs])
+                                  for top in delta.top_logprobs],
+                    prompt_logprobs=[_prompt_logprob(entry)
+                                     for entry in delta.prompt_logprobs or ()])
                 if delta.finished:
                     response.usage.CopyFrom(pb.Usage(
                         prompt_tokens=len(accepted.prompt_token_ids),
@@ -99,6 +101,14 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         return pb.GetModelInfoResponse(model=m.name, max_model_len=m.max_model_len,
                                        vocab_size=m.vocab_size,
                                        has_chat_template=bool(self.router.tokenizer.chat_template))
+
+
+def _prompt_logprob(entry) -> pb.PromptLogprob:
+    if entry is None:  # the first prompt token
+        return pb.PromptLogprob()
+    logprob, rank, top = entry
+    return pb.PromptLogprob(logprob=logprob, rank=rank, top=pb.TopLogprobs(
+        token_ids=list(top), logprobs=list(top.values())))
 
 
 def _timings(accepted, router: Router, first_at: float | None) -> pb.Timings:

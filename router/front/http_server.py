@@ -22,7 +22,15 @@ from pdserve.router.front import openapi
 from pdserve.router.front.admin_http import admin_routes
 from pdserve.router.front.auth import ApiKeys, owner
 from pdserve.router.front.body_parser import BodyParser, InvalidBody, validation_message
-from pdserve.router.front.openai_protocol import ChatRequest, CompletionRequest
+from pdserve.router.front.openai_protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    template_messages,
+    template_tools,
+)
+from pdserve.router.front.tool_calls import parse_tool_calls, stream_parser
 from pdserve.router.router import Accepted, Router
 from pdserve.worker.messages import TokenDelta
 
@@ -93,7 +101,8 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys(),
                   description="OpenAI-compatible completions served by pdserve.")
     app.add_middleware(_BodyLimit, limit=router.config.max_request_bytes)
     app.state.body_parser = parser = BodyParser(router.limits)
-    openapi.install(app, bodies=(CompletionRequest, ChatRequest), model=router.model.name,
+    openapi.install(app, bodies=(CompletionRequest, ChatRequest, TokenizeRequest,
+                                 DetokenizeRequest), model=router.model.name,
                     vocab_size=router.model.vocab_size,
                     max_model_len=router.model.max_model_len,
                     max_prompt_chars=router.limits.max_prompt_chars, requires_key=keys.enabled)
@@ -183,7 +192,8 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys(),
         body = await _body(parser, CompletionRequest, request)
         _check_model(body.model, model.name)
         accepted = await router.accept(body.prompt_input(), body.sampling_params(), owner=who,
-                                       slo=body.slo(request.headers))
+                                       slo=body.slo(request.headers),
+                                       constraint_field=body.constraint()[1])
         shape = _CompletionShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)
 
@@ -196,9 +206,33 @@ def create_app(router: Router, keys: ApiKeys = ApiKeys(),
             raise InvalidRequestError("messages", "this model has no chat template")
         params = body.sampling_params()
         accepted = await router.accept_chat(body.template_messages(), params, owner=who,
-                                            slo=body.slo(request.headers))
+                                            slo=body.slo(request.headers),
+                                            constraint_field=body.constraint()[1],
+                                            tools=body.template_tools())
         shape = _ChatShape(accepted, model.name, body, router)
         return await _respond(router, accepted, shape, body, request)
+
+    @app.post("/tokenize", responses=openapi.errors(400, 401, 404, 413, 415),
+              openapi_extra=openapi.request_body(TokenizeRequest))
+    async def tokenize(request: Request, who: str = Depends(caller)):
+        body = await _body(parser, TokenizeRequest, request)
+        _check_model(body.model, model.name)
+        ids = await router.intake.tokenize(
+            body.prompt, body.messages and template_messages(body.messages),
+            template_tools(body.tools), body.add_special_tokens, body.add_generation_prompt)
+        out = {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids,
+               "token_strs": None}
+        if body.return_token_strs:
+            out["token_strs"] = [router.tokenizer.decode([t], skip_special_tokens=False)
+                                 for t in ids]
+        return out
+
+    @app.post("/detokenize", responses=openapi.errors(400, 401, 404, 413, 415),
+              openapi_extra=openapi.request_body(DetokenizeRequest))
+    async def detokenize(request: Request, who: str = Depends(caller)):
+        body = await _body(parser, DetokenizeRequest, request)
+        _check_model(body.model, model.name)
+        return {"prompt": router.intake.detokenize(body.tokens)}
 
     return app
 
@@ -315,7 +349,12 @@ class _Shape:
         return out
 
     def full(self, deltas: list[TokenDelta]) -> dict:
-        return self._envelope(self.OBJECT, [self._full_choice(deltas)], deltas)
+        out = self._envelope(self.OBJECT, [self._full_choice(deltas)], deltas)
+        scored = _prompt_logprobs(deltas)
+        if isinstance(self.body, ChatRequest) and scored is not None:  # vLLM's place
+            out["prompt_logprobs"] = _vllm_prompt_logprobs(
+                scored, self.accepted.prompt_token_ids, _token_text(self.router))
+        return out
 
     def chunk(self, delta: TokenDelta, first: bool) -> dict:
         return self._envelope(self.CHUNK_OBJECT, [self._chunk_choice(delta, first)])
@@ -328,34 +367,79 @@ class _CompletionShape(_Shape):
     PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
     body: CompletionRequest
 
-    def _full_choice(self, deltas: list[TokenDelta]) -> dict:
+    def _full_choice(self, deltas: list[TokenDelta], first: bool = True) -> dict:
+        """first: the deltas start the answer (echo puts the prompt before them)."""
         ids = [t for d in deltas for t in d.token_ids]
-        choice = {"index": 0, "text": "".join(d.text for d in deltas),
+        echo = self.body.echo and first
+        prompt = self.accepted.prompt_token_ids if echo else []
+        answer = (self._prompt_text() if echo else "") + "".join(d.text for d in deltas)
+        choice = {"index": 0, "text": answer,
                   "finish_reason": deltas[-1].finish_reason if deltas else None,
                   "logprobs": None}
+        scored = _prompt_logprobs(deltas)
         if self.body.logprobs is not None:
             text = _token_text(self.router)
             lps = [lp for d in deltas for lp in d.logprobs]
             tops = [top for d in deltas for top in d.top_logprobs]
+            if echo:  # the prompt's own, first (OpenAI's: null for its first token)
+                entries = scored or [None] * len(prompt)
+                lps = [None if e is None else e[0] for e in entries] + lps
+                tops = [None if e is None else e[2] for e in entries] + tops
+            ids = prompt + ids
             choice["logprobs"] = {
                 "tokens": [text(t) for t in ids],
                 "token_logprobs": lps,
                 # As vLLM: the chosen token's too, so up to logprobs + 1 entries.
-                "top_logprobs": [{text(u): v for u, v in {**top, t: lp}.items()}
+                "top_logprobs": [None if top is None else
+                                 {text(u): v for u, v in {**top, t: lp}.items()}
                                  for t, lp, top in zip(ids, lps, tops)]
                 if self.body.logprobs else None,
                 "text_offset": None}
+        if scored is not None and self.body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(
+                scored, self.accepted.prompt_token_ids, _token_text(self.router))
         if self.body.return_token_ids:
-            choice["token_ids"] = ids
+            choice["token_ids"] = [t for d in deltas for t in d.token_ids]
         return choice
 
+    def _prompt_text(self) -> str:
+        prompt = self.body.prompt_input()
+        return prompt if isinstance(prompt, str) else self.router.tokenizer.decode(prompt)
+
     def _chunk_choice(self, delta: TokenDelta, first: bool) -> dict:
-        return self._full_choice([delta])
+        return self._full_choice([delta], first)
+
+
+def _prompt_logprobs(deltas: list[TokenDelta]):
+    """The prompt's logprobs the first delta carries, if asked for."""
+    return deltas[0].prompt_logprobs if deltas else None
+
+
+def _vllm_prompt_logprobs(scored, prompt: list[int], text) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt position None (the first) or {token id:
+    {logprob, rank, decoded_token}}, the prompt's token and the top ones."""
+    out = []
+    for token, entry in zip(prompt, scored):
+        if entry is None:
+            out.append(None)
+            continue
+        logprob, rank, tops = entry
+        ranked = {t: (v, r) for r, (t, v) in enumerate(tops.items(), start=1)}
+        ranked.setdefault(token, (logprob, rank))
+        out.append({str(t): {"logprob": v, "rank": r, "decoded_token": text(t)}
+                    for t, (v, r) in ranked.items()})
+    return out
 
 
 class _ChatShape(_Shape):
     PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
     body: ChatRequest
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.tool_choice = self.body.resolved_tool_choice
+        self._parser = stream_parser(self.body.tools, self.tool_choice) \
+            if self.body.stream else None
 
     def _logprobs(self, deltas: list[TokenDelta]):
         if not self.body.logprobs:
@@ -376,16 +460,44 @@ class _ChatShape(_Shape):
         return choice
 
     def _full_choice(self, deltas: list[TokenDelta]) -> dict:
-        choice = {"index": 0, "finish_reason": deltas[-1].finish_reason if deltas else None,
-                  "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+        text = "".join(d.text for d in deltas)
+        reason = deltas[-1].finish_reason if deltas else None
+        message = {"role": "assistant", "content": text}
+        if self.tool_choice != "none":
+            content, calls = parse_tool_calls(text, self.body.tools, self.tool_choice)
+            message["content"] = content
+            calls = calls[:1] if self.body.parallel_tool_calls is False else calls
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
+                reason = self._calls_finish(reason)
+        choice = {"index": 0, "finish_reason": reason, "message": message,
                   "logprobs": self._logprobs(deltas)}
         return self._extra(choice, deltas)
 
     def _chunk_choice(self, delta: TokenDelta, first: bool) -> dict:
         message: dict = {"content": delta.text}
+        reason = delta.finish_reason
+        if self._parser is not None:  # the text read as content and tool calls
+            parts = self._parser.feed(delta.text) + (self._parser.finish()
+                                                     if delta.finished else [])
+            calls = [call for part in parts for call in part.get("tool_calls", ())
+                     if self.body.parallel_tool_calls is not False or call["index"] == 0]
+            content = "".join(part.get("content", "") for part in parts)
+            # a chunk of calls alone has no content (OpenAI's: null, not "")
+            message = {"content": content or (None if calls else "")}
+            if calls:
+                message["tool_calls"] = calls
+            if self._parser.has_calls:
+                reason = self._calls_finish(reason)
         if first:
             message["role"] = "assistant"
-        choice = {"index": 0, "delta": message, "finish_reason": delta.finish_reason,
+        choice = {"index": 0, "delta": message, "finish_reason": reason,
                   "logprobs": self._logprobs([delta])}
         return self._extra(choice, [delta])
 
+    def _calls_finish(self, reason: str | None) -> str | None:
+        """OpenAI's finish_reason for an answer of tool calls: "tool_calls" where the
+        model chose to call (auto, required); a named choice's stays "stop"."""
+        if reason == "stop" and self.tool_choice in ("auto", "required"):
+            return "tool_calls"
+        return reason

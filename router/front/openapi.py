@@ -14,8 +14,12 @@ from pdserve.router.front.openai_protocol import ErrorResponse
 MEANING = {
     400: "Invalid input: `error.param` names the field. Besides what the schema states: "
          "prompt tokens plus max_tokens must fit the model's context and its KV cache, "
-         "chat's top_logprobs needs logprobs: true, and a TTFT SLO must be one that a "
-         "worker could meet when idle (slo_ttft_ms: a retry cannot help).",
+         "chat's top_logprobs needs logprobs: true, a TTFT SLO must be one that a "
+         "worker could meet when idle (slo_ttft_ms: a retry cannot help), min_tokens at "
+         "most max_tokens, logit_bias' token ids within the vocabulary, a structured-"
+         "output constraint (response_format, structured_outputs, guided_*, a forced "
+         "tool_choice) one per request and one that compiles, a named tool_choice one of "
+         "the tools, a tool message with its tool_call_id.",
     401: "A valid API key is required (Authorization: Bearer <key>).",
     404: "The requested model is not served here (code model_not_found).",
     413: "The request body exceeds the server's --max-request-bytes.",
@@ -88,8 +92,12 @@ def _model_limits(schemas: dict, model: str, vocab_size: int, max_model_len: int
     """Per-field limits of the served model: its name, token ids within the vocabulary,
     at most max_model_len - 1 prompt tokens and max_tokens (one of each must fit)."""
     room = max_model_len - 1
-    for name in ("CompletionRequest", "ChatRequest"):
-        schemas[name]["properties"]["model"]["anyOf"][0]["enum"] = [model]
+    for name in ("CompletionRequest", "ChatRequest", "TokenizeRequest", "DetokenizeRequest"):
+        if name in schemas:
+            schemas[name]["properties"]["model"]["anyOf"][0]["enum"] = [model]
+    if "DetokenizeRequest" in schemas:
+        tokens = schemas["DetokenizeRequest"]["properties"]["tokens"]
+        tokens["items"]["maximum"], tokens["maxItems"] = vocab_size - 1, room
     for branch in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         if branch["type"] == "string":
             branch["maxLength"] = max_prompt_chars

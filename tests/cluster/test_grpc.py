@@ -4,6 +4,7 @@ INVALID_ARGUMENT naming the field and the server keeps serving; cancel frees blo
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 from dataclasses import replace
@@ -61,6 +62,51 @@ def test_sampling_through_prefill_and_decode_equals_one_engine(server, llama_dir
     assert http.json()["choices"][0]["token_ids"] == expected[1]
 
 
+def test_structured_outputs_and_min_tokens_through_the_sdk(server, llama_dir):
+    """The new sampling fields through gRPC: a response_format (OpenAI's shape) and a
+    choice constraint end valid and equal one engine's output; min_tokens holds eos
+    back (pushed up by logit_bias)."""
+    from pdserve.engine.sampling_params import StructuredOutputsParams
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
+              "properties": {"ok": {"type": "boolean"}}}
+    offline = LLM(str(llama_dir), kv_cache_memory_bytes=16 << 20)
+    eos = offline.engine.eos_token_ids[0]
+    prompt = list(range(300, 340))
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema}}}, StructuredOutputsParams(json=schema)),
+        ({"structured_outputs": StructuredOutputsParams(choice=("up", "down"))},
+         StructuredOutputsParams(choice=("up", "down")))]
+    with Client(server.grpc_target) as client:
+        for kwargs, constraint in cases:
+            got = client.generate(prompt, max_tokens=30, temperature=0, **kwargs)
+            want = offline.generate(prompt, SamplingParams(
+                max_tokens=30, temperature=0, structured_outputs=constraint))[0]
+            assert got.token_ids == want.token_ids and got.finish_reason == "stop"
+        assert json.loads(client.generate(prompt, max_tokens=30, temperature=0,
+                                          **cases[0][0]).text) in ({"ok": True}, {"ok": False})
+        held = client.generate(prompt, max_tokens=10, temperature=0, min_tokens=3,
+                               logit_bias={eos: 100.0})
+    assert held.token_ids[3:] == [eos] and eos not in held.token_ids[:3]
+
+
+def test_prompt_logprobs_through_the_sdk(server, colocated_server, llama_dir):
+    """Prompt logprobs reach the SDK on the first chunk, from the prefill worker of a
+    pair and from a colocated worker alike, equal to one engine's."""
+    prompt = list(range(400, 430))
+    offline = LLM(str(llama_dir), kv_cache_memory_bytes=16 << 20)
+    want = offline.generate(prompt, SamplingParams(max_tokens=2, temperature=0,
+                                                   prompt_logprobs=2))[0].prompt_logprobs
+    for srv in (server, colocated_server):
+        with Client(srv.grpc_target) as client:
+            got = client.generate(prompt, max_tokens=2, temperature=0, prompt_logprobs=2)
+            plain = client.generate(prompt, max_tokens=2, temperature=0)
+        assert plain.prompt_logprobs is None and got.prompt_logprobs[0] is None
+        assert len(got.prompt_logprobs) == len(prompt)
+        for entry, (logprob, rank, top) in zip(got.prompt_logprobs[1:], want[1:]):
+            assert entry.logprob == pytest.approx(logprob, abs=1e-5) and entry.rank == rank
+            assert list(entry.top) == list(top)
+
+
 def test_text_prompt_and_stream(server):
     with Client(server.grpc_target) as client:
         chunks = list(client.generate_stream("Hello there", max_tokens=6, temperature=0,
@@ -82,6 +128,10 @@ def test_text_prompt_and_stream(server):
     (list(range(1, 500)), {"max_tokens": 100}, "max_tokens"),
     ("hi " * 100_000, {}, "prompt"),  # cannot fit the context: refused before tokenizing
     ([1, 2, 3], {"stop": ["x" * 1025]}, "stop"),
+    ([1, 2, 3], {"logit_bias": {99999: 1.0}}, "logit_bias"),
+    ([1, 2, 3], {"min_tokens": 20}, "min_tokens"),
+    ([1, 2, 3], {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}}, "structured_outputs"),
 ])
 def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(server, prompt, sampling,
                                                                      field):

@@ -31,6 +31,10 @@ MEETABLE = {"slo_ttft_ms": st.floats(1e4, 1e7), "slo_tpot_ms": st.floats(1e4, 1e
 
 
 def value_of(field):
+    entry = field.message_type
+    if entry is not None and entry.GetOptions().map_entry:  # a map: any keys and values
+        key, value = entry.fields_by_name["key"], entry.fields_by_name["value"]
+        return st.dictionaries(value_of(key), value_of(value), max_size=8)
     if field.type == F.TYPE_MESSAGE:
         single = message_of(field.message_type)
     else:
@@ -55,7 +59,9 @@ def message_of(descriptor) -> st.SearchStrategy:
             if value is None:
                 continue
             target = getattr(msg, name)
-            if isinstance(value, list) and hasattr(target, "add"):  # repeated messages
+            if isinstance(value, dict):  # a map
+                target.update(value)
+            elif isinstance(value, list) and hasattr(target, "add"):  # repeated messages
                 for item in value:
                     target.add().CopyFrom(item)
             elif isinstance(value, list):

@@ -292,3 +292,56 @@ def _check_free(srv: RouterServer) -> None:
     assert eventually_serving(srv)
     wait_all_blocks_free(srv, timeout_s=60)
     assert srv.router.num_inflight == 0
+
+
+def test_a_structured_request_whose_decode_worker_is_killed_completes_valid_and_exact(
+        cluster, llama_dir):
+    """Structured requests streaming (SSE, response_format json_schema; a regex) when
+    their decode worker is SIGKILLed: each is replayed (the new workers rebuild its
+    grammar state from the tokens it made) and ends valid, equal to HF generate with
+    xgrammar's processor, nothing repeated or lost in the stream."""
+    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.sampling_params import StructuredOutputsParams
+    from tests.cluster.test_http import JSON_SCHEMA, SCHEMA
+    from tests.engine.test_structured_outputs import XgrammarOracle
+    oracle = XgrammarOracle(llama_dir, list(ModelConfig.from_dir(llama_dir).eos_token_ids))
+    regex = "[a-z]{4,8} [a-z]{4,8} [0-9]{3}"
+    cases = [({"response_format": JSON_SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
+             ({"structured_outputs": {"regex": regex}}, StructuredOutputsParams(regex=regex)),
+             ({"response_format": JSON_SCHEMA}, StructuredOutputsParams(json=SCHEMA))]
+    prompts = [[faults.SLOW, *range(60, 60 + n)] for n in (9, 30, 17)]
+    _slow_decoding(cluster)
+    before = _moved(cluster).get(("worker_died", "decode"), 0)
+
+    async def one(prompt, extra):
+        body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "stream": True,
+                "return_token_ids": True, **extra}
+        tokens, text, reason = [], "", None
+        async with httpx.AsyncClient(base_url=cluster.http_url, timeout=120) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        choice = json.loads(line[len("data: "):])["choices"][0]
+                        tokens += choice["token_ids"]
+                        text += choice["text"]
+                        reason = choice["finish_reason"] or reason
+        return tokens, text, reason
+
+    async def kill_decode(srv):
+        victim = await _holding(srv, "decode", lambda f: f.phase is Phase.STREAMING
+                                and f.num_output_tokens >= 3)
+        os.kill(_pid(victim), signal.SIGKILL)
+
+    async def scenario():
+        return await asyncio.gather(*(one(p, extra) for p, (extra, _) in zip(prompts, cases)),
+                                    kill_decode(cluster))
+    got = asyncio.run(scenario())[:len(cases)]
+    for prompt, (_, constraint), (tokens, text, reason) in zip(prompts, cases, got):
+        assert tokens == oracle.generate(prompt, 48, constraint) and reason == "stop"
+        if constraint.json:
+            assert set(json.loads(text)) == {"ok", "color"}
+    assert _moved(cluster).get(("worker_died", "decode"), 0) > before
+    assert eventually_serving(cluster)
+    wait_all_blocks_free(cluster, timeout_s=60)
+    _slow_decoding(cluster)

@@ -77,8 +77,16 @@ HTTP = [
     Http("logprobs -1", completion(logprobs=-1), 400, "logprobs"),
     Http("n 2", completion(n=2), 400, "n"),
     Http("best_of 3", completion(best_of=3), 400, "best_of"),
-    Http("logit_bias set", completion(logit_bias={"1": 5}), 400, "logit_bias"),
-    Http("echo true", completion(echo=True), 400, "echo"),
+    Http("logit_bias past 100", completion(logit_bias={"1": 101}), 400, "logit_bias"),
+    Http("logit_bias of a token past the vocabulary", completion(logit_bias={"99999": 5}),
+         400, "logit_bias"),
+    Http("logit_bias keyed by a word", completion(logit_bias={"the": 5}), 400, "logit_bias"),
+    Http("echo a string", completion(echo="yes"), 400, "echo"),
+    Http("response_format of an unknown type", completion(response_format={"type": "xml"}),
+         400, "response_format"),
+    Http("a schema that does not compile", completion(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}),
+         400, "response_format"),
     Http("unknown model", completion(model="gpt-9"), 404, "model"),
     # prompts
     Http("empty prompt", completion(prompt=""), 400, "prompt"),

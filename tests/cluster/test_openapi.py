@@ -24,7 +24,19 @@ MAX_MODEL_LEN = 48  # keeps every generated request short
 # The 400s a schema cannot foresee, as the document's 400 lists them: (param, words).
 CROSS_FIELD_RULES = [("prompt", "context"), ("max_tokens", "context"),
                      ("messages", "context"), ("top_logprobs", "needs logprobs"),
-                     ("slo_ttft_ms", "even on an idle worker")]
+                     ("slo_ttft_ms", "even on an idle worker"),
+                     ("min_tokens", "at most max_tokens"),
+                     ("logit_bias", "token id"), ("logit_bias", "vocabulary"),
+                     ("tools", "declared twice"), ("tool_choice", "tools"),
+                     ("tool_choice", "cannot be combined"),
+                     ("messages", "no content"), ("messages", "tool_call_id"),
+                     ("messages", "chat template"), ("prompt", "not both"),
+                     ("tools", "context"), ("tokens", "context"),
+                     *((field, words) for field in (
+                         "response_format", "structured_outputs", "guided_json",
+                         "guided_regex", "guided_choice", "guided_grammar", "tool_choice")
+                       for words in ("cannot be compiled", "only one constraint",
+                                     "exactly one of"))]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +78,8 @@ EXAMPLES = 60  # per operation and mode: about half a minute here
 def test_the_live_server_keeps_its_schema(api, mode):
     schema = schemathesis.openapi.from_url(f"{api.http_url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 7  # /health /ready /live /metrics /v1/models, completions, chat
+    # /health /ready /live /metrics /v1/models, completions, chat, tokenize, detokenize
+    assert len(operations) == 9
 
     @given(case=st.one_of(*[op.as_strategy(generation_mode=mode) for op in operations]))
     @settings(max_examples=EXAMPLES * len(operations), deadline=None, database=None,
@@ -89,3 +102,17 @@ def test_the_document_lists_400_not_422_and_the_model_limits(api):
     ids = next(b for b in prompt["anyOf"] if b.get("items", {}).get("type") == "integer")
     assert ids["maxItems"] == MAX_MODEL_LEN - 1 and ids["items"]["maximum"] > 0
     assert "securitySchemes" not in doc["components"]  # no key required here
+
+
+def test_the_document_lists_the_openai_fields_served(api):
+    doc = httpx.get(f"{api.http_url}/openapi.json", timeout=30).json()
+    schemas = doc["components"]["schemas"]
+    completion = schemas["CompletionRequest"]["properties"]
+    chat = schemas["ChatRequest"]["properties"]
+    for field in ("response_format", "structured_outputs", "guided_json", "logit_bias",
+                  "min_tokens"):
+        assert field in completion and field in chat
+        assert "not supported" not in completion[field].get("description", "")
+    for field in ("tools", "tool_choice"):
+        assert "not supported" not in chat[field].get("description", "")
+    assert {"/tokenize", "/detokenize"} <= set(doc["paths"])

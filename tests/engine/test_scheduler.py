@@ -57,6 +57,30 @@ def test_long_prompt_runs_in_threshold_sized_chunks():
     assert chunks == [512] * 7 + [416]
 
 
+def test_prompts_scoring_their_tokens_share_a_steps_logits_rows():
+    """Prompt logprobs take a vocabulary-wide logits row per prompt position: a step
+    computes at most PROMPT_LOGPROB_ROWS of them, shared by the scoring prompts in it:
+    their chunks are cut to what is left; each computes its prompt whole (no cache
+    hit)."""
+    from pdserve.engine.scheduler import PROMPT_LOGPROB_ROWS
+    s = make(max_num_batched_tokens=2048)
+    scoring = SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=1)
+    warm = request("warm", 600, max_tokens=1)
+    s.add_request(warm)
+    step(s)  # its blocks now cached: a scoring prompt of the same tokens ignores them
+    a = Request("a", list(range(100, 700)), scoring, 0.0)
+    s.add_request(a)
+    s.add_request(Request("b", list(range(900, 1000)), scoring, 0.0))
+    s.add_request(request("plain", 300, first_token=5000))
+    for _ in range(2):  # "b" waits for rows (first come, first served: "plain" too)
+        out, _ = step(s)
+        assert scheduled(out) == {"a": PROMPT_LOGPROB_ROWS}
+    out, _ = step(s)
+    assert scheduled(out) == {"a": 600 - 2 * PROMPT_LOGPROB_ROWS,
+                              "b": 100, "plain": 300}
+    assert a.num_cached_tokens == 0
+
+
 def test_prefix_hit_costs_only_the_uncached_tokens():
     s = make(block_size=8)
     s.add_request(request("warm", 600, max_tokens=1))

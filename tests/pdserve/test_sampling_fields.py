@@ -8,7 +8,7 @@ from dataclasses import fields
 import pytest
 
 from pdserve.client import _request
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from pdserve.router.front.openai_protocol import ChatRequest, CompletionRequest
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1.sampling import FIELDS, from_proto, to_proto
@@ -18,7 +18,10 @@ from pdserve.v1.sampling import FIELDS, from_proto, to_proto
 NON_DEFAULT = {"max_tokens": 7, "temperature": 0.5, "top_k": 3, "top_p": 0.5, "min_p": 0.25,
                "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.25,
                "seed": 11, "stop": ("xy",), "stop_token_ids": (5,), "ignore_eos": True,
-               "logprobs": True, "top_logprobs": 3, "priority": 2}
+               "logprobs": True, "top_logprobs": 3, "priority": 2, "min_tokens": 2,
+               "logit_bias": {5: -1.5},
+               "structured_outputs": StructuredOutputsParams(regex="a+b"),
+               "prompt_logprobs": 2}
 
 
 def test_every_field_has_a_non_default_value_here():
@@ -56,6 +59,11 @@ def _openai_bodies(name: str) -> list[tuple[type, dict]]:
     if name == "top_logprobs":
         return [(CompletionRequest, {"logprobs": value}),
                 (ChatRequest, {"logprobs": True, "top_logprobs": value})]
+    if name == "logit_bias":  # JSON's keys are strings
+        return [(model, {name: {"5": -1.5}}) for model in (CompletionRequest, ChatRequest)]
+    if name == "structured_outputs":
+        return [(model, body) for model in (CompletionRequest, ChatRequest)
+                for body in ({name: {"regex": "a+b"}}, {"guided_regex": "a+b"})]
     plain = list(value) if isinstance(value, tuple) else value
     bodies = [(CompletionRequest, {name: plain}), (ChatRequest, {name: plain})]
     if name == "max_tokens":
@@ -76,3 +84,16 @@ def test_openai_schema_describes_the_derived_fields():
     props = CompletionRequest.model_json_schema()["properties"]
     assert props["repetition_penalty"]["default"] == 1.0
     assert "over prompt and output tokens" in props["repetition_penalty"]["description"]
+
+
+def test_the_sdk_takes_openais_response_format():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    request = _request("hi", "", None, {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    params = from_proto(request.sampling_params)
+    assert params.structured_outputs == StructuredOutputsParams(json=schema)
+    assert from_proto(_request("hi", "", None, {"response_format": {"type": "text"}}
+                               ).sampling_params).structured_outputs is None
+    with pytest.raises(TypeError):
+        _request("hi", "", None, {"response_format": {"type": "json_object"},
+                                  "structured_outputs": StructuredOutputsParams(regex="a")})
