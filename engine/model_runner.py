@@ -268,8 +268,9 @@ class ModelRunner:
         step = self._prepare(batch, drafts or {}, size)
         if not self._leads:
             return self.run_step(step, size, on_layer_done)
-        self.group.broadcast(Forward(step=step.trimmed(self.block_size), exports=rank_exports))
-        try:
+        try:  # (the broadcast too: the first collective to meet a lost rank may be it)
+            self.group.broadcast(Forward(step=step.trimmed(self.block_size),
+                                         exports=rank_exports))
             return self.run_step(step, size, on_layer_done)
         except BaseException as exc:
             # The other ranks may wait in a collective this rank will not reach: the

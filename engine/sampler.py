@@ -269,8 +269,10 @@ def _penalize(row: torch.Tensor, p: SamplingParams, prompt_ids: torch.Tensor,
     if p.repetition_penalty != 1:
         seen = torch.cat([prompt_ids, output_ids]).unique()
         values = row[seen]
-        row[seen] = torch.where(values > 0, values / p.repetition_penalty,
-                                values * p.repetition_penalty)
+        # A token a grammar masked stays -inf (a penalty that rounds to 0 in float32
+        # would make it NaN, and argmax take it).
+        row[seen] = torch.where(values > 0, values / p.repetition_penalty, torch.where(
+            values.isneginf(), values, values * p.repetition_penalty))
     if output and (p.frequency_penalty or p.presence_penalty):
         ids, counts = output_ids.unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty

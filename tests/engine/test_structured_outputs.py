@@ -83,7 +83,8 @@ def prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
 
 
 def constrained(c: StructuredOutputsParams, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, structured_outputs=c, **kw)
+    return SamplingParams(**{"max_tokens": MAX_TOKENS, "temperature": 0,
+                             "structured_outputs": c, **kw})
 
 
 def valid(c: StructuredOutputsParams, text: str) -> bool:
@@ -217,6 +218,17 @@ def test_a_constraint_outranks_min_tokens_and_logprobs_stay_finite(llm):
         values = out.logprobs + [v for top in out.top_logprobs for v in top.values()]
         assert all(-9999.0 <= v <= 0 for v in values)
         assert any(v == -9999.0 for top in out.top_logprobs for v in top.values())
+
+
+def test_a_penalty_rounding_to_zero_keeps_masked_tokens_out(llm):
+    """Schemathesis found it: repetition_penalty 5e-324 is 0 in float32, and -inf x 0
+    made a masked prompt token's logit NaN, which greedy argmax took (a 500)."""
+    vocab = llm.engine.model_config.vocab_size
+    c = StructuredOutputsParams(json="{}")  # any JSON value
+    outs = llm.generate(prompts(vocab, 2, seed=8), [constrained(
+        c, max_tokens=12, repetition_penalty=5e-324)] * 2)
+    for out in outs:
+        assert out.finish_reason in ("stop", "length") and out.error is None
 
 
 def test_min_tokens_holds_back_stop_strings_too(llm):
