@@ -18,7 +18,8 @@ MEANING = {
          "worker could meet when idle (slo_ttft_ms: a retry cannot help), min_tokens at "
          "most max_tokens, logit_bias' token ids within the vocabulary, a structured-"
          "output constraint (response_format, structured_outputs, guided_*, a forced "
-         "tool_choice) one per request and one that compiles, a named tool_choice one of "
+         "tool_choice) one per request and one that compiles (a json_schema "
+         "response_format with its json_schema), a named tool_choice one of "
          "the tools, a tool message with its tool_call_id.",
     401: "A valid API key is required (Authorization: Bearer <key>).",
     404: "The requested model is not served here (code model_not_found).",

@@ -31,6 +31,7 @@ CROSS_FIELD_RULES = [("prompt", "context"), ("max_tokens", "context"),
                      ("tool_choice", "cannot be combined"),
                      ("messages", "no content"), ("messages", "tool_call_id"),
                      ("messages", "chat template"), ("prompt", "not both"),
+                     ("response_format", "needs json_schema"),
                      ("tools", "context"), ("tokens", "context"),
                      *((field, words) for field in (
                          "response_format", "structured_outputs", "guided_json",
