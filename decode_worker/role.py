@@ -12,7 +12,7 @@ id is remembered for a while and a later reserve() of it is refused.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Sequence
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
@@ -82,7 +82,7 @@ class DecodeRole:
             output_token_ids=job.output_token_ids, text_sent=job.text_sent,
             ttft_slo_s=job.ttft_slo_s) and None)
 
-    def start(self, request_id: str, first_token: int) -> Future:
+    def start(self, request_id: str, first_token: int, choices: Sequence[int] = ()) -> Future:
         """The prefill worker sent the KV and sampled `first_token`: once the KV is
         confirmed here, the request joins the batch at the next step boundary. Resolves
         then, or with the transfer's typed error. No thread waits: many starts arriving
@@ -91,7 +91,7 @@ class DecodeRole:
 
         def join(engine: LLMEngine) -> None:
             # Published on the engine thread, so it precedes the request's next step.
-            self.publish(deltas([engine.admit_remote(request_id, first_token)]))
+            self.publish(deltas(engine.admit_remote(request_id, first_token, choices)))
 
         def landed(transfer: Future) -> None:
             if transfer.exception() is not None:

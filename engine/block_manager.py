@@ -4,6 +4,9 @@ Pure Python: it hands out block ids and never touches tensors. A full block is
 identified by a chained hash (parent hash + the block's token ids). Freed blocks that
 carry a hash stay findable until the LRU free queue hands them out again.
 
+The choices of a request for n > 1 sequences share its prompt's blocks (fork), the
+last partly filled one copied when one of them first writes into it (own_tail).
+
 With host memory (engine/host_pool.py) it also names the copies between the tiers a
 step runs before its forward pass (KVCopies): a preempted request's blocks swapped
 out and back in, every full block as it is cached stored in the host prefix tier,
@@ -96,6 +99,8 @@ class BlockManager:
         # Device blocks that copies not yet taken fill (a swap-in, host hits loaded):
         # never swapped out before they are filled.
         self.loading: set[int] = set()
+        # Shared blocks a copy-on-write reads, pinned until it ran: block -> pins.
+        self._copy_sources: dict[int, int] = {}
         # Tensor parallelism: the other ranks run the copies too, in order before the
         # next forward pass, so copies are released only after one (engine.py).
         self.copies_on_other_ranks = False
@@ -199,6 +204,51 @@ class BlockManager:
         request.host_block_ids = host_ids
         return True
 
+    # ---- parallel sampling: blocks shared by the choices of one prompt --------------
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """The child (a choice of the parent's prompt, forked at its first token)
+        shares the blocks holding the first num_tokens tokens' KV: reference counts,
+        no copy. A last, partly filled block is shared too until one of them writes
+        into it (own_tail copies it first: copy-on-write)."""
+        bs, blocks = self.block_size, self.blocks
+        shared = parent.block_ids[:blocks_for(num_tokens, bs)]
+        for block_id in shared:
+            blocks[block_id].ref_cnt += 1
+        child.block_ids = list(shared)
+        full = num_tokens // bs
+        child.block_hashes = parent.block_hashes[:full]
+        hashed = self._num_hashed.get(parent.request_id)
+        if hashed is not None:
+            self._num_hashed[child.request_id] = min(hashed, full)
+        if num_tokens % bs:
+            parent.shared_tail = child.shared_tail = True
+
+    def own_tail(self, request: Request) -> bool:
+        """Copy-on-write, before the request writes into its last, partly filled
+        block: while another request shares it, a free block takes a copy of it
+        (before the step's forward pass) and replaces it in this request's blocks.
+        False (nothing changed) when no block is free."""
+        i = request.num_computed_tokens // self.block_size
+        shared_id = request.block_ids[i]
+        pins = self._copy_sources.get(shared_id, 0)  # (references that are copies. pins)
+        if self.blocks[shared_id].ref_cnt - pins > 1:
+            if not self.num_free_blocks:
+                return False
+            own = self._pop_free()
+            self._copies.within.append((shared_id, own))
+            # its reference now pins the shared block until the copy ran; the copy
+            # runs after the step's swap-outs (one may read the block it fills) and
+            # fills a block no swap-out of this step may read (loading)
+            self._pending[0].append(shared_id)
+            self._copy_sources[shared_id] = pins + 1
+            self._touch(own)  # and the block it fills, until then
+            self._pending[0].append(own)
+            self.loading.add(own)
+            request.block_ids[i] = own
+        request.shared_tail = False
+        return True
+
     def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
         return self.blocks_needed(request.num_computed_tokens + num_new_tokens) \
             <= self.num_free_blocks
@@ -253,13 +303,18 @@ class BlockManager:
         if not (devices or hosts):
             return
         self._in_flight = ([], [])
-        blocks, free = self.blocks, self._free
+        blocks, free, sources = self.blocks, self._free, self._copy_sources
         for block_id in devices:
+            if sources and block_id in sources:
+                sources[block_id] -= 1
+                if not sources[block_id]:
+                    del sources[block_id]
             block = blocks[block_id]
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 free[block_id] = None
-        self.host.release(hosts)
+        if hosts:
+            self.host.release(hosts)
 
     @property
     def has_copies(self) -> bool:
@@ -373,6 +428,7 @@ class BlockManager:
             if block.ref_cnt == 0:
                 self._free[block_id] = None
         request.block_ids = []
+        request.shared_tail = False
         self._num_hashed.pop(request.request_id, None)
         if request.host_block_ids:  # swapped out: its host copy is dropped
             self.host.free_swap(request.host_block_ids)

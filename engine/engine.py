@@ -130,13 +130,16 @@ class LLMEngine:
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None, *,
                     output_token_ids: Sequence[int] = (), text_sent: int = 0,
-                    ttft_slo_s: float | None = None) -> Request:
+                    ttft_slo_s: float | None = None, forks_here: bool = True) -> Request:
         """output_token_ids, text_sent: a request moved here (Job's fields of the names):
         its prompt and those tokens are computed, and it goes on after them.
-        ttft_slo_s: the TTFT it is judged by (the scheduler's waiting timeout)."""
+        ttft_slo_s: the TTFT it is judged by (the scheduler's waiting timeout).
+        forks_here: n > 1, its choices run here (else, a prefill worker's, their first
+        tokens are only drawn: RequestOutput.choices)."""
         request = self._new_request(request_id, prompt, params, arrival_time,
                                     output_token_ids)
         request.ttft_slo_s = ttft_slo_s
+        request.forks_here = forks_here
         self.scheduler.add_request(request)
         self._track(request, text_sent)
         return request
@@ -166,15 +169,19 @@ class LLMEngine:
         self._track(request, text_sent)
         return request
 
-    def admit_remote(self, request_id: str, first_token: int) -> RequestOutput:
-        """Decode role: the prompt's KV landed; continue from the prefill's first token."""
-        request = admit_started(self.scheduler, request_id, first_token)
+    def admit_remote(self, request_id: str, first_token: int,
+                     choices: Sequence[int] = ()) -> list[RequestOutput]:
+        """Decode role: the prompt's KV landed; continue from the prefill's first token
+        (choices: n > 1, those of its choices 1 .. n-1, which fork from it here). Each
+        choice's output, then its own (a choice's owner is found through it)."""
+        request = admit_started(self.scheduler, request_id, first_token, choices)
         tracked = self._tracked[request_id]
-        tracked.metrics.first_token_time = time.time()
+        now = tracked.metrics.first_token_time = time.time()
         new_text, stop = tracked.detokenizer.append([first_token])
         if stop is not None and not request.is_finished:
             self.scheduler.finish_requests([request_id], FinishReason.STOP)
-        return self._output(tracked, [first_token], new_text, time.time())
+        forked = self._forked({request_id: tracked.metrics}, now)
+        return [*forked, self._output(tracked, [first_token], new_text, now)]
 
     def pause(self, request_id: str) -> Paused | None:
         """Live migration, the source: the running request leaves the batch with its KV
@@ -245,10 +252,15 @@ class LLMEngine:
         exported = export(out) if export is not None and out.requests else None
         result = self.runner.execute(out, exported.send if exported else None,
                                      exported.ranks if exported else ())
+        if self.proposer is not None and out.kv_copies and out.kv_copies.within:
+            self.proposer.copy_blocks(out.kv_copies.within)  # (its KV of a shared block)
         with state_lock:
             self.scheduler.update(out, result)
             self._store_computed_blocks()
             now = time.time()
+            if result.choices:  # a choice's first, its owner found through its parent's
+                outputs.extend(self._forked(
+                    {rid: self._tracked[rid].metrics for rid in result.choices}, now))
             for rid in result.sampled_token_ids:
                 outputs.append(self._emit(self._tracked[rid], now))
             for rid, verified in result.verified.items():
@@ -290,7 +302,9 @@ class LLMEngine:
         Preempted ones lost their KV, and what the proposer kept of them."""
         for rid in out.preempted_request_ids:
             self.proposer.forget(rid)
-        return [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        # (a choice whose last block its siblings share writes there once it is its own)
+        return [r for r in self.scheduler.running
+                if r.num_tokens - r.num_computed_tokens == 1 and not r.shared_tail]
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Next-token logits [vocab] (float32) after `token_ids`, through the paged path.
@@ -320,20 +334,38 @@ class LLMEngine:
                    self.max_model_len, bm.num_blocks, bm.block_size)
         outputs = self._prompt_token_ids(list(output_token_ids)) if output_token_ids else []
         check_vocab(params, self.model_config.vocab_size)
+        if 0 < self.config.scheduler.max_num_seqs < params.n:
+            raise InvalidRequestError("n", f"must be at most max_num_seqs "
+                                      f"({self.config.scheduler.max_num_seqs}): the choices "
+                                      "run at once")
         self.prepare(params)  # a cache lookup where the worker prepared it
         arrival = time.time() if arrival_time is None else arrival_time
         return Request(request_id, token_ids, params, arrival,
                        eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                        output_token_ids=outputs)
 
-    def _track(self, request: Request, text_sent: int = 0) -> None:
+    def _track(self, request: Request, text_sent: int = 0, resume: bool = True) -> _Tracked:
+        """resume: its outputs so far were detokenized elsewhere (a moved request);
+        else (a forked choice) they are to be emitted from here."""
         detokenizer = Detokenizer(self.tokenizer, request.prompt_token_ids,
                                   request.sampling_params.stop,
                                   request.sampling_params.min_tokens)
-        if request.output_token_ids:
+        if request.output_token_ids and resume:
             detokenizer.resume(request.output_token_ids, text_sent)
-        self._tracked[request.request_id] = _Tracked(request, detokenizer,
-                                                     RequestMetrics(request.arrival_time))
+        tracked = self._tracked[request.request_id] = _Tracked(
+            request, detokenizer, RequestMetrics(request.arrival_time))
+        return tracked
+
+    def _forked(self, parents: dict[str, RequestMetrics], now: float) -> list[RequestOutput]:
+        """The outputs of the choices forked (n > 1) from requests at their first token
+        (parents: their metrics, taken before they were reported): each tracked from
+        here as a request of its own, its first token emitted."""
+        outputs = []
+        for parent_id, child in self.scheduler.take_forked():
+            tracked = self._track(child, resume=False)
+            tracked.metrics = replace(parents[parent_id], first_token_time=now)
+            outputs.append(self._emit(tracked, now))
+        return outputs
 
     def _emit(self, tracked: _Tracked, now: float, count: int = 1) -> RequestOutput:
         """The output of a request that gained `count` tokens this step."""
@@ -378,7 +410,7 @@ class LLMEngine:
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
             num_host_cached_tokens=request.num_host_cached_tokens, error=request.error,
-            prompt_logprobs=request.prompt_logprobs)
+            prompt_logprobs=request.prompt_logprobs, choices=request.choices)
 
     def _apply_aborts(self) -> list[RequestOutput]:
         ids = []

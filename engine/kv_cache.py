@@ -61,6 +61,16 @@ def _activation_reserve(config: EngineConfig, model: ModelConfig) -> int:
     return 2 * (tokens * width * 4 + logits)
 
 
+def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+    """Each (source, destination) block's KV copied, in every layer (copy-on-write of
+    a block shared by the choices of one prompt)."""
+    device = kv_caches[0].device
+    sources = torch.tensor([s for s, _ in pairs], device=device)
+    targets = torch.tensor([d for _, d in pairs], device=device)
+    for layer in kv_caches:
+        layer.index_copy_(1, targets, layer.index_select(1, sources))
+
+
 def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int,
                       device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
     # Zeroed: padded slots of a decode gather are masked, and 0 * NaN would not be.

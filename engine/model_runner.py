@@ -16,7 +16,7 @@ import torch
 from pdserve.engine.attention import make_backend, resolve
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from pdserve.engine.kv_cache import allocate_kv_cache
+from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks
 from pdserve.engine.model.llama import LayerHook
 from pdserve.engine.model.loader import load_model
 from pdserve.engine.model.rope import RotaryEmbedding
@@ -96,13 +96,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_kv(self, copies: KVCopies, wait: bool = False) -> None:
-        """Copies between device and host blocks, on every rank (rank 0 tells the
+        """Copies between device and host blocks (and within the device), on every rank (rank 0 tells the
         others first: they run them before the Forward that follows). wait: return
         once this rank's copies are done (on cuda they are otherwise only queued
         before the step's forward pass)."""
         if self._leads:
             self.group.broadcast(CopyKV(copies=copies))
-        self.host_cache.copy(self.kv_caches, copies)
+        if copies.to_host or copies.to_device:
+            self.host_cache.copy(self.kv_caches, copies)
+        if copies.within:  # after the swap-outs (one may read a block it fills)
+            copy_blocks(self.kv_caches, copies.within)
         if wait and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -173,12 +176,21 @@ class ModelRunner:
         logits = logits[:len(samplers)]
         if not samplers:
             return result
+        params = None
+        if not out.steady and any(r.num_choices > 1 and not r.output_token_ids
+                                  for r in samplers):
+            logits, samplers, params = _with_choices(logits, samplers)
         try:
-            rows = list(zip(samplers, *self.sampler.sample(logits, samplers)))
+            rows = list(zip(range(len(samplers)), samplers,
+                            *self.sampler.sample(logits, samplers, params)))
         except Exception as batch_error:
-            rows = self._sample_each(logits, samplers, batch_error, result.failed)
-        for request, token, logprob, top in rows:
+            rows = self._sample_each(logits, samplers, batch_error, result.failed, params)
+        for i, request, token, logprob, top in rows:
             rid = request.request_id
+            if params is not None and params[i] is not request.sampling_params:
+                if rid not in result.failed:  # another choice's first token
+                    result.choices.setdefault(rid, []).append((token, logprob, top))
+                continue
             result.sampled_token_ids[rid] = token
             if logprob is not None:
                 result.logprobs[rid] = logprob
@@ -237,22 +249,24 @@ class ModelRunner:
             row = end
 
     def _sample_each(self, logits: torch.Tensor, samplers: list[Request],
-                     batch_error: Exception, failed: dict[str, str]) -> list[tuple]:
-        """The batch failed to sample: each row alone, recording the rows that fail.
-        None failing alone, or all of several, means the error is not one request's:
-        re-raised."""
+                     batch_error: Exception, failed: dict[str, str],
+                     params: list | None = None) -> list[tuple]:
+        """The batch failed to sample: each row alone, recording the rows that fail
+        (the rows that sampled, with their places in the batch). None failing alone,
+        or all of several, means the error is not one request's: re-raised."""
         rows = []
         own = 0  # failures that are the request's by their kind (its grammar left)
         for i, request in enumerate(samplers):
             try:
-                rows.append((request, *(column[0] for column in
-                                        self.sampler.sample(logits[i:i + 1], [request]))))
+                rows.append((i, request, *(column[0] for column in self.sampler.sample(
+                    logits[i:i + 1], [request], params and params[i:i + 1]))))
             except Exception as exc:
                 log.exception("sampling failed for request %s alone", request.request_id)
                 first = (str(exc).strip().splitlines() or [""])[0][:200]
                 failed[request.request_id] = f"sampling failed: {type(exc).__name__}: {first}"
                 own += isinstance(exc, GrammarViolation)
-        if not failed or (len(failed) == len(samplers) > 1 and own < len(failed)):
+        distinct = len({r.request_id for r in samplers})  # (a request's choices' rows too)
+        if not failed or (len(failed) == distinct > 1 and own < len(failed)):
             failed.clear()  # no row, or every row: not one request's doing
             raise batch_error
         return rows
@@ -430,3 +444,20 @@ class ModelRunner:
             input_ids=input_ids, positions=positions, slots=slots, logits_indices=last,
             query_lens=query_lens, seq_lens=seq_lens, block_ids=tables,
             num_decodes=num_grouped, num_decode_tokens=num_grouped_tokens))
+
+
+def _with_choices(logits: torch.Tensor, samplers: list[Request]
+                  ) -> tuple[torch.Tensor, list[Request], list]:
+    """Parallel sampling: a request for n > 1 sequences at its first token draws the
+    first tokens of choices 1 .. n-1 too, from copies of its logits row (each under
+    its choice's parameters: SamplingParams.for_choice), as rows after the batch's."""
+    rows = [i for i, r in enumerate(samplers) if r.num_choices > 1 and not r.output_token_ids
+            for _ in range(1, r.num_choices)]
+    extra = [samplers[i] for i in rows]
+    params = [r.sampling_params for r in samplers]
+    index: dict[str, int] = {}
+    for r in extra:
+        index[r.request_id] = index.get(r.request_id, 0) + 1
+        params.append(r.sampling_params.for_choice(index[r.request_id]))
+    rows_t = torch.tensor(rows, device=logits.device)
+    return torch.cat([logits, logits.index_select(0, rows_t)]), samplers + extra, params

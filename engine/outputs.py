@@ -59,6 +59,10 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs, once the prompt is computed: per prompt position
     # (logprob, rank, {token: logprob} top ones), None at position 0.
     prompt_logprobs: list[tuple[float, int, dict[int, float]] | None] | None = None
+    # SamplingParams.n > 1, from its first token on: the first tokens of choices
+    # 1 .. n-1 (token, logprob, top logprobs), drawn from the same logits row (where
+    # they run on, each reports as a request of its own: request.choice_id).
+    choices: list[tuple[int, float | None, dict[int, float] | None]] | None = None
 
     @property
     def token_ids(self) -> list[int]:

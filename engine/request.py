@@ -12,6 +12,23 @@ from dataclasses import dataclass, field
 from pdserve.engine.sampling_params import SamplingParams
 
 
+def choice_id(request_id: str, index: int) -> str:
+    """The id choice `index` of an n > 1 request runs under on a worker: choice 0 is
+    the request itself, the others are forked from it at its first token (a client's
+    id is printable: never one of these)."""
+    return request_id if index == 0 else f"{request_id}{_CHOICE}{index}"
+
+
+def parent_of(request_id: str) -> str | None:
+    """The request a choice id (choice_id's, index > 0) was forked from; None for any
+    other id."""
+    parent, sep, _ = request_id.rpartition(_CHOICE)
+    return parent if sep else None
+
+
+_CHOICE = "\x1fchoice-"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; the prompt's KV is arriving
@@ -64,11 +81,21 @@ class Request:
     # Speculative decoding: draft tokens proposed for the next step, taken (and
     # cleared) by the scheduler when it schedules the request.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Parallel sampling (SamplingParams.n > 1): the first tokens of choices 1 .. n-1,
+    # (token, logprob, top logprobs), drawn from the same logits row as this one's
+    # (the sampler's, at its first token). forks_here: the choices then run here as
+    # requests of their own, sharing this one's blocks (the scheduler forks them); a
+    # prefill worker only draws them (the decode worker forks). shared_tail: its
+    # last, partly filled block is shared with a sibling: copied before it writes.
+    choices: list[tuple[int, float | None, dict[int, float] | None]] | None = None
+    forks_here: bool = True
+    shared_tail: bool = False
     # Kept as plain attributes (not properties): read per request per step.
     num_tokens: int = field(init=False)  # prompt + output tokens
     max_num_tokens: int = field(init=False)  # where max_tokens / the context stops it
     stop_token_set: frozenset[int] = field(init=False)  # eos (unless ignored) + stop ids
     scores_prompt: bool = field(init=False)  # asks for prompt logprobs
+    num_choices: int = field(init=False)  # n, until its first token forks the others
 
     def __post_init__(self) -> None:
         params = self.sampling_params
@@ -78,6 +105,8 @@ class Request:
         eos = () if params.ignore_eos else self.eos_token_ids
         self.stop_token_set = frozenset(eos) | frozenset(params.stop_token_ids)
         self.scores_prompt = params.prompt_logprobs is not None
+        # a request moved after its first token runs one sequence: its own
+        self.num_choices = 1 if self.output_token_ids else params.n
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,6 +143,18 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    def fork(self, index: int) -> Request:
+        """Choice `index` of this request (n > 1) at its first token: the same prompt,
+        SamplingParams.for_choice(index), no outputs yet (the caller gives it its
+        first token and its blocks)."""
+        child = Request(choice_id(self.request_id, index), self.prompt_token_ids,
+                        self.sampling_params.for_choice(index), self.arrival_time,
+                        eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len)
+        child.ttft_slo_s = self.ttft_slo_s
+        child.num_cached_tokens = self.num_cached_tokens
+        child.num_host_cached_tokens = self.num_host_cached_tokens
+        return child
 
     def append_output(self, token_id: int, logprob: float | None = None,
                       top_logprobs: dict[int, float] | None = None) -> None:

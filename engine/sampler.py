@@ -50,11 +50,15 @@ class Sampler:
         if self.grammars is not None:
             self.grammars.forget(request_id)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               params: list[SamplingParams] | None = None
                ) -> tuple[list[int], list[float | None], list[dict[int, float] | None]]:
         """logits: [N, vocab] float32, row i for requests[i] -> per row one token, its
-        logprob and the top logprobs {token: logprob} (None where not asked)."""
-        params = [r.sampling_params for r in requests]
+        logprob and the top logprobs {token: logprob} (None where not asked). params:
+        row i's parameters where they are not requests[i]'s own (a request's other
+        choices: its seed + i)."""
+        if params is None:
+            params = [r.sampling_params for r in requests]
         structured = [i for i, p in enumerate(params) if p.structured_outputs is not None]
         if structured:  # host work first: on a GPU the step's kernels still run
             self._grammars().mask(logits, structured, [requests[i] for i in structured])

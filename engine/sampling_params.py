@@ -5,7 +5,7 @@ import functools
 import json
 import math
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.options import bounds_of, bounds_text, option, within
@@ -22,6 +22,8 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 32, 1024, 1024
 MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES = 100.0, 1024
 # A grammar or schema is compiled once per worker (cached): its text is bounded.
 MAX_GRAMMAR_CHARS, MAX_CHOICES = 64 << 10, 256
+# The most output sequences one request may ask for (OpenAI's bound on n).
+MAX_N = 128
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -128,6 +130,9 @@ class SamplingParams:
         None, "the logprob of each prompt token after those before it, and of this many "
         "most likely tokens there (vLLM's; the prompt is computed whole: no prefix-cache "
         "hits)", ge=0, le=MAX_TOP_LOGPROBS)
+    n: int = option(1, "output sequences for the prompt, from one prefill: they share "
+                    "its KV blocks (copy-on-write) and choice i draws with seed + i",
+                    ge=1, le=MAX_N)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -164,6 +169,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice `index` of an n > 1 request as a sequence of its own: n 1, and a
+        seeded request's seed + index (vLLM's rule), so choice i of a seeded request
+        is reproducible and equals a request for one sequence with that seed (its
+        prompt logprobs are choice 0's alone)."""
+        if self.n == 1 and index == 0:
+            return self
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index,
+                       # the prompt's logprobs are the request's: choice 0 has them
+                       prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     @property
     def penalized(self) -> bool:

@@ -21,7 +21,7 @@ victim's blocks make the room.
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from typing import Callable, Sequence
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import SchedulerConfig
@@ -65,6 +65,7 @@ class Scheduler:
         # The running batch as the last update left it, when each of its requests is
         # one token behind (a decode): schedule() takes it whole while it is unchanged.
         self._steady: SteadyBatch | None = None
+        self._forked: list[tuple[str, Request]] = []  # (parent id, choice): take_forked
 
     # ---- queue management -------------------------------------------------
 
@@ -106,20 +107,35 @@ class Scheduler:
         self._count_admission(request, num_hit_tokens, len(host_hits))
         return True
 
-    def admit_prefilled(self, request_id: str, first_token: int) -> Request:
+    def admit_prefilled(self, request_id: str, first_token: int,
+                        choices: Sequence[int] = ()) -> Request:
         """The prompt's KV landed: the request joins the batch with its prompt (and a
         moved request's outputs so far) computed and the prefill worker's next token
-        appended."""
+        appended; choices: n > 1, the first tokens of its choices 1 .. n-1, forked
+        from it here (take_forked; those a stop token or max_tokens 1 ends at once
+        are finished and freed)."""
         request = self.requests[request_id]
         if request.status is not RequestStatus.WAITING_FOR_KV:
             raise ValueError(f"request {request_id} is not waiting for KV")
+        if len(choices) != request.num_choices - 1:
+            raise ValueError(f"request {request_id} has {request.num_choices} choices, "
+                             f"not {len(choices) + 1}")
         request.num_computed_tokens = request.num_tokens
         self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+        if choices:
+            self._fork(request, [(token, None, None) for token in choices], [])
         request.append_output(first_token)
         self.stats.generation_tokens += 1
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return request
+
+    def take_forked(self) -> list[tuple[str, Request]]:
+        """The choices forked since the last call (n > 1), each running with its first
+        token (or finished by it), with the id of the request they forked from: the
+        engine tracks and reports them."""
+        forked, self._forked = self._forked, []
+        return forked
 
     # ---- live migration: a running request's KV copied to another worker -------
 
@@ -246,12 +262,13 @@ class Scheduler:
             steady.requests = list(self.running)
             return finished
         finished = self._update(out, result)
-        self._steady = SteadyBatch.after(out, self.running, self.block_manager)
+        self._steady = None if result.choices else SteadyBatch.after(
+            out, self.running, self.block_manager)  # (forked choices: not in `out`)
         return finished
 
     def _update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         finished = []
-        sampled, failed = result.sampled_token_ids, result.failed
+        sampled, failed, choices = result.sampled_token_ids, result.failed, result.choices
         logprobs, tops = result.logprobs, result.top_logprobs
         plain = not (logprobs or tops)  # the common step: tokens alone
         bs = self.block_manager.block_size
@@ -278,6 +295,8 @@ class Scheduler:
                 self._finish(request, FinishReason.ERROR)
                 finished.append(request)
                 continue
+            if choices and rid in choices:
+                self._fork(request, choices[rid], finished)
             generated += 1
             if plain:  # Request.append_output inlined: per request per step
                 token = sampled[rid]
@@ -293,6 +312,30 @@ class Scheduler:
                 finished.append(request)
         self.stats.generation_tokens += generated
         return finished
+
+    def _fork(self, request: Request, draws: list[tuple], finished: list[Request]) -> None:
+        """Parallel sampling, at the request's first token (its KV computed, its own
+        token not yet appended): the first tokens of its other choices kept, and
+        where it runs on here (forks_here) each choice joins the batch as a request
+        of its own sharing its blocks (BlockManager.fork); choices that finish at once
+        go to `finished`."""
+        request.choices, request.num_choices = draws, 1
+        if not request.forks_here:
+            return
+        computed = request.num_computed_tokens
+        for index, (token, logprob, top) in enumerate(draws, 1):
+            child = request.fork(index)
+            self.block_manager.fork(request, child, computed)
+            child.num_computed_tokens = computed
+            child.append_output(token, logprob, top)
+            child.status = RequestStatus.RUNNING
+            self.requests[child.request_id] = child
+            self._order[child.request_id] = next(self._seq)
+            self.running.append(child)
+            self._forked.append((request.request_id, child))
+            self.stats.generation_tokens += 1
+            if self._stopped(child):
+                finished.append(child)
 
     def _stopped(self, request: Request) -> bool:
         """Finished by its last token (Request.check_stop: a stop token, or its length)."""
@@ -356,9 +399,18 @@ class Scheduler:
                 break
             if request.status is not running:
                 continue  # preempted earlier in this step
+            if request.shared_tail:  # a choice's block its siblings share: copied first
+                while not bm.own_tail(request):
+                    victim = max(self.running, key=self._rank)
+                    budget += self._preempt(victim, out)
+                    if victim is request:
+                        break
+                if request.status is not running:
+                    continue
             computed = request.num_computed_tokens
             n = request.num_tokens - computed
-            if n == 1 and (request.spec_token_ids or self.num_lookahead_tokens):
+            if n == 1 and (request.spec_token_ids or self.num_lookahead_tokens) \
+                    and request.num_choices == 1:  # (else its first token draws n)
                 n = self._schedule_speculative(request, budget, out)
                 if n:
                     budget -= n
@@ -417,10 +469,12 @@ class Scheduler:
             return budget
         cfg, bm, stats = self.config, self.block_manager, self.stats
         threshold = cfg.long_prefill_token_threshold
+        unforked = self._unforked_choices() if cfg.max_num_seqs else 0
         while self.swapped and budget > 0:
-            if cfg.max_num_seqs and len(self.running) >= cfg.max_num_seqs:
-                break
             request = min(self.swapped, key=self._rank)
+            if cfg.max_num_seqs and (len(self.running) + unforked + request.num_choices
+                                     > cfg.max_num_seqs):
+                break
             n = min(request.num_tokens - request.num_computed_tokens, budget,
                     threshold or budget)
             if request.scores_prompt and not (n := self._score(n)):
@@ -431,6 +485,7 @@ class Scheduler:
             self.swapped.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            unforked += request.num_choices - 1
             stats.num_swapped_in += 1
             stats.num_blocks_swapped_in += copied
             out.requests.append(request)
@@ -443,12 +498,15 @@ class Scheduler:
             return budget  # no room for newcomers in a step that had to preempt
         cfg = self.config
         bm = self.block_manager
+        unforked = self._unforked_choices() if cfg.max_num_seqs else 0
         while self.waiting and budget > 0:
             request = (min(self.waiting, key=self._rank) if cfg.policy == "priority"
                        else self.waiting[0])
             if self.swapped and not self._overdue(request):
                 break  # swapped requests resume first
-            full = cfg.max_num_seqs and len(self.running) >= cfg.max_num_seqs
+            # its seats: the choices it forks (n > 1) run at once
+            full = cfg.max_num_seqs and (len(self.running) + unforked + request.num_choices
+                                         > cfg.max_num_seqs)
             if full and not self._overdue(request):
                 break
             hits = bm.get_computed_blocks(request)
@@ -479,8 +537,14 @@ class Scheduler:
                 self._admit(request, n, num_hit_tokens, len(host_hits), out)
                 break  # one admission by the rule a step; nobody else after a preemption
             self._admit(request, n, num_hit_tokens, len(host_hits), out)
+            unforked += request.num_choices - 1
             budget -= n
         return budget
+
+    def _unforked_choices(self) -> int:
+        """The seats the running requests for n > 1 take once they fork, beyond their
+        own."""
+        return sum(r.num_choices - 1 for r in self.running if r.num_choices > 1)
 
     def _score(self, n: int) -> int:
         """A chunk of a request scoring its prompt (prompt logprobs: a vocabulary-wide

@@ -11,12 +11,15 @@ class KVCopies:
     """A step's copies between the device's KV blocks and host memory's
     (engine/host_pool.py), run before its forward pass, to_host first: a swap-out, a
     block stored in the prefix tier; then to_device: a swap-in, a prefix-tier hit
-    loaded. Every block named is pinned until the step's copies ran."""
+    loaded; then within the device: a shared, partly filled block copied before a
+    request writes into it (BlockManager.own_tail). Every block named is pinned until
+    the step's copies ran."""
     to_host: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     to_device: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    within: list[tuple[int, int]] = field(default_factory=list)  # (device, device)
 
     def __bool__(self) -> bool:
-        return bool(self.to_host or self.to_device)
+        return bool(self.to_host or self.to_device or self.within)
 
 
 @dataclass
@@ -58,6 +61,10 @@ class ModelRunnerOutput:
     # request id -> what verifying its drafts emitted (requests scheduled with drafts;
     # they are not in sampled_token_ids)
     verified: dict[str, "Verified"] = field(default_factory=dict)
+    # request id -> the first tokens of its choices 1 .. n-1 (token, logprob, top
+    # logprobs): a request for n > 1 sequences that sampled its first token
+    choices: dict[str, list[tuple[int, float | None, dict[int, float] | None]]] = field(
+        default_factory=dict)
 
 
 @dataclass

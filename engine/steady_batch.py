@@ -40,8 +40,9 @@ class SteadyBatch:
         """The batch a general step left, when every running request was scheduled and
         is now one token behind; else None."""
         if out.num_running != len(out.requests) or any(
-                r.num_tokens - r.num_computed_tokens != 1 for r in out.requests):
-            return None
+                r.num_tokens - r.num_computed_tokens != 1 or r.num_choices > 1
+                for r in out.requests):
+            return None  # (a request for n > 1 one token short forks at its next one)
         return cls(list(running), block_manager)
 
     def holds(self, running: list[Request], waiting: list[Request], budget: int) -> bool:

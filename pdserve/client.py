@@ -3,6 +3,7 @@
     client = Client("127.0.0.1:50051")
     out = client.generate("Hello", max_tokens=32, temperature=0)
     for chunk in client.generate_stream([1, 2, 3], max_tokens=8): ...
+    several = client.generate("Hello", n=4, seed=7).choices  # one prefill, 4 choices
 
 Sampling settings are SamplingParams' fields, as keyword arguments or as
 `sampling_params=SamplingParams(...)`. SLOs are `slo_ttft_ms=` / `slo_tpot_ms=`: the
@@ -78,6 +79,7 @@ class CompletionChunk:
     # prompt_logprobs asked for: on the first chunk, per prompt token (None for the
     # first) its PromptLogprob (logprob, rank, top {token: logprob}).
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    index: int = 0  # n > 1: the choice these tokens are of (chunks of the n interleave)
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,23 @@ class Completion:
     e2e_s: float | None = None
     timings: Timings | None = None  # the server's
     prompt_logprobs: list[PromptLogprob | None] | None = None  # asked for: per prompt token
+    # n > 1: choices 1 .. n-1 (`choices` has them all); this one's usage is the
+    # request's (the prompt once, every choice's tokens).
+    others: list[Completion] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def choices(self) -> list[Completion]:
+        """Every choice's Completion in index order, this one (choice 0) first."""
+        return [self, *self.others]
 
     def add(self, chunk: CompletionChunk, started: float) -> None:
+        while len(self.others) < chunk.index:
+            self.others.append(Completion())
+        (self.others[chunk.index - 1] if chunk.index else self)._add(chunk, started)
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+
+    def _add(self, chunk: CompletionChunk, started: float) -> None:
         if self.ttft_s is None and chunk.token_ids:
             self.ttft_s = time.perf_counter() - started
         self.request_id = chunk.request_id
@@ -153,7 +170,7 @@ def _chunk(r: pb.GenerateResponse) -> CompletionChunk:
     return CompletionChunk(r.request_id, list(r.token_ids), r.text, list(r.logprobs),
                            _FINISH.get(r.finish_reason), usage,
                            [dict(zip(t.token_ids, t.logprobs)) for t in r.top_logprobs],
-                           timings, prompt or None)
+                           timings, prompt or None, r.index)
 
 
 def _error(err: grpc.RpcError) -> PdserveError:

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import choice_id
 from pdserve.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -33,7 +34,9 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs in prompt order. A prompt is a
-        string or a list of token ids. Invalid input raises before anything runs."""
+        string or a list of token ids. Invalid input raises before anything runs. A
+        prompt sampled with n > 1 gives its n choices in turn (one prefill: they share
+        its KV; choice i of a seeded one draws with seed + i)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = (sampling_params if isinstance(sampling_params, list)
@@ -52,16 +55,19 @@ class LLM:
                 self.engine.step()
             raise
         done: dict[str, RequestOutput] = {}
+        asked = set(ids)
         progress = _progress(len(ids)) if use_tqdm else None
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out
-                    if progress:
+                    if progress and out.request_id in asked:
                         progress.update(1)
         if progress:
             progress.close()
-        return [done[rid] for rid in ids]
+        # (a request that failed before its first token forked no choices: each is it)
+        return [done.get(choice_id(rid, i), done[rid])
+                for rid, p in zip(ids, params) for i in range(p.n)]
 
 
 def start_engine(config: EngineConfig):

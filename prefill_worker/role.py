@@ -92,7 +92,7 @@ class PrefillRole:
                 return  # aborted while its pair was being opened
             engine.add_request(job.request_id, job.job.prompt_token_ids, params,
                                job.job.arrival_time, output_token_ids=job.job.output_token_ids,
-                               ttft_slo_s=job.job.ttft_slo_s)
+                               ttft_slo_s=job.job.ttft_slo_s, forks_here=False)
             entry.queued = True
 
         def refused(added: Future) -> None:  # bad input: the engine raised, nothing queued
@@ -406,7 +406,7 @@ class PrefillRole:
             kv_bytes_sent=kv_bytes, prefill_seconds=now - started,
             transfer_seconds=now - entry.computed_at, num_cached_tokens=out.num_cached_tokens,
             num_host_cached_tokens=out.num_host_cached_tokens,
-            prompt_logprobs=out.prompt_logprobs))
+            prompt_logprobs=out.prompt_logprobs, choices=out.choices or []))
 
     def _resolve(self, request_id: str, result=None, error=None) -> None:
         entry = self._jobs.pop(request_id, None)

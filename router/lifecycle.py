@@ -97,6 +97,16 @@ class Flight:
     # worker id -> the generation it failed on: not chosen again while that process
     # lives, if another worker can take the request
     failed_on: dict[str, str] = field(default_factory=dict)
+    # SamplingParams.n > 1. The leader (choice 0, the request itself) is placed and
+    # prefilled; its other choices (`choices`, each a Flight of its own, `index` i)
+    # fork from it on its worker at its first token, sharing its prompt's KV, and are
+    # held where it is until then (keyed request.choice_id(its key, i)). A choice
+    # waits on `forked` (resolved with its first delta, if the router makes it, and
+    # how much of its text the worker repeats); from there it streams, and moves, as
+    # a request of its own.
+    choices: list["Flight"] = field(default_factory=list)
+    index: int = 0
+    forked: asyncio.Future | None = None
 
     def __post_init__(self) -> None:
         self.key = self.key or self.req.request_id
@@ -113,6 +123,16 @@ class Flight:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def unforked(self) -> list["Flight"]:
+        """Its choices still waiting for its first token (n > 1), their streams open."""
+        return [c for c in self.choices if not c.forked.done() and not c.released]
+
+    @property
+    def forks(self) -> bool:
+        """Its first token, when it comes, forks its choices (n > 1)."""
+        return bool(self.choices) and not self.output_token_ids
 
     @property
     def moved(self) -> Accepted:

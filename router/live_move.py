@@ -138,6 +138,7 @@ class LiveMover:
         while not drained.is_set():
             for flight in list(source.flights.values()):
                 if flight.phase is Phase.STREAMING and flight.request_id not in self.moving \
+                        and not flight.unforked \
                         and tries.get(flight.key, 0) < MAX_TRIES:
                     tries[flight.key] = tries.get(flight.key, 0) + 1
                     gate.enter()  # now: the moves started together wait for each other

@@ -13,16 +13,22 @@ from pdserve.worker.messages import TokenDelta
 class RequestTracker:
     def __init__(self, metrics: RouterMetrics, flight: Flight, clock: Clock,
                  on_measured: Callable[[Flight, float, float | None], None]):
-        """on_measured(flight, ttft, tpot) at its end (tpot None: one token)."""
+        """on_measured(flight, ttft, tpot) at its end (tpot None: one token). A choice
+        of an n > 1 request (flight.index > 0) counts its tokens alone: the request is
+        measured by its leader."""
         self.m, self.flight, self.req, self.clock = metrics, flight, flight.req, clock
         self.on_measured = on_measured
         self.waiting = True
         self.last = flight.req.arrival_time
-        self.closed = False
-        metrics.waiting.inc()
+        self.closed = flight.index > 0
+        if not self.closed:
+            metrics.waiting.inc()
 
     def observe(self, delta: TokenDelta) -> TokenDelta:
         now, m = self.clock.time(), self.m
+        if self.flight.index:
+            m.generation_tokens.inc(len(delta.token_ids))
+            return delta
         if delta.token_ids:
             if self.waiting:
                 self.waiting = False

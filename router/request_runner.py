@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable
 
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.errors import InvalidRequestError, RequestFailedError
+from pdserve.engine.request import choice_id
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.clock import Clock
 from pdserve.router.config import RouterConfig
@@ -68,16 +69,39 @@ class RequestRunner:
         """Streams the request's deltas; the last one has finished=True. A worker that
         fails under it (dies, stalls, loses its KV transfer) does not end it while it
         may move (RoutingSpec.migration_limit): it is placed again, as its prompt plus the
-        tokens streamed so far, and its stream goes on from there."""
+        tokens streamed so far, and its stream goes on from there. n > 1: the deltas
+        of its n choices, interleaved (TokenDelta.index), each choice's last finished;
+        each choice moves alone."""
         flight = self._claim(req)
-        track = RequestTracker(self.metrics, flight, self.clock, self.on_measured)
+        if req.params.n > 1:
+            flight.choices = [self._choice(flight, i) for i in range(1, req.params.n)]
+        claimed = False
         try:
             if not await self.directory.claim(req.request_id, req.owner):
                 raise InvalidRequestError("request_id", f"{req.request_id!r} is already in "
                                           "flight on another router")
+            claimed = True
+            streams = [self._fly(flight, self._begin)]
+            streams += [self._fly(choice, self._await_fork) for choice in flight.choices]
+            stream = streams[0] if len(streams) == 1 else _interleaved(streams)
+            try:
+                async for delta in stream:
+                    yield delta
+            finally:  # now, not when the collector finds it: it frees what it holds
+                await stream.aclose()
+        finally:
+            for each in (flight, *flight.choices):
+                self._release(each)  # (each stream released its own already)
+            self._end(flight)
+
+    async def _fly(self, flight: Flight, begin) -> AsyncIterator[TokenDelta]:
+        """One sequence's stream: begin(flight) places it (or, for a choice, waits for
+        its leader's first token), then it moves off failed workers while it may."""
+        track = RequestTracker(self.metrics, flight, self.clock, self.on_measured)
+        try:
             while True:
                 try:
-                    first, skip_text = await self._begin(flight)
+                    first, skip_text = await begin(flight)
                     if first is not None:
                         yield track.observe(self._progress(flight, first))
                     async for delta in self._stream(flight, skip_text,
@@ -90,22 +114,31 @@ class RequestRunner:
                     if not self._may_move(flight):
                         raise
                     self._move(flight, failure)
+                    begin = self._begin
         except Cancelled:
-            yield track.observe(TokenDelta(request_id=req.request_id, token_ids=[], text="",
-                                           logprobs=[], finished=True, finish_reason="abort"))
+            yield track.observe(TokenDelta(request_id=flight.request_id, token_ids=[],
+                                           text="", logprobs=[], finished=True,
+                                           finish_reason="abort", index=flight.index))
+        except BaseException as exc:
+            self._unfork(flight, exc)
+            raise
         finally:
             track.close()
             self._release(flight)
+            self._unfork(flight, Cancelled())
 
     def abort(self, request_id: str, owner: str = "") -> bool:
         """Ends an in-flight request of this owner: its workers free it now, its stream
-        ends with finish_reason "abort". Another caller's request is not found."""
+        ends with finish_reason "abort" (every choice's, n > 1). Another caller's
+        request is not found."""
         flight = self.flights.get(request_id)
         if flight is None or flight.req.owner != owner:
             return False
-        flight.cancelled.set()  # ends a wait for a worker's answer
-        flight.queue.put_nowait(Cancelled())  # ends the wait for its next delta
-        self._abort_on_holders(flight)
+        for each in (flight, *flight.choices):
+            if not each.released:
+                each.cancelled.set()  # ends a wait for a worker's answer
+                each.queue.put_nowait(Cancelled())  # ends the wait for its next delta
+                self._abort_on_holders(each)
         return True
 
     async def stop(self) -> None:
@@ -113,14 +146,17 @@ class RequestRunner:
             await asyncio.wait(self._aborting, timeout=self.config.control_timeout_s)
 
     def _progress(self, flight: Flight, delta: TokenDelta) -> TokenDelta:
-        if delta.request_id != flight.request_id:  # a moved request's (Flight.key)
-            delta = replace(delta, request_id=flight.request_id)
+        if delta.request_id != flight.request_id or delta.index != flight.index:
+            # a moved request's (Flight.key); a choice's (n > 1)
+            delta = replace(delta, request_id=flight.request_id, index=flight.index)
         if delta.finished and delta.num_cached_tokens < flight.num_cached_tokens:
             # the usage (on the last delta; the first, the router's, has it too)
             # counts its prefill worker's prefix hit
             delta = replace(delta, num_cached_tokens=flight.num_cached_tokens,
                             num_host_cached_tokens=flight.num_host_cached_tokens)
         if delta.token_ids:
+            if flight.forks and flight.prefill is None:  # colocated: forked there
+                self._fork(flight, [None] * len(flight.choices))
             if flight.first_token_at is None:
                 flight.first_token_at = self.clock.time()
             self._dequeue(flight)  # its prompt is computed
@@ -129,6 +165,49 @@ class RequestRunner:
                 flight.decode.progressed(flight)
         flight.text_sent += len(delta.text)
         return delta
+
+    # ---- n > 1: the choices of one prefill ---------------------------------------------
+
+    @staticmethod
+    def _choice(leader: Flight, index: int) -> Flight:
+        """Choice `index` of the leader's request: a flight of its own (its id the
+        worker's choice id, its parameters SamplingParams.for_choice(index)), waiting
+        for the leader's first token."""
+        req = leader.req
+        choice = Flight(replace(req, request_id=choice_id(req.request_id, index),
+                                params=req.params.for_choice(index)), index=index)
+        choice.forked = asyncio.get_running_loop().create_future()
+        return choice
+
+    def _fork(self, leader: Flight, firsts: list[tuple[TokenDelta, int] | None]) -> None:
+        """The leader's first token came: its waiting choices forked from it on its
+        worker. Disaggregated, each choice's first delta (the router's, from the
+        prefill's draws) and how much of its text the decode worker repeats; colocated
+        (None), the worker streams them whole."""
+        for choice, first in zip(leader.choices, firsts):
+            if choice not in leader.unforked:
+                continue
+            choice.phase = Phase.STREAMING if first is None else Phase.STARTING
+            choice.num_cached_tokens = leader.num_cached_tokens
+            choice.num_host_cached_tokens = leader.num_host_cached_tokens
+            choice.forked.set_result(first or (None, 0))
+
+    @staticmethod
+    def _unfork(leader: Flight, exc: BaseException) -> None:
+        """The leader ended before its first token: its choices end as it did."""
+        for choice in leader.unforked:
+            choice.forked.set_exception(exc if isinstance(exc, Exception) else Cancelled())
+
+    async def _await_fork(self, choice: Flight) -> tuple[TokenDelta | None, int]:
+        """A choice's begin: its leader's first token (or the leader's end, or an abort)."""
+        cancelled = asyncio.ensure_future(choice.cancelled.wait())
+        try:
+            await asyncio.wait({choice.forked, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cancelled.cancel()
+        if choice.cancelled.is_set():
+            raise Cancelled
+        return choice.forked.result()
 
     # ---- moving off a failed worker ---------------------------------------------------
 
@@ -228,10 +307,20 @@ class RequestRunner:
         if cached > flight.num_cached_tokens:
             flight.num_cached_tokens = cached
             flight.num_host_cached_tokens = min(result.num_host_cached_tokens, cached)
-        self._start(flight, result.first_token)
-        return self._first_delta(flight, result)
+        if flight.forks and len(result.choices) != len(flight.choices):
+            raise WorkerError(f"the prefill of {flight.request_id} drew "
+                              f"{len(result.choices) + 1} first tokens, not "
+                              f"{len(flight.choices) + 1}")
+        self._start(flight, result)
+        if flight.forks:
+            self._fork(flight, [self._first_delta(choice, *drawn)
+                                for choice, drawn in zip(flight.choices, result.choices)])
+        return self._first_delta(flight, result.first_token, result.first_logprob,
+                                 result.first_top_logprobs, result.prompt_logprobs)
 
-    def _first_delta(self, flight: Flight, result: PrefillResult) -> tuple[TokenDelta, int]:
+    def _first_delta(self, flight: Flight, token: int, logprob: float | None,
+                     tops: dict[int, float] | None,
+                     prompt_logprobs=None) -> tuple[TokenDelta, int]:
         # The decode worker detokenizes from the same state: its first delta's text
         # begins with exactly this, which the stream then skips.
         req = flight.req
@@ -241,17 +330,16 @@ class RequestRunner:
                                       req.params.min_tokens)
             if flight.output_token_ids:
                 detokenizer.resume(flight.output_token_ids, flight.text_sent)
-            text = detokenizer.append([result.first_token])[0]
-        logprobs = [result.first_logprob] if result.first_logprob is not None else []
-        tops = [result.first_top_logprobs] if result.first_top_logprobs else []
-        first = TokenDelta(request_id=req.request_id, token_ids=[result.first_token],
-                           text=text, logprobs=logprobs, finished=False,
-                           num_prompt_tokens=len(req.prompt_token_ids),
-                           num_output_tokens=flight.num_output_tokens + 1, top_logprobs=tops,
+            text = detokenizer.append([token])[0]
+        first = TokenDelta(request_id=req.request_id, token_ids=[token],
+                           text=text, logprobs=[logprob] if logprob is not None else [],
+                           finished=False, num_prompt_tokens=len(req.prompt_token_ids),
+                           num_output_tokens=flight.num_output_tokens + 1,
+                           top_logprobs=[tops] if tops else [],
                            num_cached_tokens=flight.num_cached_tokens,
                            num_host_cached_tokens=flight.num_host_cached_tokens,
-                           prompt_logprobs=None if flight.output_token_ids
-                           else result.prompt_logprobs)
+                           prompt_logprobs=None if flight.output_token_ids else prompt_logprobs,
+                           index=flight.index)
         return first, len(text)
 
     async def _reserve(self, flight: Flight, worker: WorkerHandle) -> Reservation | None:
@@ -300,13 +388,17 @@ class RequestRunner:
             self.pool.supervision.died(worker)
         return (WorkerDied if died else WorkerError)(f"{what}: {short_reason(exc)}")
 
-    def _start(self, flight: Flight, first_token: int) -> None:
+    def _start(self, flight: Flight, result: PrefillResult) -> None:
         # The call as a task of its own, so one cancelled before it ran is closed too.
+        # Its choices (n > 1) fork from it there, on their first tokens drawn with its.
+        choices = result.choice_tokens if flight.forks else []
+        worker = flight.decode
         flight.starting = task = asyncio.ensure_future(
-            flight.decode.client.start(flight.key, first_token))
+            worker.client.start(flight.key, result.first_token, choices))
         timer = asyncio.get_running_loop().call_later(self.config.start_timeout_s,
                                                       task.cancel)
-        task.add_done_callback(lambda done: (timer.cancel(), self._started(flight, done)))
+        task.add_done_callback(lambda done: (timer.cancel(),
+                                             self._started(flight, done, worker)))
 
     async def _submit(self, flight: Flight, worker: WorkerHandle) -> None:
         """The worker (role both) takes the whole request."""
@@ -359,39 +451,54 @@ class RequestRunner:
         return item
 
     @staticmethod
-    def _started(flight: Flight, starting: asyncio.Future) -> None:
+    def _started(flight: Flight, starting: asyncio.Future, worker: WorkerHandle) -> None:
         """The decode worker's start call ended: the request streams, or (if it is
-        still starting) fails."""
-        if flight.phase is not Phase.STARTING:
-            return
-        if starting.cancelled() or starting.exception() is not None:
-            reason = "timed out" if starting.cancelled() else short_reason(starting.exception())
-            flight.queue.put_nowait(WorkerError(
-                f"the decode worker could not start {flight.request_id}: {reason}"))
-        else:
-            flight.phase = Phase.STREAMING
+        still starting there) fails; so do the choices forked with it (n > 1)."""
+        for each in (flight, *flight.choices):
+            if each.phase is not Phase.STARTING or each.decode is not worker:
+                continue
+            if starting.cancelled() or starting.exception() is not None:
+                reason = "timed out" if starting.cancelled() \
+                    else short_reason(starting.exception())
+                each.queue.put_nowait(WorkerError(
+                    f"the decode worker could not start {each.request_id}: {reason}"))
+            else:
+                each.phase = Phase.STREAMING
 
     # ---- holding and releasing ------------------------------------------------------
 
     def _hold(self, flight: Flight, worker: WorkerHandle, phase: Phase) -> None:
         flight.decode, flight.phase = worker, phase
         worker.hold(flight)
+        for choice in flight.unforked:  # they fork there: their deltas come from there
+            choice.key = choice_id(flight.key, choice.index)
+            choice.decode = worker
+            worker.hold(choice)
 
     def _unhold(self, flight: Flight) -> None:
         worker, flight.decode, flight.phase = flight.decode, None, Phase.ACCEPTED
         worker.unhold(flight)
+        for choice in flight.unforked:
+            if choice.decode is worker:
+                worker.unhold(choice)
+                choice.decode = None
+                choice.flush()
 
     def _release(self, flight: Flight) -> None:
-        """Once per request, whatever ended it: frees what its phase holds."""
+        """Once per flight (a request's, or one of its choices'), whatever ended it:
+        frees what its phase holds."""
         if flight.released:
             return
         flight.released = True
         self._let_go(flight)
+        self.placer.queue.freed()
+
+    def _end(self, flight: Flight) -> None:
+        """The request ended, every choice of it released: its id is free again."""
         self.flights.pop(flight.request_id, None)
         self.directory.release(flight.request_id)
         if not self.flights:
             self.idle.set()
-        self.placer.queue.freed()
 
     def _let_go(self, flight: Flight) -> None:
         """What its phase holds is freed: queued prompt, workers, a start in flight."""
@@ -421,3 +528,35 @@ class RequestRunner:
         if not task.cancelled():
             task.exception()  # a failed abort: the worker frees it by its lease
 
+
+async def _interleaved(streams: list[AsyncIterator[TokenDelta]]) -> AsyncIterator[TokenDelta]:
+    """The deltas of several streams as they come (an n > 1 request's choices). One
+    that raises ends them all (each stream's own end frees what it holds)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(stream) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait(delta)
+        except BaseException as exc:
+            queue.put_nowait(exc)
+            raise
+        finally:
+            queue.put_nowait(done)
+
+    tasks = [asyncio.ensure_future(drain(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

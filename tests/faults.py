@@ -17,12 +17,12 @@ class FaultySampler:
     def __init__(self, real, poisoned=lambda request: False, batches_fail: bool = False):
         self.real, self.poisoned, self.batches_fail = real, poisoned, batches_fail
 
-    def sample(self, logits, requests):
+    def sample(self, logits, requests, params=None):
         if any(self.poisoned(r) for r in requests):
             raise RuntimeError("injected fault")
         if self.batches_fail and len(requests) > 1:
             raise RuntimeError("injected batch fault")
-        return self.real.sample(logits, requests)
+        return self.real.sample(logits, requests, params)
 
     def forget(self, request_id):
         self.real.forget(request_id)
@@ -57,10 +57,10 @@ class SlowSampler:
     def __init__(self, real, slow, delay_s: float):
         self.real, self.slow, self.delay_s = real, slow, delay_s
 
-    def sample(self, logits, requests):
+    def sample(self, logits, requests, params=None):
         if any(self.slow(r) for r in requests):
             time.sleep(self.delay_s)  # the injected slowness
-        return self.real.sample(logits, requests)
+        return self.real.sample(logits, requests, params)
 
     def forget(self, request_id):
         self.real.forget(request_id)

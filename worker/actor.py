@@ -182,8 +182,8 @@ class WorkerActor:
         await self._owned(job.request_id, subscriber, lambda: self._prepared(
             job.sampling_params, lambda: asyncio.wrap_future(self.worker.submit(job))))
 
-    async def start(self, request_id: str, first_token: int) -> None:
-        await asyncio.wrap_future(self.worker.start(request_id, first_token))
+    async def start(self, request_id: str, first_token: int, choices: list[int] = ()) -> None:
+        await asyncio.wrap_future(self.worker.start(request_id, first_token, choices))
 
     # ---- live migration (decode_worker/moves.py) ---------------------------------
 

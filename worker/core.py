@@ -18,10 +18,10 @@ Pure: no Ray, no threads, no event loop; time is a clock passed in (monotonic
 seconds: the system's, or a simulation's virtual time)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from pdserve.engine.errors import InvalidRequestError, WorkerBusyError, WrongRoleError
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, parent_of
 from pdserve.engine.scheduler import Scheduler
 from pdserve.worker.messages import ROLES, TokenDelta, check_role
 
@@ -101,8 +101,10 @@ class WorkerCore:
         by_owner: dict[str, list[TokenDelta]] = {}
         owners = self._owners
         for delta in deltas:
-            owner = (owners.pop(delta.request_id, None) if delta.finished
-                     else owners.get(delta.request_id))
+            rid = delta.request_id
+            if rid not in owners and (parent := parent_of(rid)) in owners:
+                owners[rid] = owners[parent]  # a choice forked from it (n > 1): its owner's
+            owner = owners.pop(rid, None) if delta.finished else owners.get(rid)
             by_owner.setdefault(owner, []).append(delta)
         return by_owner
 
@@ -124,11 +126,14 @@ class WorkerCore:
         return at is not None and self._monotonic() - at < self._tombstone_s
 
 
-def admit_started(scheduler: Scheduler, request_id: str, first_token: int) -> Request:
+def admit_started(scheduler: Scheduler, request_id: str, first_token: int,
+                  choices: Sequence[int] = ()) -> Request:
     """The start handshake, once the request's KV landed: it joins the batch after
     its first token (sampled where it was prefilled), which may already end it (a stop
-    token, or max_tokens 1). KeyError / ValueError: it is not waiting here."""
-    request = scheduler.admit_prefilled(request_id, first_token)
+    token, or max_tokens 1); choices: n > 1, its other choices' first tokens (drawn
+    there too), forked here (Scheduler.take_forked). KeyError / ValueError: it is not
+    waiting here."""
+    request = scheduler.admit_prefilled(request_id, first_token, choices)
     reason = request.check_stop()
     if reason is not None:
         scheduler.finish_requests([request_id], reason)

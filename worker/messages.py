@@ -105,6 +105,15 @@ class PrefillResult:
     num_host_cached_tokens: int = 0
     # SamplingParams.prompt_logprobs: computed here, with the prompt.
     prompt_logprobs: list[tuple[float, int, dict[int, float]] | None] | None = None
+    # SamplingParams.n > 1: choices 1 .. n-1's first tokens (token, logprob, top
+    # logprobs), drawn from the same logits row as first_token; the one transfer
+    # serves them all (the decode worker forks them at start).
+    choices: list[tuple[int, float | None, dict[int, float] | None]] = field(
+        default_factory=list)
+
+    @property
+    def choice_tokens(self) -> list[int]:
+        return [token for token, _, _ in self.choices]
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,8 @@ class TokenDelta:
     worker_failed: bool = False
     # SamplingParams.prompt_logprobs, with the first token (RequestOutput's).
     prompt_logprobs: list[tuple[float, int, dict[int, float]] | None] | None = None
+    # SamplingParams.n > 1: the choice it is of (the router's stream to its client).
+    index: int = 0
 
     @staticmethod
     def not_resumed(request_id: str, exc: Exception) -> "TokenDelta":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from typing import Callable
+from typing import Callable, Sequence
 
 from pdserve.decode_worker.moves import Moves
 from pdserve.decode_worker.role import DecodeRole, abort_on_ranks, deltas
@@ -117,8 +117,8 @@ class Worker:
         self.core.require("reserve")
         return self.decode_role.reserve(job)
 
-    def start(self, request_id: str, first_token: int) -> Future:
-        return self.decode_role.start(request_id, first_token)
+    def start(self, request_id: str, first_token: int, choices: Sequence[int] = ()) -> Future:
+        return self.decode_role.start(request_id, first_token, choices)
 
     def submit(self, job: Job) -> Future:
         self.core.require("submit")

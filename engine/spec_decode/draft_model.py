@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache import bytes_per_block
+from pdserve.engine.kv_cache import bytes_per_block, copy_blocks
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_path import resolve_model_path
 from pdserve.engine.model_runner import ModelRunner
@@ -53,6 +53,9 @@ class DraftModelProposer:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        copy_blocks(self.runner.kv_caches, pairs)
 
     def forget(self, request_id: str) -> None:
         """Finished, or preempted (its blocks, and the KV there, are gone)."""

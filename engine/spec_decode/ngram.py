@@ -46,6 +46,9 @@ class NgramProposer:
     def init_kv_cache(self, num_blocks: int) -> None:
         pass
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        pass  # no KV of its own
+
     def _lookup(self, request: Request, room: int) -> list[int]:
         index = self._indexes.get(request.request_id)
         if index is None:

@@ -22,6 +22,10 @@ class Proposer(Protocol):
     def init_kv_cache(self, num_blocks: int) -> None:
         """Called once the engine sized its KV cache."""
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Its KV of each (source, destination) block copied (copy-on-write of a block
+        the choices of one prompt share: KVCopies.within), before it proposes again."""
+
 
 def build_proposer(config: EngineConfig, target: ModelConfig,
                    max_model_len: int) -> Proposer | None:

@@ -373,6 +373,8 @@ class SimWorker:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         check_fits(len(prompt), params.max_tokens, len(outputs), self.profile.max_model_len,
                    self.blocks.num_blocks, self.blocks.block_size)
+        if params.n > 1:  # its token source draws one sequence per request
+            raise InvalidRequestError("n", "the simulator runs one sequence per request")
         return Request(request_id=request_id, prompt_token_ids=list(prompt),
                        sampling_params=params, arrival_time=arrival_time,
                        eos_token_ids=self._eos, max_model_len=self.profile.max_model_len,
@@ -427,7 +429,7 @@ class SimWorker:
                           if self._prefills.get(job.request_id) is entry else None)
         return await entry.done
 
-    async def start(self, request_id: str, first_token: int) -> None:
+    async def start(self, request_id: str, first_token: int, choices: list[int] = ()) -> None:
         self._check("start")
         landing = self._landing.get(request_id)
         if landing is None:

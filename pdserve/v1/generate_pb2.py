@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"\xf3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x0bslo_ttft_ms\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x18\n\x0bslo_tpot_ms\x18\x06 \x01(\x01H\x02\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_slo_ttft_msB\x0e\n\x0c_slo_tpot_ms\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe0\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x12\n\x05min_p\x18\x0b \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x08\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x39\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\xd4\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\x12\n\x05regex\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x14\n\x07grammar\x18\x05 \x01(\tH\x02\x88\x01\x01\x12#\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08H\x03\x88\x01\x01\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammarB\x19\n\x17_disable_any_whitespace\"\xb5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x07 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12-\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.pdserve.v1.PromptLogprob\"e\n\rPromptLogprob\x12\x14\n\x07logprob\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12$\n\x03top\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.TopLogprobsB\n\n\x08_logprob\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\"z\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12!\n\x19host_cached_prompt_tokens\x18\x04 \x01(\r\"t\n\x07Timings\x12\x14\n\x0cttft_seconds\x18\x01 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x02 \x01(\x01\x12\x1e\n\x16predicted_ttft_seconds\x18\x03 \x01(\x01\x12\x1e\n\x16predicted_tpot_seconds\x18\x04 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"k\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xeb\x01\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12Q\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a .pdserve.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"\xf3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x0bslo_ttft_ms\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x18\n\x0bslo_tpot_ms\x18\x06 \x01(\x01H\x02\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_slo_ttft_msB\x0e\n\x0c_slo_tpot_ms\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf6\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x12\n\x05min_p\x18\x0b \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x08\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x39\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\t\x88\x01\x01\x12\x0e\n\x01n\x18\x14 \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"\xd4\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\x12\n\x05regex\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x14\n\x07grammar\x18\x05 \x01(\tH\x02\x88\x01\x01\x12#\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08H\x03\x88\x01\x01\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammarB\x19\n\x17_disable_any_whitespace\"\xc4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x07 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12-\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.pdserve.v1.PromptLogprob\x12\r\n\x05index\x18\n \x01(\r\"e\n\rPromptLogprob\x12\x14\n\x07logprob\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12$\n\x03top\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.TopLogprobsB\n\n\x08_logprob\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\"z\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12!\n\x19host_cached_prompt_tokens\x18\x04 \x01(\r\"t\n\x07Timings\x12\x14\n\x0cttft_seconds\x18\x01 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x02 \x01(\x01\x12\x1e\n\x16predicted_ttft_seconds\x18\x03 \x01(\x01\x12\x1e\n\x16predicted_tpot_seconds\x18\x04 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"k\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xeb\x01\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12Q\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a .pdserve.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2175
-  _globals['_FINISHREASON']._serialized_end=2295
+  _globals['_FINISHREASON']._serialized_start=2212
+  _globals['_FINISHREASON']._serialized_end=2332
   _globals['_GENERATEREQUEST']._serialized_start=42
   _globals['_GENERATEREQUEST']._serialized_end=285
   _globals['_TOKENIDS']._serialized_start=287
   _globals['_TOKENIDS']._serialized_end=310
   _globals['_SAMPLINGPARAMS']._serialized_start=313
-  _globals['_SAMPLINGPARAMS']._serialized_end=1049
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=845
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=893
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1052
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1264
-  _globals['_GENERATERESPONSE']._serialized_start=1267
-  _globals['_GENERATERESPONSE']._serialized_end=1576
-  _globals['_PROMPTLOGPROB']._serialized_start=1578
-  _globals['_PROMPTLOGPROB']._serialized_end=1679
-  _globals['_TOPLOGPROBS']._serialized_start=1681
-  _globals['_TOPLOGPROBS']._serialized_end=1731
-  _globals['_USAGE']._serialized_start=1733
-  _globals['_USAGE']._serialized_end=1855
-  _globals['_TIMINGS']._serialized_start=1857
-  _globals['_TIMINGS']._serialized_end=1973
-  _globals['_ABORTREQUEST']._serialized_start=1975
-  _globals['_ABORTREQUEST']._serialized_end=2009
-  _globals['_ABORTRESPONSE']._serialized_start=2011
-  _globals['_ABORTRESPONSE']._serialized_end=2041
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2043
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2064
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2066
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2173
-  _globals['_GENERATESERVICE']._serialized_start=2298
-  _globals['_GENERATESERVICE']._serialized_end=2533
+  _globals['_SAMPLINGPARAMS']._serialized_end=1071
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=861
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=909
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1074
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1286
+  _globals['_GENERATERESPONSE']._serialized_start=1289
+  _globals['_GENERATERESPONSE']._serialized_end=1613
+  _globals['_PROMPTLOGPROB']._serialized_start=1615
+  _globals['_PROMPTLOGPROB']._serialized_end=1716
+  _globals['_TOPLOGPROBS']._serialized_start=1718
+  _globals['_TOPLOGPROBS']._serialized_end=1768
+  _globals['_USAGE']._serialized_start=1770
+  _globals['_USAGE']._serialized_end=1892
+  _globals['_TIMINGS']._serialized_start=1894
+  _globals['_TIMINGS']._serialized_end=2010
+  _globals['_ABORTREQUEST']._serialized_start=2012
+  _globals['_ABORTREQUEST']._serialized_end=2046
+  _globals['_ABORTRESPONSE']._serialized_start=2048
+  _globals['_ABORTRESPONSE']._serialized_end=2078
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2080
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2101
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2103
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2210
+  _globals['_GENERATESERVICE']._serialized_start=2335
+  _globals['_GENERATESERVICE']._serialized_end=2570
 # @@protoc_insertion_point(module_scope)

@@ -70,7 +70,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                     top_logprobs=[pb.TopLogprobs(token_ids=list(top), logprobs=list(top.values()))
                                   for top in delta.top_logprobs],
                     prompt_logprobs=[_prompt_logprob(entry)
-                                     for entry in delta.prompt_logprobs or ()])
+                                     for entry in delta.prompt_logprobs or ()],
+                    index=delta.index)
                 if delta.finished:
                     response.usage.CopyFrom(pb.Usage(
                         prompt_tokens=len(accepted.prompt_token_ids),

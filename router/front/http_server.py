@@ -295,10 +295,10 @@ async def _collect(stream) -> list[TokenDelta]:
 async def _sse(stream, first: TokenDelta, shape, body):
     deltas = [first]
     try:
-        yield _event(shape.chunk(first, first=True))
+        yield _event(shape.chunk(first))
         async for delta in stream:
             deltas.append(delta)
-            yield _event(shape.chunk(delta, first=False))
+            yield _event(shape.chunk(delta))
         if body.stream_options and body.stream_options.include_usage:
             yield _event(shape.usage_chunk(deltas))
     except tuple(_FAILURES) as exc:  # the status is sent already: an error event
@@ -332,13 +332,17 @@ def _usage(accepted: Accepted, deltas: list[TokenDelta]) -> dict:
 
 class _Shape:
     """One response's OpenAI envelope (id, object, created, model) around its
-    choices: the whole response, a stream's chunk, and the stream's usage chunk."""
+    choices: the whole response, a stream's chunk, and the stream's usage chunk. The
+    deltas of an n > 1 request's choices come interleaved, each marked with its index;
+    usage counts the prompt once."""
     PREFIX = OBJECT = CHUNK_OBJECT = ""
 
     def __init__(self, accepted: Accepted, model: str, body, router: Router):
         self.accepted, self.model, self.body, self.router = accepted, model, body, router
         self.id = f"{self.PREFIX}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._begun: set[int] = set()  # choices whose first chunk went out
+        self._scored = None  # the prompt's logprobs (choice 0's first delta brings them)
 
     def _envelope(self, obj: str, choices: list[dict],
                   usage_of: list[TokenDelta] | None = None) -> dict:
@@ -349,15 +353,33 @@ class _Shape:
         return out
 
     def full(self, deltas: list[TokenDelta]) -> dict:
-        out = self._envelope(self.OBJECT, [self._full_choice(deltas)], deltas)
+        self._scored = _prompt_logprobs(deltas)  # every choice's echo shows them
+        choices = [self._full_choice(own, index=i)
+                   for i, own in enumerate(self._best(_by_choice(deltas)))]
+        out = self._envelope(self.OBJECT, choices, deltas)
         scored = _prompt_logprobs(deltas)
         if isinstance(self.body, ChatRequest) and scored is not None:  # vLLM's place
             out["prompt_logprobs"] = _vllm_prompt_logprobs(
                 scored, self.accepted.prompt_token_ids, _token_text(self.router))
         return out
 
-    def chunk(self, delta: TokenDelta, first: bool) -> dict:
+    def chunk(self, delta: TokenDelta) -> dict:
+        if self._scored is None:
+            self._scored = delta.prompt_logprobs
+        first = delta.index not in self._begun
+        self._begun.add(delta.index)
         return self._envelope(self.CHUNK_OBJECT, [self._chunk_choice(delta, first)])
+
+    def _best(self, choices: list[list[TokenDelta]]) -> list[list[TokenDelta]]:
+        """best_of > n: the n choices with the highest mean logprob per token (OpenAI's
+        rule), best first; else every choice, in index order."""
+        n = self.body.n
+        if len(choices) <= n:
+            return choices
+        def score(deltas: list[TokenDelta]) -> float:
+            lps = [lp for d in deltas for lp in d.logprobs]
+            return sum(lps) / len(lps) if lps else float("-inf")
+        return sorted(choices, key=score, reverse=True)[:n]
 
     def usage_chunk(self, deltas: list[TokenDelta]) -> dict:
         return self._envelope(self.CHUNK_OBJECT, [], deltas)
@@ -367,16 +389,18 @@ class _CompletionShape(_Shape):
     PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
     body: CompletionRequest
 
-    def _full_choice(self, deltas: list[TokenDelta], first: bool = True) -> dict:
-        """first: the deltas start the answer (echo puts the prompt before them)."""
+    def _full_choice(self, deltas: list[TokenDelta], first: bool = True,
+                     index: int | None = None) -> dict:
+        """first: the deltas start the answer (echo puts the prompt before them);
+        index: its place in the answer (default: the deltas' choice index)."""
         ids = [t for d in deltas for t in d.token_ids]
         echo = self.body.echo and first
         prompt = self.accepted.prompt_token_ids if echo else []
         answer = (self._prompt_text() if echo else "") + "".join(d.text for d in deltas)
-        choice = {"index": 0, "text": answer,
+        choice = {"index": _index(deltas, index), "text": answer,
                   "finish_reason": deltas[-1].finish_reason if deltas else None,
                   "logprobs": None}
-        scored = _prompt_logprobs(deltas)
+        scored = self._scored
         if self.body.logprobs is not None:
             text = _token_text(self.router)
             lps = [lp for d in deltas for lp in d.logprobs]
@@ -411,8 +435,16 @@ class _CompletionShape(_Shape):
 
 
 def _prompt_logprobs(deltas: list[TokenDelta]):
-    """The prompt's logprobs the first delta carries, if asked for."""
-    return deltas[0].prompt_logprobs if deltas else None
+    """The prompt's logprobs (the first delta of choice 0 carries them), if asked for."""
+    return next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+
+
+def _by_choice(deltas: list[TokenDelta]) -> list[list[TokenDelta]]:
+    """Each choice's deltas, in index order (one choice unless n > 1)."""
+    by_index: dict[int, list[TokenDelta]] = {}
+    for delta in deltas:
+        by_index.setdefault(delta.index, []).append(delta)
+    return [by_index[i] for i in sorted(by_index)] or [[]]
 
 
 def _vllm_prompt_logprobs(scored, prompt: list[int], text) -> list[dict | None]:
@@ -438,8 +470,7 @@ class _ChatShape(_Shape):
     def __init__(self, *args):
         super().__init__(*args)
         self.tool_choice = self.body.resolved_tool_choice
-        self._parser = stream_parser(self.body.tools, self.tool_choice) \
-            if self.body.stream else None
+        self._parsers: dict = {}  # streamed: each choice's text read as content and calls
 
     def _logprobs(self, deltas: list[TokenDelta]):
         if not self.body.logprobs:
@@ -459,7 +490,7 @@ class _ChatShape(_Shape):
             choice["token_ids"] = [t for d in deltas for t in d.token_ids]
         return choice
 
-    def _full_choice(self, deltas: list[TokenDelta]) -> dict:
+    def _full_choice(self, deltas: list[TokenDelta], index: int | None = None) -> dict:
         text = "".join(d.text for d in deltas)
         reason = deltas[-1].finish_reason if deltas else None
         message = {"role": "assistant", "content": text}
@@ -470,16 +501,18 @@ class _ChatShape(_Shape):
             if calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]
                 reason = self._calls_finish(reason)
-        choice = {"index": 0, "finish_reason": reason, "message": message,
-                  "logprobs": self._logprobs(deltas)}
+        choice = {"index": _index(deltas, index), "finish_reason": reason,
+                  "message": message, "logprobs": self._logprobs(deltas)}
         return self._extra(choice, deltas)
 
     def _chunk_choice(self, delta: TokenDelta, first: bool) -> dict:
         message: dict = {"content": delta.text}
         reason = delta.finish_reason
-        if self._parser is not None:  # the text read as content and tool calls
-            parts = self._parser.feed(delta.text) + (self._parser.finish()
-                                                     if delta.finished else [])
+        if delta.index not in self._parsers:
+            self._parsers[delta.index] = stream_parser(self.body.tools, self.tool_choice)
+        parser = self._parsers[delta.index]
+        if parser is not None:  # the text read as content and tool calls
+            parts = parser.feed(delta.text) + (parser.finish() if delta.finished else [])
             calls = [call for part in parts for call in part.get("tool_calls", ())
                      if self.body.parallel_tool_calls is not False or call["index"] == 0]
             content = "".join(part.get("content", "") for part in parts)
@@ -487,11 +520,11 @@ class _ChatShape(_Shape):
             message = {"content": content or (None if calls else "")}
             if calls:
                 message["tool_calls"] = calls
-            if self._parser.has_calls:
+            if parser.has_calls:
                 reason = self._calls_finish(reason)
         if first:
             message["role"] = "assistant"
-        choice = {"index": 0, "delta": message, "finish_reason": reason,
+        choice = {"index": delta.index, "delta": message, "finish_reason": reason,
                   "logprobs": self._logprobs([delta])}
         return self._extra(choice, [delta])
 
@@ -501,3 +534,7 @@ class _ChatShape(_Shape):
         if reason == "stop" and self.tool_choice in ("auto", "required"):
             return "tool_calls"
         return reason
+
+
+def _index(deltas: list[TokenDelta], index: int | None) -> int:
+    return index if index is not None else deltas[0].index if deltas else 0

@@ -25,6 +25,7 @@ from pdserve.engine.sampling_params import (
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -187,10 +188,9 @@ class _Sampling(_SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
-    # Known fields this server does not implement: only their no-op values pass.
-    n: JsonInt = Field(1, ge=1, le=1, description="only 1 is supported")
-    best_of: json_int(ge=1, le=1) | None = Field(
-        None, description="only 1 is supported")
+    best_of: json_int(ge=1, le=MAX_N) | None = Field(
+        None, description="generate this many choices (at least n, from one prefill) and "
+        "answer the n with the highest logprob per token; not with stream")
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS,
                                                            le=MAX_LOGIT_BIAS)]],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = Field(
@@ -229,12 +229,25 @@ class _Sampling(_SamplingFields):
     def _params(self, max_tokens: int | None, logprobs: bool,
                 top_logprobs: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(
+        given = dict(
             max_tokens=SamplingParams.max_tokens if max_tokens is None else max_tokens,
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=self.logit_bias,
             structured_outputs=self.constraint()[0],
             **{name: getattr(self, name) for name in DERIVED})
+        return SamplingParams(**(given | self._best_of()))
+
+    def _best_of(self) -> dict:
+        """best_of > n: that many choices, their logprobs kept to rank them by."""
+        if self.best_of is None or self.best_of == self.n:
+            return {}
+        if self.best_of < self.n:
+            raise InvalidRequestError("best_of", f"must be at least n ({self.n}), got "
+                                      f"{self.best_of}")
+        if self.stream:
+            raise InvalidRequestError("best_of", "cannot be streamed when it exceeds n "
+                                      "(the best choices are known at the end)")
+        return {"n": self.best_of, "logprobs": True}
 
     def constraint(self) -> tuple[StructuredOutputsParams | None, str]:
         """The structured-output constraint and the field it came from (errors name

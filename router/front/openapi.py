@@ -20,7 +20,8 @@ MEANING = {
          "output constraint (response_format, structured_outputs, guided_*, a forced "
          "tool_choice) one per request and one that compiles (a json_schema "
          "response_format with its json_schema), a named tool_choice one of "
-         "the tools, a tool message with its tool_call_id.",
+         "the tools, a tool message with its tool_call_id, best_of at least n and "
+         "not streamed when it exceeds n, n at most the workers' max_num_seqs.",
     401: "A valid API key is required (Authorization: Bearer <key>).",
     404: "The requested model is not served here (code model_not_found).",
     413: "The request body exceeds the server's --max-request-bytes.",

@@ -49,8 +49,8 @@ class RayWorkerClient:
     async def prefill(self, job: PrefillJob) -> PrefillResult:
         return await _answer(self.actor.prefill.remote(job))
 
-    async def start(self, request_id: str, first_token: int) -> None:
-        await _answer(self.actor.start.remote(request_id, first_token))
+    async def start(self, request_id: str, first_token: int, choices: list[int] = ()) -> None:
+        await _answer(self.actor.start.remote(request_id, first_token, list(choices)))
 
     async def submit(self, job: Job, subscriber: str) -> None:
         await _answer(self.actor.submit.remote(job, subscriber))

@@ -45,8 +45,10 @@ class WorkerClient(Protocol):
         """Computes the prompt, streams its KV to job.target and samples token #1;
         returns once the decode side confirmed the KV."""
 
-    async def start(self, request_id: str, first_token: int) -> None:
-        """Decode side: the KV landed; the request joins the batch after token #1."""
+    async def start(self, request_id: str, first_token: int, choices: list[int] = ()) -> None:
+        """Decode side: the KV landed; the request joins the batch after token #1.
+        choices: n > 1, the first tokens of choices 1 .. n-1 (PrefillResult's), which
+        fork from it there, sharing its blocks."""
 
     async def submit(self, job: Job, subscriber: str) -> None:
         """Role both: the whole request runs here."""

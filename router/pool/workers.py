@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from pdserve.engine.request import parent_of
 from pdserve.router.errors import WorkerDied, WorkerStalled, short_reason
 from pdserve.router.policy.budget_rows import BudgetRows
 from pdserve.router.policy.cluster_state import WorkerState
@@ -41,6 +42,7 @@ class WorkerHandle:
     # the loop's clock: its first reports after it are a cold start.
     serving_since: float = 0.0
     pump: asyncio.Task | None = None
+    _orphans: set[str] = field(default_factory=set, repr=False)  # choice keys aborted
     _drained: asyncio.Event | None = field(default=None, repr=False)
 
     @classmethod
@@ -166,6 +168,8 @@ class WorkerHandle:
                 for delta in batch.deltas:
                     flight = self.flights.get(delta.request_id)
                     if flight is None:
+                        if parent_of(delta.request_id) is not None:
+                            self._orphan(delta, subscriber, stall_timeout_s)
                         continue
                     if not delta.paused:
                         flight.queue.put_nowait(delta)
@@ -187,6 +191,18 @@ class WorkerHandle:
             log.error("worker %s stream ended: %s", self.worker_id, reason)
             self._fail_all(WorkerDied(f"worker {self.worker_id} failed: {reason}"))
             on_death(self)
+
+    def _orphan(self, delta, subscriber: str, timeout_s: float) -> None:
+        """A choice (n > 1) forked on the worker after its request ended here (an abort
+        that landed a step too late): nobody reads it, so it is aborted (once)."""
+        key = delta.request_id
+        if delta.finished:
+            self._orphans.discard(key)
+        elif key not in self._orphans:
+            self._orphans.add(key)
+            task = asyncio.ensure_future(asyncio.wait_for(
+                self.client.abort(key, subscriber), timeout_s))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def _fail_all(self, error: Exception) -> None:
         for flight in list(self.flights.values()):

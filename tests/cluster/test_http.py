@@ -103,8 +103,8 @@ def test_models_lists_max_model_len(client):
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": list(range(1, 500)), "max_tokens": 100}, "max_tokens"),
-    ({"prompt": "hi", "n": 2}, "n"),
-    ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "n": 2, "best_of": 1}, "best_of"),
     ({"prompt": "hi", "logit_bias": {"99999": 10}}, "logit_bias"),  # beyond the vocabulary
     ({"prompt": "hi", "logit_bias": {"5": 100.5}}, "logit_bias"),
     ({"prompt": "hi", "min_tokens": 17}, "min_tokens"),  # past max_tokens (16)

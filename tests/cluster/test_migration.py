@@ -345,3 +345,49 @@ def test_a_structured_request_whose_decode_worker_is_killed_completes_valid_and_
     assert eventually_serving(cluster)
     wait_all_blocks_free(cluster, timeout_s=60)
     _slow_decoding(cluster)
+
+
+def test_the_choices_of_a_request_whose_decode_worker_is_killed_each_replay_exact(
+        cluster, oracle, llama_dir):
+    """n = 3, greedy and seeded, streaming when their decode worker is SIGKILLed: each
+    choice moves alone (replayed from its own tokens, its own seed + index) and ends
+    equal to an undisturbed run, nothing repeated or lost per choice."""
+    prompts = [[faults.SLOW, *range(100, 100 + n)] for n in (19, 33)]
+    samplings = [{"temperature": 0}, {"temperature": 1.0, "seed": 31}]
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=16 << 20, max_model_len=512)
+    expected = [[o.token_ids for o in llm.generate([p], SamplingParams(
+        n=3, max_tokens=MAX_TOKENS, ignore_eos=True, **s))] for p, s in zip(prompts, samplings)]
+    assert expected[0] == [oracle.generate(prompts[0], MAX_TOKENS)[0]] * 3
+    _slow_decoding(cluster)
+    before = _moved(cluster).get(("worker_died", "decode"), 0)
+
+    async def one(prompt, sampling):
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "n": 3, "stream": True,
+                "ignore_eos": True, "return_token_ids": True, **sampling}
+        tokens, reasons = {0: [], 1: [], 2: []}, {}
+        async with httpx.AsyncClient(base_url=cluster.http_url, timeout=120) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        choice = json.loads(line[len("data: "):])["choices"][0]
+                        tokens[choice["index"]] += choice["token_ids"]
+                        reasons[choice["index"]] = choice["finish_reason"]
+        return [tokens[i] for i in range(3)], reasons
+
+    async def kill_decode(srv):
+        victim = await _holding(srv, "decode", lambda f: f.phase is Phase.STREAMING
+                                and f.num_output_tokens >= 3)
+        os.kill(_pid(victim), signal.SIGKILL)
+
+    async def scenario():
+        return await asyncio.gather(*(one(p, s) for p, s in zip(prompts, samplings)),
+                                    kill_decode(cluster))
+    got = asyncio.run(scenario())[:2]
+    for (tokens, reasons), want in zip(got, expected):
+        assert tokens == want and reasons == {0: "length", 1: "length", 2: "length"}
+    # every choice of a request on the killed worker moved, each on its own
+    assert _moved(cluster).get(("worker_died", "decode"), 0) >= before + 3
+    assert eventually_serving(cluster)
+    wait_all_blocks_free(cluster, timeout_s=60)
+    _slow_decoding(cluster)

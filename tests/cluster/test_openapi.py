@@ -33,6 +33,8 @@ CROSS_FIELD_RULES = [("prompt", "context"), ("max_tokens", "context"),
                      ("messages", "chat template"), ("prompt", "not both"),
                      ("response_format", "needs json_schema"),
                      ("tools", "context"), ("tokens", "context"),
+                     ("best_of", "at least n"), ("best_of", "cannot be streamed"),
+                     ("n", "max_num_seqs"),
                      *((field, words) for field in (
                          "response_format", "structured_outputs", "guided_json",
                          "guided_regex", "guided_choice", "guided_grammar", "tool_choice")
@@ -111,9 +113,10 @@ def test_the_document_lists_the_openai_fields_served(api):
     completion = schemas["CompletionRequest"]["properties"]
     chat = schemas["ChatRequest"]["properties"]
     for field in ("response_format", "structured_outputs", "guided_json", "logit_bias",
-                  "min_tokens"):
+                  "min_tokens", "n", "best_of"):
         assert field in completion and field in chat
         assert "not supported" not in completion[field].get("description", "")
+        assert "only 1" not in completion[field].get("description", "")
     for field in ("tools", "tool_choice"):
         assert "not supported" not in chat[field].get("description", "")
     assert {"/tokenize", "/detokenize"} <= set(doc["paths"])

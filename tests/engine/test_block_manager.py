@@ -61,3 +61,48 @@ def test_allocation_fails_cleanly_when_full():
     r = req("a", list(range(12)))
     assert not bm.allocate_slots(r, 12)
     assert r.block_ids == [] and bm.num_free_blocks == 2
+
+
+def test_choices_share_blocks_and_copy_the_partial_one_before_writing_it():
+    """fork: the prompt's blocks reference-counted, none copied; own_tail: the shared
+    partly filled block copied (within the device, before the next forward pass) for
+    each writer but the last, its source pinned until the copy ran."""
+    bm = BlockManager(8, 4)
+    parent = req("p", list(range(10)))  # two full blocks and a partial one
+    admit(bm, parent)
+    children = [parent.fork(i) for i in (1, 2)]
+    for child in children:
+        bm.fork(parent, child, 10)
+        child.num_computed_tokens = 10
+    assert [c.block_ids for c in children] == [parent.block_ids] * 2
+    assert [bm.blocks[b].ref_cnt for b in parent.block_ids] == [3, 3, 3]
+    assert bm.num_free_blocks == 5 and parent.shared_tail
+    tail = parent.block_ids[2]
+    assert bm.own_tail(children[0]) and not children[0].shared_tail
+    copies = bm.take_copies()
+    assert copies.within == [(tail, children[0].block_ids[2])] and not copies.to_host
+    assert bm.blocks[tail].ref_cnt == 3  # its reference is now the copy's pin
+    bm.release_copies()
+    assert bm.blocks[tail].ref_cnt == 2 and bm.num_free_blocks == 4
+    assert bm.own_tail(children[1]) and bm.own_tail(parent)  # the last keeps it: no copy
+    assert len(bm.take_copies().within) == 1
+    bm.release_copies()
+    assert len({r.block_ids[2] for r in (parent, *children)}) == 3
+    assert [bm.blocks[b].ref_cnt for b in parent.block_ids[:2]] == [3, 3]
+    for r in (parent, *children):
+        bm.free(r)
+    assert bm.num_free_blocks == 8
+
+
+def test_a_copy_on_write_without_a_free_block_changes_nothing():
+    bm = BlockManager(3, 4)
+    parent = req("p", list(range(10)))
+    admit(bm, parent)
+    child = parent.fork(1)
+    bm.fork(parent, child, 10)
+    child.num_computed_tokens = 10
+    before = list(child.block_ids)
+    assert not bm.own_tail(child)
+    assert child.block_ids == before and child.shared_tail and not bm.has_copies
+    bm.free(parent)  # its sibling gone, the block is the child's alone: no copy
+    assert bm.own_tail(child) and child.block_ids == before and not bm.has_copies

@@ -5,6 +5,7 @@ tests/cluster's). Greedy outputs equal HF's in float32 or differ first at a near
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,7 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.group import CHUNK
 from pdserve.engine.parallel.local import join_threads, threaded_engine
 from pdserve.engine.parallel.sharding import Shard, check_tensor_parallel
+from pdserve.engine.request import choice_id
 from pdserve.engine.tiny_model import TinySpec, make_tiny_model
 from tests.engine.test_hf_oracle import (
     MAX_TOKENS,
@@ -269,3 +271,26 @@ def test_swap_and_the_host_prefix_tier_copy_every_ranks_shard(llama_dir):
         assert_matches_hf(scorer, oracle, prompts, first)
         assert_matches_hf(scorer, oracle, prompts, again)
         assert engine.block_manager.num_free_blocks == 20
+
+
+def test_choices_copy_their_shared_block_on_every_rank(llama_dir):
+    """n = 3 at TP 2, in a cache small enough to swap: each rank copies its own KV heads
+    of a choice's shared, partly filled block (copy-on-write) and of the swapped
+    blocks; every choice equals HF."""
+    from tests.engine.test_hf_oracle import host_gib
+    oracle = Oracle(llama_dir)
+    with threaded_engine(EngineConfig.from_kwargs(
+            str(llama_dir), num_kv_blocks=24, tensor_parallel_size=2, preemption_mode="swap",
+            swap_space=host_gib(llama_dir, 64))) as engine:
+        prompts = random_prompts(engine.model_config.vocab_size, seed=5)[:4]
+        for i, (prompt, n) in enumerate(zip(prompts, MAX_TOKENS)):
+            engine.add_request(str(i), prompt, replace(greedy(n), n=3))
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.outputs.token_ids for o in engine.step() if o.finished})
+        assert len(done) == 12
+        for i, (prompt, n) in enumerate(zip(prompts, MAX_TOKENS)):
+            expected = oracle.generate(prompt, n)[0]
+            assert [done[choice_id(str(i), c)] for c in range(3)] == [expected] * 3
+        assert engine.stats.num_swapped_out > 0
+        assert engine.block_manager.num_free_blocks == 24

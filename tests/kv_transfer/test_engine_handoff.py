@@ -36,7 +36,7 @@ def _decode_main(model_dir: str, conn) -> None:
             done = {}
             for rid, first in args[0].items():
                 receiver.wait(rid)
-                out = engine.admit_remote(rid, first)
+                out = engine.admit_remote(rid, first)[0]
                 if out.finished:
                     done[rid] = out.token_ids
             while engine.has_unfinished():

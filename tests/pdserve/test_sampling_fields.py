@@ -21,7 +21,7 @@ NON_DEFAULT = {"max_tokens": 7, "temperature": 0.5, "top_k": 3, "top_p": 0.5, "m
                "logprobs": True, "top_logprobs": 3, "priority": 2, "min_tokens": 2,
                "logit_bias": {5: -1.5},
                "structured_outputs": StructuredOutputsParams(regex="a+b"),
-               "prompt_logprobs": 2}
+               "prompt_logprobs": 2, "n": 3}
 
 
 def test_every_field_has_a_non_default_value_here():

@@ -53,8 +53,8 @@ class FakeWorker:
     async def prefill(self, job):
         return await self._call("prefill", job)
 
-    async def start(self, request_id, first_token):
-        return await self._call("start", request_id, first_token)
+    async def start(self, request_id, first_token, choices=()):
+        return await self._call("start", request_id, first_token, list(choices))
 
     async def submit(self, job, subscriber):
         return await self._call("submit", job, subscriber)

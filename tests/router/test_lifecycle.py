@@ -28,7 +28,7 @@ from pdserve.router.model_info import ModelInfo
 from pdserve.router.placer import Placer
 from pdserve.router.router import Router
 from pdserve.router.slo import Slo
-from pdserve.worker.messages import WorkerStats
+from pdserve.worker.messages import PrefillResult, WorkerStats
 from tests.router.fakes import (
     FakeWorker,
     batch,
@@ -445,3 +445,42 @@ def test_max_wait_ms_must_be_a_finite_number_at_least_zero():
             RoutingSpec(max_wait_ms=bad)
     assert RoutingSpec().max_wait_s == float("inf")
     assert RoutingSpec(max_wait_ms=40).max_wait_s == 0.04
+
+
+def test_a_request_for_n_choices_stays_in_flight_until_its_last_choice_ends(tok):
+    """n = 2, disaggregated: the prefill's two first tokens go out at once (choice 1's
+    from its draw), the decode worker is started with choice 1's token, and when
+    choice 0 finishes first the request is still in flight: an abort then ends
+    choice 1 on the worker, its stream with "abort"."""
+    from pdserve.engine.request import choice_id
+
+    def prefill_two(future, job):
+        future.set_result(PrefillResult(
+            request_id=job.request_id, first_token=7, first_logprob=None,
+            first_top_logprobs=None, kv_bytes_sent=0, prefill_seconds=0.01,
+            choices=[(9, None, None)]))
+
+    async def scenario():
+        decode = FakeWorker(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
+        router = _disaggregated(tok, decode, FakeWorker(prefill=prefill_two))
+        await router.start()
+        req = await router.accept([5, 6, 7], SamplingParams(max_tokens=8, n=2))
+        stream = router.generate(req)
+        firsts = [await stream.__anext__(), await stream.__anext__()]
+        await decode.batches.put(batch("d0", req.request_id, [7, 8], "", "stop"))
+        ended = await stream.__anext__()
+        while not ended.finished:
+            ended = await stream.__anext__()
+        in_flight = router.num_inflight
+        found = router.requests.abort(req.request_id)
+        rest = await _drain(stream)
+        await router.stop()
+        return firsts, ended, in_flight, found, rest, decode, router, req.request_id
+    firsts, ended, in_flight, found, rest, decode, router, rid = asyncio.run(scenario())
+    assert sorted((d.index, d.token_ids) for d in firsts) == [(0, [7]), (1, [9])]
+    assert decode.calls["start"][0][0] == (rid, 7, [9])  # choice 1 forks there
+    assert (ended.index, ended.finish_reason) == (0, "stop")
+    assert in_flight == 1 and found
+    assert [(d.index, d.finish_reason) for d in rest] == [(1, "abort")]
+    assert choice_id(rid, 1) in decode.ids("abort")
+    assert _counts(router) == (0, 0, 0, 0, 0)

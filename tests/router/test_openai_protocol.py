@@ -191,3 +191,16 @@ def test_a_tool_conversation_round_trips_to_the_template():
         with pytest.raises(InvalidRequestError) as err:
             body(ChatRequest, messages=bad).template_messages()
         assert err.value.field == "messages"
+
+
+def test_n_and_best_of_become_the_engines_n():
+    assert CompletionRequest(prompt="hi", n=3).sampling_params().n == 3
+    best = CompletionRequest(prompt="hi", n=2, best_of=5).sampling_params()
+    assert best.n == 5 and best.logprobs  # every choice generated, ranked by logprob
+    assert CompletionRequest(prompt="hi", n=2, best_of=2).sampling_params().n == 2
+    assert ChatRequest(messages=[{"role": "user", "content": "hi"}], n=4,
+                       stream=True).sampling_params().n == 4
+    for body in ({"n": 3, "best_of": 2}, {"best_of": 2, "stream": True}):
+        with pytest.raises(InvalidRequestError) as err:
+            CompletionRequest(prompt="hi", **body).sampling_params()
+        assert err.value.field == "best_of"

@@ -72,6 +72,24 @@ def test_a_request_belongs_to_its_subscriber_alone():
     core.claim("r1", "router-b")  # the id is free again
 
 
+def test_a_choice_forked_on_the_worker_is_its_requests_owners():
+    """n > 1: the worker forks choices the router never reserved or submitted; each
+    is its request's owner's, from its first delta (which comes before its request's)
+    until it finishes."""
+    from pdserve.engine.request import choice_id
+    core = _core()
+    core.claim("r1", "router-a")
+    one, two = choice_id("r1", 1), choice_id("r1", 2)
+    routed = core.route([_delta(one, False), _delta(two, True), _delta("r1", True)])
+    assert {owner: [d.request_id for d in ds] for owner, ds in routed.items()} == {
+        "router-a": [one, two, "r1"]}
+    assert core.owns(one) and not core.owns(two) and not core.owns("r1")
+    assert core.orphans("router-a") == [one] and core.may_abort(one, "router-a")
+    assert not core.may_abort(one, "router-b")
+    assert core.route([_delta(choice_id("r7", 1), False)]) == {  # nobody's request
+        None: [_delta(choice_id("r7", 1), False)]}
+
+
 def _delta(rid: str, finished: bool) -> TokenDelta:
     return TokenDelta(request_id=rid, token_ids=[5], text="", logprobs=[], finished=finished)
 
