@@ -16,7 +16,7 @@ from dataclasses import fields, replace
 from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, create_model
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.options import bounds_of, help_of
@@ -218,6 +218,7 @@ class _Sampling(_SamplingFields):
     slo_tpot_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS, description=(
         "time-per-output-token SLO in ms; unset: the x-slo-tpot-ms header, else the "
         "server's default, else best effort"))
+    _constraint: tuple | None = PrivateAttr(None)  # constraint()'s, once built
 
     def slo(self, headers) -> Slo:
         """The body's SLOs, else the headers' (each named as the client spelled it)."""
@@ -251,7 +252,14 @@ class _Sampling(_SamplingFields):
 
     def constraint(self) -> tuple[StructuredOutputsParams | None, str]:
         """The structured-output constraint and the field it came from (errors name
-        it): at most one of response_format, structured_outputs and guided_*."""
+        it), built once per request (its sampling parameters and its error's field
+        both ask)."""
+        if self._constraint is None:
+            self._constraint = self._find_constraint()
+        return self._constraint
+
+    def _find_constraint(self) -> tuple[StructuredOutputsParams | None, str]:
+        """At most one of response_format, structured_outputs and guided_*."""
         given = []
         if self.response_format is not None and self.response_format.type != "text":
             given.append(("response_format", self.response_format.params))
@@ -406,7 +414,7 @@ class ChatRequest(_Sampling):
     def template_tools(self) -> list[dict] | None:
         return template_tools(self.tools)
 
-    def constraint(self) -> tuple[StructuredOutputsParams | None, str]:
+    def _find_constraint(self) -> tuple[StructuredOutputsParams | None, str]:
         """A forced tool choice (named, or "required") holds the output to the tools'
         schemas: it cannot be combined with another constraint."""
         tool = constraint_for(self.tools, self.resolved_tool_choice)
@@ -414,7 +422,7 @@ class ChatRequest(_Sampling):
                 and self.resolved_tool_choice == "required":
             tool = StructuredOutputsParams(json=json.dumps({**json.loads(tool.json),
                                                             "maxItems": 1}))
-        constraint, field = super().constraint()
+        constraint, field = super()._find_constraint()
         if tool is None:
             return constraint, field
         if constraint is not None:

@@ -125,6 +125,30 @@ async def _holding(srv: RouterServer, role: str, ready) -> object:
     return found[0]
 
 
+async def _streamed(srv: RouterServer, body: dict) -> dict[int, tuple[list[int], str, str]]:
+    """A completion streamed over SSE: each choice's (tokens, text, finish reason)."""
+    got: dict[int, tuple[list[int], str, str]] = {}
+    body = {**body, "stream": True, "return_token_ids": True}
+    async with httpx.AsyncClient(base_url=srv.http_url, timeout=120) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[len("data: "):])["choices"][0]
+                    tokens, text, reason = got.get(choice["index"], ([], "", None))
+                    got[choice["index"]] = (tokens + choice["token_ids"],
+                                            text + choice["text"],
+                                            choice["finish_reason"] or reason)
+    return got
+
+
+async def _kill_decode_streaming(srv: RouterServer) -> None:
+    """SIGKILLs the decode worker first seen streaming a request 3 tokens in."""
+    victim = await _holding(srv, "decode", lambda f: f.phase is Phase.STREAMING
+                            and f.num_output_tokens >= 3)
+    os.kill(_pid(victim), signal.SIGKILL)
+
+
 def _moved(srv: RouterServer) -> dict:
     return {(s.labels["reason"], s.labels["phase"]): s.value
             for s in srv.router.metrics.migrations.collect()[0].samples
@@ -151,12 +175,7 @@ def undisturbed(cluster):
 def test_a_decode_worker_killed_mid_stream_costs_no_request(cluster, oracle, undisturbed):
     before = _moved(cluster)
 
-    async def kill_decode(srv):
-        victim = await _holding(srv, "decode", lambda f: f.phase is Phase.STREAMING
-                                and f.num_output_tokens >= 3)
-        os.kill(_pid(victim), signal.SIGKILL)
-
-    got = _load(cluster, kill_decode)
+    got = _load(cluster, _kill_decode_streaming)
     _check(cluster, oracle, got, undisturbed)
     moved = _moved(cluster)
     assert moved.get(("worker_died", "decode"), 0) > before.get(("worker_died", "decode"), 0)
@@ -314,28 +333,12 @@ def test_a_structured_request_whose_decode_worker_is_killed_completes_valid_and_
     before = _moved(cluster).get(("worker_died", "decode"), 0)
 
     async def one(prompt, extra):
-        body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "stream": True,
-                "return_token_ids": True, **extra}
-        tokens, text, reason = [], "", None
-        async with httpx.AsyncClient(base_url=cluster.http_url, timeout=120) as http:
-            async with http.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        choice = json.loads(line[len("data: "):])["choices"][0]
-                        tokens += choice["token_ids"]
-                        text += choice["text"]
-                        reason = choice["finish_reason"] or reason
-        return tokens, text, reason
-
-    async def kill_decode(srv):
-        victim = await _holding(srv, "decode", lambda f: f.phase is Phase.STREAMING
-                                and f.num_output_tokens >= 3)
-        os.kill(_pid(victim), signal.SIGKILL)
+        return (await _streamed(cluster, {"prompt": prompt, "max_tokens": 48,
+                                          "temperature": 0, **extra}))[0]
 
     async def scenario():
         return await asyncio.gather(*(one(p, extra) for p, (extra, _) in zip(prompts, cases)),
-                                    kill_decode(cluster))
+                                    _kill_decode_streaming(cluster))
     got = asyncio.run(scenario())[:len(cases)]
     for prompt, (_, constraint), (tokens, text, reason) in zip(prompts, cases, got):
         assert tokens == oracle.generate(prompt, 48, constraint) and reason == "stop"
@@ -362,30 +365,16 @@ def test_the_choices_of_a_request_whose_decode_worker_is_killed_each_replay_exac
     before = _moved(cluster).get(("worker_died", "decode"), 0)
 
     async def one(prompt, sampling):
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "n": 3, "stream": True,
-                "ignore_eos": True, "return_token_ids": True, **sampling}
-        tokens, reasons = {0: [], 1: [], 2: []}, {}
-        async with httpx.AsyncClient(base_url=cluster.http_url, timeout=120) as http:
-            async with http.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        choice = json.loads(line[len("data: "):])["choices"][0]
-                        tokens[choice["index"]] += choice["token_ids"]
-                        reasons[choice["index"]] = choice["finish_reason"]
-        return [tokens[i] for i in range(3)], reasons
-
-    async def kill_decode(srv):
-        victim = await _holding(srv, "decode", lambda f: f.phase is Phase.STREAMING
-                                and f.num_output_tokens >= 3)
-        os.kill(_pid(victim), signal.SIGKILL)
+        return await _streamed(cluster, {"prompt": prompt, "max_tokens": MAX_TOKENS, "n": 3,
+                                         "ignore_eos": True, **sampling})
 
     async def scenario():
         return await asyncio.gather(*(one(p, s) for p, s in zip(prompts, samplings)),
-                                    kill_decode(cluster))
+                                    _kill_decode_streaming(cluster))
     got = asyncio.run(scenario())[:2]
-    for (tokens, reasons), want in zip(got, expected):
-        assert tokens == want and reasons == {0: "length", 1: "length", 2: "length"}
+    for choices, want in zip(got, expected):
+        assert [choices[i][0] for i in range(3)] == want
+        assert [choices[i][2] for i in range(3)] == ["length"] * 3
     # every choice of a request on the killed worker moved, each on its own
     assert _moved(cluster).get(("worker_died", "decode"), 0) >= before + 3
     assert eventually_serving(cluster)

@@ -63,17 +63,24 @@ def test_allocation_fails_cleanly_when_full():
     assert r.block_ids == [] and bm.num_free_blocks == 2
 
 
+def forked(bm: BlockManager, n: int) -> tuple[Request, list[Request]]:
+    """A 10-token prompt admitted (two full blocks and a partial one) and its choices
+    1 .. n-1 forked from it after its prompt."""
+    parent = req("p", list(range(10)))
+    admit(bm, parent)
+    children = [parent.fork(i) for i in range(1, n)]
+    for child in children:
+        bm.fork(parent, child, 10)
+        child.num_computed_tokens = 10
+    return parent, children
+
+
 def test_choices_share_blocks_and_copy_the_partial_one_before_writing_it():
     """fork: the prompt's blocks reference-counted, none copied; own_tail: the shared
     partly filled block copied (within the device, before the next forward pass) for
     each writer but the last, its source pinned until the copy ran."""
     bm = BlockManager(8, 4)
-    parent = req("p", list(range(10)))  # two full blocks and a partial one
-    admit(bm, parent)
-    children = [parent.fork(i) for i in (1, 2)]
-    for child in children:
-        bm.fork(parent, child, 10)
-        child.num_computed_tokens = 10
+    parent, children = forked(bm, 3)
     assert [c.block_ids for c in children] == [parent.block_ids] * 2
     assert [bm.blocks[b].ref_cnt for b in parent.block_ids] == [3, 3, 3]
     assert bm.num_free_blocks == 5 and parent.shared_tail
@@ -96,11 +103,7 @@ def test_choices_share_blocks_and_copy_the_partial_one_before_writing_it():
 
 def test_a_copy_on_write_without_a_free_block_changes_nothing():
     bm = BlockManager(3, 4)
-    parent = req("p", list(range(10)))
-    admit(bm, parent)
-    child = parent.fork(1)
-    bm.fork(parent, child, 10)
-    child.num_computed_tokens = 10
+    parent, (child,) = forked(bm, 2)
     before = list(child.block_ids)
     assert not bm.own_tail(child)
     assert child.block_ids == before and child.shared_tail and not bm.has_copies
