@@ -187,9 +187,10 @@ class ModelRunner:
             rows = self._sample_each(logits, samplers, batch_error, result.failed, params)
         for i, request, token, logprob, top in rows:
             rid = request.request_id
+            if rid in result.failed:
+                continue  # (one of its choices' rows failed: the request did)
             if params is not None and params[i] is not request.sampling_params:
-                if rid not in result.failed:  # another choice's first token
-                    result.choices.setdefault(rid, []).append((token, logprob, top))
+                result.choices.setdefault(rid, []).append((token, logprob, top))
                 continue
             result.sampled_token_ids[rid] = token
             if logprob is not None:

@@ -472,7 +472,7 @@ class Scheduler:
         unforked = self._unforked_choices() if cfg.max_num_seqs else 0
         while self.swapped and budget > 0:
             request = min(self.swapped, key=self._rank)
-            if cfg.max_num_seqs and (len(self.running) + unforked + request.num_choices
+            if cfg.max_num_seqs and (len(self.running) + unforked + _seats(request)
                                      > cfg.max_num_seqs):
                 break
             n = min(request.num_tokens - request.num_computed_tokens, budget,
@@ -485,7 +485,7 @@ class Scheduler:
             self.swapped.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            unforked += request.num_choices - 1
+            unforked += _seats(request) - 1
             stats.num_swapped_in += 1
             stats.num_blocks_swapped_in += copied
             out.requests.append(request)
@@ -498,14 +498,14 @@ class Scheduler:
             return budget  # no room for newcomers in a step that had to preempt
         cfg = self.config
         bm = self.block_manager
-        unforked = self._unforked_choices() if cfg.max_num_seqs else 0
+        unforked = self._unforked_choices() if cfg.max_num_seqs and self.waiting else 0
         while self.waiting and budget > 0:
             request = (min(self.waiting, key=self._rank) if cfg.policy == "priority"
                        else self.waiting[0])
             if self.swapped and not self._overdue(request):
                 break  # swapped requests resume first
             # its seats: the choices it forks (n > 1) run at once
-            full = cfg.max_num_seqs and (len(self.running) + unforked + request.num_choices
+            full = cfg.max_num_seqs and (len(self.running) + unforked + _seats(request)
                                          > cfg.max_num_seqs)
             if full and not self._overdue(request):
                 break
@@ -537,14 +537,14 @@ class Scheduler:
                 self._admit(request, n, num_hit_tokens, len(host_hits), out)
                 break  # one admission by the rule a step; nobody else after a preemption
             self._admit(request, n, num_hit_tokens, len(host_hits), out)
-            unforked += request.num_choices - 1
+            unforked += _seats(request) - 1
             budget -= n
         return budget
 
     def _unforked_choices(self) -> int:
         """The seats the running requests for n > 1 take once they fork, beyond their
         own."""
-        return sum(r.num_choices - 1 for r in self.running if r.num_choices > 1)
+        return sum(_seats(r) - 1 for r in self.running if r.num_choices > 1)
 
     def _score(self, n: int) -> int:
         """A chunk of a request scoring its prompt (prompt logprobs: a vocabulary-wide
@@ -663,3 +663,9 @@ class Scheduler:
         """Sort key: lower runs first, the maximum is the preemption victim."""
         priority = request.priority if self.config.policy == "priority" else 0
         return priority, self._order[request.request_id]
+
+
+def _seats(request: Request) -> int:
+    """The sequences a request runs here once its first token forks its choices (n > 1;
+    a prefill worker's only draws them: one)."""
+    return request.num_choices if request.forks_here else 1

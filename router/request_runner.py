@@ -75,12 +75,10 @@ class RequestRunner:
         flight = self._claim(req)
         if req.params.n > 1:
             flight.choices = [self._choice(flight, i) for i in range(1, req.params.n)]
-        claimed = False
         try:
             if not await self.directory.claim(req.request_id, req.owner):
                 raise InvalidRequestError("request_id", f"{req.request_id!r} is already in "
                                           "flight on another router")
-            claimed = True
             streams = [self._fly(flight, self._begin)]
             streams += [self._fly(choice, self._await_fork) for choice in flight.choices]
             stream = streams[0] if len(streams) == 1 else _interleaved(streams)
@@ -177,6 +175,8 @@ class RequestRunner:
         choice = Flight(replace(req, request_id=choice_id(req.request_id, index),
                                 params=req.params.for_choice(index)), index=index)
         choice.forked = asyncio.get_running_loop().create_future()
+        # (its stream may be gone when its leader ends: the outcome is read here)
+        choice.forked.add_done_callback(lambda f: f.cancelled() or f.exception())
         return choice
 
     def _fork(self, leader: Flight, firsts: list[tuple[TokenDelta, int] | None]) -> None:
@@ -194,7 +194,10 @@ class RequestRunner:
 
     @staticmethod
     def _unfork(leader: Flight, exc: BaseException) -> None:
-        """The leader ended before its first token: its choices end as it did."""
+        """The leader ended before its first token: its choices end as it did (a
+        worker's failure the leader could not move off is theirs too: not moved)."""
+        if isinstance(exc, WorkerError) and not isinstance(exc, NotMoved):
+            exc = NotMoved(str(exc))
         for choice in leader.unforked:
             choice.forked.set_exception(exc if isinstance(exc, Exception) else Cancelled())
 
@@ -455,7 +458,8 @@ class RequestRunner:
         """The decode worker's start call ended: the request streams, or (if it is
         still starting there) fails; so do the choices forked with it (n > 1)."""
         for each in (flight, *flight.choices):
-            if each.phase is not Phase.STARTING or each.decode is not worker:
+            if each.phase is not Phase.STARTING or each.decode is not worker or (
+                    each is not flight and each.starting is not None):  # its own start's
                 continue
             if starting.cancelled() or starting.exception() is not None:
                 reason = "timed out" if starting.cancelled() \
@@ -506,7 +510,9 @@ class RequestRunner:
         self._abort_on_holders(flight)
         if flight.decode is not None:
             self._unhold(flight)
-        if flight.starting is not None and not flight.starting.done():
+        if flight.starting is not None and not flight.starting.done() and not any(
+                c.phase is Phase.STARTING and not c.released and c.starting is None
+                for c in flight.choices):  # (its choices start by it: its timer bounds it)
             flight.starting.cancel()
         flight.starting = None
 

@@ -30,6 +30,7 @@ import ray
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_loop import exit_for_restart
+from pdserve.engine.request import parent_of
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.telemetry import IDLE_REPORT_INTERVAL_S
 from pdserve.kv_transfer import TransferConfig
@@ -122,7 +123,17 @@ class WorkerActor:
         dropped."""
         if batch.telemetry is not None:
             self._published_at = time.monotonic()
-        self.streams.publish(self.core.route(batch.deltas), batch.telemetry)
+        routed = self.core.route(batch.deltas)
+        for delta in routed.get(None, ()):  # a choice forked after its request's owner
+            if not delta.finished and parent_of(delta.request_id) is not None:  # left
+                self._orphaned(delta.request_id)
+        self.streams.publish(routed, batch.telemetry)
+
+    def _orphaned(self, request_id: str) -> None:
+        """A choice (n > 1) nobody owns (its request was aborted, or its router left,
+        as it forked): it ends here, off this loop (abort waits for the state lock)."""
+        task = asyncio.ensure_future(asyncio.to_thread(self.worker.abort, request_id))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _tick(self) -> None:
         """Telemetry while no step reports it, to the subscribers whose stall bound the

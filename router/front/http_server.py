@@ -400,7 +400,7 @@ class _CompletionShape(_Shape):
         choice = {"index": _index(deltas, index), "text": answer,
                   "finish_reason": deltas[-1].finish_reason if deltas else None,
                   "logprobs": None}
-        scored = self._scored
+        scored = self._scored if first else None  # (streamed: on a choice's first chunk)
         if self.body.logprobs is not None:
             text = _token_text(self.router)
             lps = [lp for d in deltas for lp in d.logprobs]

@@ -136,3 +136,18 @@ def test_the_sdk_gets_every_choice(server, llama_dir):
     assert out.usage.prompt_tokens == 21 and out.usage.completion_tokens == 21
     assert seeded.choices[1].token_ids == alone.token_ids
     assert {c.finish_reason for c in out.choices} == {"length"}
+
+
+def test_streamed_prompt_logprobs_come_once_per_choice_not_with_every_chunk(server):
+    body = {"prompt": "The weather today", "max_tokens": 6, "n": 2, "stream": True,
+            "prompt_logprobs": 1, "ignore_eos": True}
+    carried, chunks = [], 0
+    with httpx.Client(timeout=60) as http, http.stream(
+            "POST", f"{server.http_url}/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                chunks += 1
+                if choice.get("prompt_logprobs") is not None:
+                    carried.append(choice["index"])
+    assert chunks >= 12 and 1 <= len(carried) <= 2 and len(set(carried)) == len(carried)

@@ -217,3 +217,53 @@ def test_max_num_seqs_counts_every_choice(llama_dir, hf):
     assert most == 4  # two requests' two choices at once, never the third's too
     for i, prompt in enumerate(prompts):
         assert [done[choice_id(str(i), c)] for c in range(2)] == [hf_greedy(hf, prompt, 8)] * 2
+
+
+class _FailingChoiceRow:
+    """The engine's sampler, except that a batch holding a row drawn under `seed`
+    raises (so the rows are sampled one by one, and that row fails alone)."""
+
+    def __init__(self, real, seed: int):
+        self.real, self.seed = real, seed
+
+    def sample(self, logits, requests, params=None):
+        if any(p.seed == self.seed for p in params or [r.sampling_params for r in requests]):
+            raise RuntimeError("injected fault")
+        return self.real.sample(logits, requests, params)
+
+    def forget(self, request_id):
+        self.real.forget(request_id)
+
+
+def test_a_choice_row_that_fails_fails_its_request_alone(llm, monkeypatch):
+    """Choice 1's row fails, choice 0's samples: the request ends with an error, no
+    choice forks, and the engine goes on (the step reported its token and its failure
+    at once, and crashed)."""
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    monkeypatch.setattr(engine.runner, "sampler",
+                        _FailingChoiceRow(engine.runner.sampler, seed=61))
+    engine.add_request("n2", prompt_of(vocab, 9, 12),
+                       SamplingParams(n=2, seed=60, max_tokens=4, ignore_eos=True))
+    engine.add_request("other", prompt_of(vocab, 6, 13), greedy(max_tokens=4))
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert set(done) == {"n2", "other"}
+    assert done["n2"].finish_reason == "error" and "injected fault" in done["n2"].error
+    assert done["other"].finish_reason == "length"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_prefill_worker_takes_one_seat_a_request(llama_dir):
+    """A prefill worker only draws the choices' first tokens (forks_here False): a
+    request for n takes one of its max_num_seqs seats, not n."""
+    engine = LLM(str(llama_dir), kv_cache_memory_bytes=KV_BYTES, max_num_seqs=4).engine
+    vocab = engine.model_config.vocab_size
+    for i in range(4):
+        engine.add_request(str(i), prompt_of(vocab, 10, 30 + i),
+                           SamplingParams(n=4, max_tokens=1, seed=i), forks_here=False)
+    outs = engine.step()  # all four prefilled in one step
+    assert sorted(o.request_id for o in outs) == ["0", "1", "2", "3"]
+    assert all(o.finished and len(o.choices) == 3 for o in outs)
+    assert not engine.has_unfinished()

@@ -484,3 +484,41 @@ def test_a_request_for_n_choices_stays_in_flight_until_its_last_choice_ends(tok)
     assert [(d.index, d.finish_reason) for d in rest] == [(1, "abort")]
     assert choice_id(rid, 1) in decode.ids("abort")
     assert _counts(router) == (0, 0, 0, 0, 0)
+
+
+def test_a_leader_that_ends_before_its_start_returns_leaves_its_choices_starting(tok):
+    """n = 2, disaggregated: choice 0 stops at its first token, and its last delta
+    comes on the step stream before the start call's answer. The start also started
+    choice 1: the leader's release must not cancel it (choice 1 would be failed as
+    "could not start", and moved, for nothing)."""
+    from pdserve.engine.request import choice_id
+
+    def prefill_two(future, job):
+        future.set_result(PrefillResult(
+            request_id=job.request_id, first_token=7, first_logprob=None,
+            first_top_logprobs=None, kv_bytes_sent=0, prefill_seconds=0.01,
+            choices=[(9, None, None)]))
+
+    async def scenario():
+        decode = FakeWorker(reserve=reserve_ok(), abort=resolve(None))  # start: held
+        router = _disaggregated(tok, decode, FakeWorker(prefill=prefill_two))
+        await router.start()
+        req = await router.accept([5, 6, 7], SamplingParams(max_tokens=3, n=2))
+        stream = router.generate(req)
+        deltas = [await stream.__anext__(), await stream.__anext__()]
+        await decode.wait_call("start")
+        await decode.batches.put(batch("d0", req.request_id, [7], "", "stop"))
+        while not (deltas[-1].index == 0 and deltas[-1].finished):
+            deltas.append(await stream.__anext__())
+        decode.calls["start"][0][1].set_result(None)  # the start's answer, late
+        await decode.batches.put(batch("d0", choice_id(req.request_id, 1), [9, 4, 5], "",
+                                       "length"))
+        deltas += await _drain(stream)
+        await router.stop()
+        return deltas, decode, router
+    deltas, decode, router = asyncio.run(scenario())
+    ones = [d for d in deltas if d.index == 1]
+    assert [t for d in ones for t in d.token_ids] == [9, 4, 5]
+    assert ones[-1].finish_reason == "length"
+    assert len(decode.calls["reserve"]) == 1 and len(decode.calls["start"]) == 1
+    assert _counts(router) == (0, 0, 0, 0, 0)
