@@ -101,11 +101,13 @@ def reserve_ok(worker_address: str = "fake:0"):
     return answer
 
 
-def prefill_ok(first_token: int):
+def prefill_ok(first_token: int, choices: tuple[int, ...] = ()):
+    """choices: n > 1, the first tokens of choices 1 .. n-1 drawn with first_token."""
     def answer(future, job):
         future.set_result(PrefillResult(request_id=job.request_id, first_token=first_token,
                                         first_logprob=None, first_top_logprobs=None,
-                                        kv_bytes_sent=0, prefill_seconds=0.01))
+                                        kv_bytes_sent=0, prefill_seconds=0.01,
+                                        choices=[(t, None, None) for t in choices]))
     return answer
 
 

@@ -28,7 +28,7 @@ from pdserve.router.model_info import ModelInfo
 from pdserve.router.placer import Placer
 from pdserve.router.router import Router
 from pdserve.router.slo import Slo
-from pdserve.worker.messages import PrefillResult, WorkerStats
+from pdserve.worker.messages import WorkerStats
 from tests.router.fakes import (
     FakeWorker,
     batch,
@@ -454,15 +454,9 @@ def test_a_request_for_n_choices_stays_in_flight_until_its_last_choice_ends(tok)
     choice 1 on the worker, its stream with "abort"."""
     from pdserve.engine.request import choice_id
 
-    def prefill_two(future, job):
-        future.set_result(PrefillResult(
-            request_id=job.request_id, first_token=7, first_logprob=None,
-            first_top_logprobs=None, kv_bytes_sent=0, prefill_seconds=0.01,
-            choices=[(9, None, None)]))
-
     async def scenario():
         decode = FakeWorker(reserve=reserve_ok(), start=resolve(None), abort=resolve(None))
-        router = _disaggregated(tok, decode, FakeWorker(prefill=prefill_two))
+        router = _disaggregated(tok, decode, FakeWorker(prefill=prefill_ok(7, choices=(9,))))
         await router.start()
         req = await router.accept([5, 6, 7], SamplingParams(max_tokens=8, n=2))
         stream = router.generate(req)
@@ -493,15 +487,9 @@ def test_a_leader_that_ends_before_its_start_returns_leaves_its_choices_starting
     "could not start", and moved, for nothing)."""
     from pdserve.engine.request import choice_id
 
-    def prefill_two(future, job):
-        future.set_result(PrefillResult(
-            request_id=job.request_id, first_token=7, first_logprob=None,
-            first_top_logprobs=None, kv_bytes_sent=0, prefill_seconds=0.01,
-            choices=[(9, None, None)]))
-
     async def scenario():
         decode = FakeWorker(reserve=reserve_ok(), abort=resolve(None))  # start: held
-        router = _disaggregated(tok, decode, FakeWorker(prefill=prefill_two))
+        router = _disaggregated(tok, decode, FakeWorker(prefill=prefill_ok(7, choices=(9,))))
         await router.start()
         req = await router.accept([5, 6, 7], SamplingParams(max_tokens=3, n=2))
         stream = router.generate(req)
